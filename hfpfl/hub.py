@@ -342,7 +342,7 @@ def verify_safetensors(path: str | os.PathLike) -> None:
         if 8 + n + end != size:
             raise ValueError(f"tensor data needs {8 + n + end} bytes, file has {size} (truncated?)")
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise CorruptCheckpointError(f"corrupt safetensors checkpoint {path.resolve()}: {e}") from e
+        raise CorruptCheckpointError(f"corrupt safetensors checkpoint {os.path.abspath(path)}: {e}") from e
 
 
 def pull_state_dict(
