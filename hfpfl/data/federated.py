@@ -1,0 +1,228 @@
+"""The federated dataset: a source, partitioned among clients, each client split into train/test(/val), in model-input
+format; plus the global test pool, the public pool and held-out new clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import datasets
+from datasets import Dataset
+
+from .partition import partition_dataset
+from .sources import load_source
+from .transforms import DEGRADATIONS, to_model_inputs
+
+
+@dataclass
+class DataArguments:
+    """Data flags (``transformers.HfArgumentParser``-compatible: every field has help text)."""
+
+    dataset: str = field(
+        default="digits",
+        metadata={"help": "Source: built-in offline (mnist, usps, mnistm, syn, digits), a Hub id (owner/name), "
+                          "imagefolder:<dir> or parquet:<path>; '+noise', '+color', '+rotation' (':1-5' severity) "
+                          "add degraded copies as extra domains."},
+    )
+    partition: str = field(
+        default="feature_shift",
+        metadata={"help": "Partition scheme: iid, dirichlet, pathological, shards, quantity, feature_shift, "
+                          "concept_drift, natural_id."},
+    )
+    num_clients: int = field(default=8, metadata={"help": "Number of training clients."})
+    alpha: float = field(default=0.5, metadata={"help": "Dirichlet concentration (dirichlet; quantity sizes)."})
+    min_partition_size: int = field(default=10, metadata={"help": "Minimum samples per client (dirichlet, quantity)."})
+    classes_per_client: int = field(default=2, metadata={"help": "Classes per client (pathological)."})
+    num_shards_per_client: int = field(default=2, metadata={"help": "Label-sorted shards per client (shards)."})
+    quantity_mode: str = field(
+        default="dirichlet", metadata={"help": "quantity skew: dirichlet (uses alpha), linear or exponential."}
+    )
+    num_concepts: int = field(
+        default=2, metadata={"help": "concept_drift: client groups, each with its own label permutation."}
+    )
+    partition_column: str = field(
+        default="domain", metadata={"help": "Column for feature_shift / natural_id partitioning."}
+    )
+    max_per_domain: int | None = field(
+        default=600,
+        metadata={"help": "Cap on samples per domain over train/test/public (split 70/15/15) for fast CPU runs; "
+                          "None = all."},
+    )
+    samples_per_client: int | None = field(
+        default=None, metadata={"help": "Optional cap on each client's partition (before its train/test split)."}
+    )
+    test_fraction: float = field(default=0.2, metadata={"help": "Per-client test fraction (stratified if possible)."})
+    val_fraction: float = field(default=0.0, metadata={"help": "Per-client validation fraction (0 = no val split)."})
+    num_new_clients: int = field(
+        default=0, metadata={"help": "Held-out clients never seen in training (new-client personalization)."}
+    )
+    image_size: int = field(default=28, metadata={"help": "Model input image size (square)."})
+    num_channels: int = field(default=3, metadata={"help": "Model input channels (1 or 3)."})
+    degradations: str | None = field(
+        default=None,
+        metadata={"help": "Comma-separated degradations added as extra domains, e.g. 'noise,rotation' or "
+                          "'noise:5'; same as appending '+noise+rotation' to --dataset."},
+    )
+
+    def source_name(self) -> str:
+        """The effective ``load_source`` name (dataset plus degradations)."""
+        name = self.dataset
+        if self.degradations:
+            for tok in self.degradations.split(","):
+                tok = tok.strip()
+                if not tok:
+                    continue
+                if tok.split(":")[0] not in DEGRADATIONS:
+                    raise ValueError(f"unknown degradation {tok!r}; expected some of {DEGRADATIONS}")
+                name += "+" + tok
+        return name
+
+    def partition_kwargs(self) -> dict:
+        return {
+            "alpha": self.alpha,
+            "min_partition_size": self.min_partition_size,
+            "classes_per_client": self.classes_per_client,
+            "num_shards_per_client": self.num_shards_per_client,
+            "quantity_mode": self.quantity_mode,
+            "num_concepts": self.num_concepts,
+            "column": self.partition_column,
+        }
+
+
+@dataclass
+class ClientData:
+    client_id: int
+    train: Dataset  # pixel_values, labels, domain; torch format
+    test: Dataset
+    val: Dataset | None = None
+    domain: str | None = None  # the client's single domain, None if it holds several
+
+    def __len__(self) -> int:
+        return len(self.train)
+
+
+@dataclass
+class FederatedData:
+    clients: list[ClientData]
+    new_clients: list[ClientData]
+    global_test: Dataset
+    public: Dataset | None
+    num_labels: int
+    label_names: list[str]
+    image_size: int
+    num_channels: int
+
+    def label_histograms(self, which: str = "train", include_new: bool = True) -> np.ndarray:
+        """[num_clients (+ new), num_labels] label counts of each client's ``which`` split."""
+        rows = []
+        for c in self.clients + (self.new_clients if include_new else []):
+            d = getattr(c, which)
+            y = np.asarray(d.with_format(None)["labels"]) if d is not None and len(d) else np.zeros(0, np.int64)
+            rows.append(np.bincount(y, minlength=self.num_labels))
+        return np.stack(rows) if rows else np.zeros((0, self.num_labels), np.int64)
+
+    def summary(self) -> str:
+        """Per-client sizes and train label histograms as a text table."""
+        hist = self.label_histograms("train")
+        names = [n[:4] for n in self.label_names]
+        w = max(4, max((len(n) for n in names), default=4), len(str(hist.max() if hist.size else 0)))
+        dom_w = max([6] + [len(str(c.domain)) for c in self.clients + self.new_clients])
+        head = f"{'client':>8} {'domain':<{dom_w}} {'train':>6} {'test':>5} {'val':>4} | " + " ".join(
+            f"{n:>{w}}" for n in names)
+        lines = [head, "-" * len(head)]
+        for c, h in zip(self.clients + self.new_clients, hist):
+            cid = f"{c.client_id}{'*' if c in self.new_clients else ''}"
+            val = len(c.val) if c.val is not None else 0
+            lines.append(f"{cid:>8} {str(c.domain or 'mixed'):<{dom_w}} {len(c.train):>6} {len(c.test):>5} {val:>4} | "
+                         + " ".join(f"{v:>{w}}" for v in h))
+        lines.append(f"global_test={len(self.global_test)} public={len(self.public) if self.public is not None else 0} "
+                     f"labels={self.num_labels} image={self.num_channels}x{self.image_size}x{self.image_size}"
+                     + (" (* = held-out new client)" if self.new_clients else ""))
+        return "\n".join(lines)
+
+
+def _split(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset | None]:
+    """(rest, held) with round(fraction * n) >= 1 held out, stratified by ``labels`` when possible."""
+    if fraction <= 0:
+        return ds, None
+    n = len(ds)
+    n_held = max(1, int(round(fraction * n)))
+    if n - n_held < 1:
+        raise ValueError(f"client with {n} samples cannot be split with fraction {fraction}: use fewer clients")
+    try:
+        dd = ds.train_test_split(test_size=n_held, stratify_by_column="labels", seed=seed)
+    except ValueError:  # a class with a single member, or fewer held samples than classes
+        dd = ds.train_test_split(test_size=n_held, seed=seed)
+    return dd["train"], dd["test"]
+
+
+def _finish(ds: Dataset) -> Dataset:
+    return ds.remove_columns([c for c in ds.column_names if c.startswith("_")]).with_format("torch")
+
+
+def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData:
+    """Build the federated dataset described by ``args`` (deterministic per ``seed``).
+
+    The source's ``"train"`` split is partitioned into ``num_clients + num_new_clients`` clients with
+    ``args.partition`` (the last ``num_new_clients`` are held out as ``new_clients``); each client's partition is
+    capped at ``samples_per_client`` and split into train/test (and val) within itself. ``global_test`` and
+    ``public`` are the source's ``"test"`` and ``"public"`` splits. All datasets are in model-input format.
+    """
+    if args.num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1, got {args.num_clients}")
+    if args.num_new_clients < 0:
+        raise ValueError(f"num_new_clients must be >= 0, got {args.num_new_clients}")
+    if not 0 <= args.test_fraction < 1 or not 0 <= args.val_fraction < 1 or args.test_fraction + args.val_fraction >= 1:
+        raise ValueError("test_fraction and val_fraction must be in [0, 1) with a sum < 1")
+    name = args.source_name()
+    raw = load_source(name, "train", seed=seed, max_per_domain=args.max_per_domain)
+    raw = raw.add_column("_row", np.arange(len(raw)))
+    label_feat = raw.features["label"]
+    # convert once; clients are index selections of the converted set (no per-client image decoding)
+    inputs = to_model_inputs(raw, image_size=args.image_size, num_channels=args.num_channels).with_format(None)
+    n_total = args.num_clients + args.num_new_clients
+    parts = partition_dataset(raw, args.partition, n_total, seed=seed, **args.partition_kwargs())
+
+    rng = np.random.default_rng([seed, 3])
+    clients = []
+    for i, p in enumerate(parts):
+        cols = p.select_columns(["_row", "label", "domain"]).to_dict()
+        rows = np.asarray(cols["_row"])
+        labels = np.asarray(cols["label"])
+        if args.samples_per_client is not None and len(rows) > args.samples_per_client:
+            keep = np.sort(rng.permutation(len(rows))[: args.samples_per_client])
+            rows, labels = rows[keep], labels[keep]
+        cd = inputs.select(rows)
+        if not np.array_equal(np.asarray(cd["labels"]), labels):  # relabelled partition (concept_drift)
+            cd = cd.remove_columns("labels").add_column("labels", labels, feature=label_feat)
+        client_seed = seed * 100003 + i
+        rest, test = _split(cd, args.test_fraction, client_seed)
+        if test is None:
+            test = cd.select([])
+        val_frac = args.val_fraction / (1 - args.test_fraction) if args.val_fraction else 0.0
+        train, val = _split(rest, val_frac, client_seed + 1)
+        doms = sorted(set(cols["domain"]))
+        clients.append(
+            ClientData(
+                client_id=i,
+                train=_finish(train),
+                test=_finish(test),
+                val=_finish(val) if val is not None else None,
+                domain=doms[0] if len(doms) == 1 else None,
+            )
+        )
+    global_test = to_model_inputs(load_source(name, "test", seed, args.max_per_domain), args.image_size,
+                                  args.num_channels)
+    public = to_model_inputs(load_source(name, "public", seed, args.max_per_domain), args.image_size,
+                             args.num_channels)
+    return FederatedData(
+        clients=clients[: args.num_clients],
+        new_clients=clients[args.num_clients :],
+        global_test=global_test,
+        public=public,
+        num_labels=label_feat.num_classes,
+        label_names=list(label_feat.names),
+        image_size=args.image_size,
+        num_channels=args.num_channels,
+    )

