@@ -1,0 +1,43 @@
+"""FedPer (Arivazhagan et al. 2019) and FedRep (Collins et al. 2021): the classifier head is personal,
+the body is shared. FedPer trains both jointly; FedRep trains the head first (body frozen), then the body."""
+from dataclasses import dataclass, field
+
+from .base import GLOBAL, PRIVATE, Algorithm, Update, register
+from ..federated.state import snapshot
+
+HEAD_PREFIXES = ("classifier.", "head.", "fc.")
+
+
+def is_head(key: str) -> bool:
+    return key.startswith(HEAD_PREFIXES) or ".classifier." in key
+
+
+@register
+class FedPer(Algorithm):
+    name = "fedper"
+    has_global_model = False  # the head is personal; there is no global classifier
+
+    def key_role(self, key, default):
+        return PRIVATE if default == GLOBAL and is_head(key) else default
+
+
+@dataclass
+class FedRepConfig:
+    head_epochs: int = field(default=2, metadata={"help": "FedRep: local epochs on the head with the body frozen."})
+    body_epochs: int = field(default=1, metadata={"help": "FedRep: local epochs on the body with the head frozen."})
+
+
+@register
+class FedRep(FedPer):
+    name = "fedrep"
+    Config = FedRepConfig
+
+    def client_update(self, client_id, down, private, round_idx):
+        self.load_client(down, private)
+        head = self.local_train(client_id, round_idx, params=self.trainable_parameters(self.private_keys),
+                                epochs=self.config.head_epochs, tag="head")
+        body = self.local_train(client_id, round_idx, params=self.trainable_parameters(self.global_keys),
+                                epochs=self.config.body_epochs, tag="body")
+        return Update(client_id, snapshot(self.sim.model_state, self.global_keys), len(self.sim.train_data(client_id)),
+                      snapshot(self.sim.model_state, self.private_keys),
+                      {"train_loss": body["train_loss"], "head_train_loss": head["train_loss"]})

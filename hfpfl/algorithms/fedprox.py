@@ -1,0 +1,32 @@
+"""FedProx (Li et al. 2020): local objective + mu/2 ||w - w_global||^2. mu = 0 is exactly FedAvg."""
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import Algorithm, register
+
+
+@dataclass
+class FedProxConfig:
+    mu: float = field(default=0.01, metadata={"help": "FedProx proximal coefficient mu (0 = FedAvg)."})
+
+    def __post_init__(self):
+        if self.mu < 0:
+            raise ValueError(f"mu must be >= 0, got {self.mu}")
+
+
+def proximal_term(model, anchor: dict, coef: float):
+    """coef/2 * sum ||p - anchor[p]||^2 over the parameters named in `anchor`."""
+    params = dict(model.named_parameters())
+    terms = [((params[k] - a) ** 2).sum() for k, a in anchor.items() if k in params and params[k].requires_grad]
+    return 0.5 * coef * torch.stack(terms).sum()
+
+
+@register
+class FedProx(Algorithm):
+    name = "fedprox"
+    Config = FedProxConfig
+
+    def local_hooks(self, client_id, down, private):
+        anchor = {k: v.detach().clone() for k, v in down.items()}
+        return {"regularizer": lambda model: proximal_term(model, anchor, self.config.mu)}

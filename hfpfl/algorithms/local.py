@@ -1,0 +1,14 @@
+"""Local-only training: every key is private, nothing travels, no aggregation."""
+from .base import GLOBAL, PRIVATE, Algorithm, register
+
+
+@register
+class LocalOnly(Algorithm):
+    name = "local"
+    has_global_model = False
+
+    def key_role(self, key, default):
+        return PRIVATE if default == GLOBAL else default
+
+    def aggregate(self, server_state, updates, round_idx):
+        return server_state
