@@ -1,0 +1,254 @@
+"""Pretrained tiny backbones, offline: train a tiny HF model on a public pool no client holds, ``save_pretrained`` it
+and publish it to the local Hub cache, so that ``build_classifier("hfpfl/tiny-resnet-digits", ...)`` loads it exactly
+like a real checkpoint. ``recipes/pretrain.py`` is the command-line front end; methods call
+:func:`ensure_pretrained` on first use (idempotent: a cached repo trained with the same config is reused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import hub
+from .builders import TINY_CLASSIFIERS, build_classifier
+
+logger = logging.getLogger(__name__)
+
+INFO_FILE = "hfpfl_pretrain.json"
+# fields that determine the weights; a cached repo is reused only if these match
+_WEIGHT_FIELDS = (
+    "model", "dataset", "epochs", "lr", "weight_decay", "batch_size", "image_size", "num_channels",
+    "max_per_domain", "val_fraction", "seed",
+)
+
+
+@dataclass
+class PretrainArguments:
+    model: str = field(
+        default="tiny-resnet",
+        metadata={"help": "Architecture to pretrain: a built-in config name.", "choices": ["tiny-resnet", "tiny-vit"]},
+    )
+    dataset: str = field(
+        default="digits",
+        metadata={"help": "hfpfl.data source whose 'public' split (held by no client) is the pretraining pool."},
+    )
+    epochs: int = field(default=6, metadata={"help": "Passes over the public pool."})
+    lr: float = field(default=3e-3, metadata={"help": "Peak AdamW learning rate (cosine decay, 5%% warmup)."})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay."})
+    batch_size: int = field(default=32, metadata={"help": "Training batch size (last incomplete batch dropped)."})
+    image_size: int = field(default=28, metadata={"help": "Input resolution the backbone is trained at."})
+    num_channels: int = field(default=3, metadata={"help": "Input channels (1 or 3)."})
+    max_per_domain: int | None = field(
+        default=None, metadata={"help": "Cap per domain over all splits of the source (None: all); for quick runs."}
+    )
+    val_fraction: float = field(
+        default=0.1, metadata={"help": "Fraction of the public pool held out to report accuracy (0: report train)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed for data order, init and split: same seed, same weights."})
+    repo_id: str | None = field(
+        default=None,
+        metadata={"help": "Local Hub repo id to publish to (default: hfpfl/<model>-<dataset>, "
+                          "e.g. hfpfl/tiny-resnet-digits)."},
+    )
+    revision: str = field(default="main", metadata={"help": "Revision (branch name) to publish under."})
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Hub cache to publish to (default: huggingface_hub's HF_HUB_CACHE)."}
+    )
+    output_dir: str | None = field(
+        default=None, metadata={"help": "Where to write the save_pretrained folder and results.json (default: temp)."}
+    )
+    force: bool = field(default=False, metadata={"help": "Retrain and republish even if the repo is already cached."})
+    max_steps: int | None = field(default=None, metadata={"help": "Stop after this many steps (tests, smoke runs)."})
+    num_threads: int = field(default=1, metadata={"help": "torch intra-op threads (1 is fastest on shared CPUs)."})
+
+    def __post_init__(self):
+        if self.model not in TINY_CLASSIFIERS:
+            raise ValueError(f"--model must be a built-in config ({sorted(TINY_CLASSIFIERS)}), got {self.model!r}")
+        if self.repo_id is None:
+            self.repo_id = default_repo_id(self.model, self.dataset)
+        hub.validate_repo_id(self.repo_id)
+        hub.validate_revision(self.revision)
+
+    def weight_config(self) -> dict:
+        return {k: getattr(self, k) for k in _WEIGHT_FIELDS}
+
+
+def default_repo_id(model: str, dataset: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", dataset).strip("-.") or "data"
+    return f"hfpfl/{model}-{slug}"
+
+
+def load_pretrain_info(repo_id: str, revision: str = "main", cache_dir: str | None = None) -> dict | None:
+    """The ``hfpfl_pretrain.json`` of a cached repo (config + metrics), or None if absent."""
+    try:
+        snap = hub.require_cached(repo_id, "model", revision, cache_dir)
+    except OSError:
+        return None
+    path = Path(snap) / INFO_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _data(args: PretrainArguments):
+    from hfpfl.data.sources import load_source
+    from hfpfl.data.transforms import to_model_inputs
+
+    ds = load_source(args.dataset, split="public", seed=args.seed, max_per_domain=args.max_per_domain)
+    label_names = ds.features["label"].names if hasattr(ds.features["label"], "names") else None
+    ds = to_model_inputs(ds, image_size=args.image_size, num_channels=args.num_channels)
+    ds = ds.select_columns(["pixel_values", "labels"])
+    if args.val_fraction and args.val_fraction > 0 and len(ds) >= 20:
+        split = ds.train_test_split(test_size=args.val_fraction, seed=args.seed)
+        train, val = split["train"], split["test"]
+    else:
+        train, val = ds, None
+    return train, val, label_names
+
+
+@torch.no_grad()
+def _accuracy(model, ds, device, batch_size=256) -> float:
+    if ds is None or len(ds) == 0:
+        return float("nan")
+    model.eval()
+    correct = 0
+    for i in range(0, len(ds), batch_size):
+        b = ds[i : i + batch_size]
+        logits = model(pixel_values=b["pixel_values"].to(device)).logits
+        correct += (logits.argmax(-1).cpu() == b["labels"]).sum().item()
+    model.train()
+    return correct / len(ds)
+
+
+def train_backbone(args: PretrainArguments, output_dir: str | os.PathLike) -> dict:
+    """Train ``args.model`` on the public pool and ``save_pretrained`` into ``output_dir``. Returns the metrics.
+
+    Single-process on purpose (no DDP wrapping): the model is tiny, and under ``accelerate launch`` only the main
+    process trains (see :func:`ensure_pretrained`)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_schedule_with_warmup
+
+    torch.set_num_threads(args.num_threads)
+    accelerator = Accelerator()
+    set_seed(args.seed)
+    t0 = time.perf_counter()
+    train, val, label_names = _data(args)
+    num_labels = len(label_names) if label_names else int(train["labels"].max()) + 1
+    set_seed(args.seed)
+    model = build_classifier(args.model, num_labels, image_size=args.image_size, num_channels=args.num_channels)
+    if label_names:
+        model.config.id2label = dict(enumerate(label_names))
+        model.config.label2id = {n: i for i, n in enumerate(label_names)}
+    device = accelerator.device
+    model.to(device).train()
+    gen = torch.Generator().manual_seed(args.seed)
+    loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=gen)
+    if len(loader) == 0:
+        raise ValueError(f"public pool of {args.dataset!r} has {len(train)} samples < batch_size {args.batch_size}")
+    steps = args.epochs * len(loader)
+    if args.max_steps is not None:
+        steps = min(steps, args.max_steps)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    sched = get_cosine_schedule_with_warmup(opt, max(1, int(0.05 * steps)), steps)
+    bar = tqdm(total=steps, desc=f"pretrain {args.model} on {args.dataset}:public",
+               disable=not accelerator.is_local_main_process)
+    step, loss_ema = 0, None
+    t_train = time.perf_counter()
+    for _ in range(math.ceil(steps / len(loader))):
+        for batch in loader:
+            if step >= steps:
+                break
+            out = model(pixel_values=batch["pixel_values"].to(device), labels=batch["labels"].to(device))
+            out.loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            loss_ema = out.loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * out.loss.item()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_ema:.3f}")
+    bar.close()
+    train_time = time.perf_counter() - t_train
+    metrics = {
+        "val_accuracy": _accuracy(model, val, device),
+        "train_accuracy": _accuracy(model, train, device),
+        "final_loss": loss_ema,
+        "steps": step,
+        "num_train": len(train),
+        "num_val": 0 if val is None else len(val),
+        "train_seconds": round(train_time, 2),
+        "ms_per_step": round(1000 * train_time / max(step, 1), 2),
+        "total_seconds": round(time.perf_counter() - t0, 2),
+    }
+    out_dir = Path(output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.cpu().save_pretrained(out_dir)
+    info = {
+        "config": args.weight_config(),
+        "metrics": metrics,
+        "repo_id": args.repo_id,
+        "input": {"pixel_values": f"float32 [{args.num_channels},{args.image_size},{args.image_size}] in [-1, 1] "
+                                  "= (x/255 - 0.5) / 0.5 (hfpfl.data.transforms.to_model_inputs)"},
+        "versions": _versions(),
+    }
+    (out_dir / INFO_FILE).write_text(json.dumps(info, indent=2))
+    (out_dir / "README.md").write_text(_model_card(args, metrics))
+    return metrics
+
+
+def _versions() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _model_card(args: PretrainArguments, metrics: dict) -> str:
+    return (
+        f"---\nlibrary_name: transformers\ntags: [hfpfl, image-classification]\n---\n# {args.repo_id}\n\n"
+        f"Tiny `{args.model}` pretrained by `recipes/pretrain.py` on the `public` split of `{args.dataset}` "
+        f"(held by no federated client), {metrics['steps']} steps, seed {args.seed}.\n\n"
+        f"Held-out public accuracy: {metrics['val_accuracy']:.4f}; train accuracy: {metrics['train_accuracy']:.4f}.\n"
+    )
+
+
+def ensure_pretrained(repo_id: str | None = None, **kwargs) -> str:
+    """Return ``repo_id`` of a tiny pretrained backbone in the local Hub cache, training and publishing it first if it
+    is missing or was trained with a different config (or ``force=True``). ``kwargs`` are
+    :class:`PretrainArguments` fields. Under ``accelerate launch`` the main process trains and the others wait, then
+    find it cached.
+
+    >>> model = build_classifier(ensure_pretrained("hfpfl/tiny-resnet-digits"), num_labels=10)
+    """
+    from accelerate import PartialState
+
+    args = PretrainArguments(repo_id=repo_id, **kwargs)
+    with PartialState().main_process_first():
+        info = load_pretrain_info(args.repo_id, args.revision, args.cache_dir)
+        if info is not None and not args.force:
+            if info.get("config") == args.weight_config():
+                logger.info("%s@%s already pretrained with this config; reusing", args.repo_id, args.revision)
+                return args.repo_id
+            logger.warning("%s@%s was pretrained with another config %s; retraining with %s",
+                           args.repo_id, args.revision, info.get("config"), args.weight_config())
+        if not PartialState().is_main_process:  # main published it while we waited; a config race is not retried
+            return args.repo_id
+        with tempfile.TemporaryDirectory() as tmp:
+            out = args.output_dir or tmp
+            metrics = train_backbone(args, out)
+            snap = hub.push_folder_to_cache(out, args.repo_id, args.revision, cache_dir=args.cache_dir)
+            if args.output_dir:
+                results = {"repo_id": args.repo_id, "revision": args.revision, "snapshot": snap,
+                           "config": dataclasses.asdict(args), **metrics}
+                Path(args.output_dir, "results.json").write_text(json.dumps(results, indent=2))
+        logger.info("published %s@%s: %s", args.repo_id, args.revision, metrics)
+    return args.repo_id
