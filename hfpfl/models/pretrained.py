@@ -28,7 +28,7 @@ INFO_FILE = "hfpfl_pretrain.json"
 # fields that determine the weights; a cached repo is reused only if these match
 _WEIGHT_FIELDS = (
     "model", "dataset", "epochs", "lr", "weight_decay", "batch_size", "image_size", "num_channels",
-    "max_per_domain", "val_fraction", "seed",
+    "max_per_domain", "val_fraction", "seed", "max_steps",
 )
 
 
@@ -42,9 +42,9 @@ class PretrainArguments:
         default="digits",
         metadata={"help": "hfpfl.data source whose 'public' split (held by no client) is the pretraining pool."},
     )
-    epochs: int = field(default=6, metadata={"help": "Passes over the public pool."})
+    epochs: int = field(default=8, metadata={"help": "Passes over the public pool."})
     lr: float = field(default=3e-3, metadata={"help": "Peak AdamW learning rate (cosine decay, 5%% warmup)."})
-    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay."})
+    weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay."})
     batch_size: int = field(default=32, metadata={"help": "Training batch size (last incomplete batch dropped)."})
     image_size: int = field(default=28, metadata={"help": "Input resolution the backbone is trained at."})
     num_channels: int = field(default=3, metadata={"help": "Input channels (1 or 3)."})
