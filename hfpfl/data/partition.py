@@ -36,6 +36,13 @@ from datasets import Dataset
 logger = logging.getLogger(__name__)
 
 
+def _fp():
+    """``flwr_datasets.partitioner`` (imported lazily, see :mod:`hfpfl.data._flwr`)."""
+    from ._flwr import partitioner_module
+
+    return partitioner_module()
+
+
 def _check_common(ds: Dataset, num_partitions: int) -> None:
     if not isinstance(num_partitions, (int, np.integer)) or num_partitions < 1:
         raise ValueError(f"num_partitions must be a positive integer, got {num_partitions!r}")
@@ -64,7 +71,7 @@ def _flower(partitioner, ds: Dataset, n: int) -> list[Dataset]:
 
 def iid(ds: Dataset, num_partitions: int, seed: int = 0, **_) -> list[Dataset]:
     """IID: Flower's ``IidPartitioner`` cuts contiguous shards and has no seed, so the data is shuffled first."""
-    from flwr_datasets.partitioner import IidPartitioner
+    IidPartitioner = _fp().IidPartitioner
 
     _check_common(ds, num_partitions)
     parts = _flower(IidPartitioner(num_partitions), _shuffled(ds, seed), num_partitions)
@@ -82,7 +89,7 @@ def dirichlet(
     **_,
 ) -> list[Dataset]:
     """Label skew: per class, proportions over clients ~ Dir(alpha) (Flower ``DirichletPartitioner``)."""
-    from flwr_datasets.partitioner import DirichletPartitioner
+    DirichletPartitioner = _fp().DirichletPartitioner
 
     if alpha is None or float(alpha) <= 0:
         raise ValueError(f"dirichlet alpha must be > 0, got {alpha}")
@@ -115,7 +122,7 @@ def pathological(
     ds: Dataset, num_partitions: int, seed: int = 0, classes_per_client: int = 2, partition_by: str = "label", **_
 ) -> list[Dataset]:
     """Each client holds exactly ``classes_per_client`` classes (Flower ``PathologicalPartitioner``, random mode)."""
-    from flwr_datasets.partitioner import PathologicalPartitioner
+    PathologicalPartitioner = _fp().PathologicalPartitioner
 
     _check_common(ds, num_partitions)
     n_classes = len(set(ds[partition_by]))
@@ -138,7 +145,7 @@ def shards(
 ) -> list[Dataset]:
     """McMahan et al. shards: data sorted by label, cut into shards, ``num_shards_per_client`` per client
     (Flower ``ShardPartitioner``)."""
-    from flwr_datasets.partitioner import ShardPartitioner
+    ShardPartitioner = _fp().ShardPartitioner
 
     _check_common(ds, num_partitions)
     k = int(kw.get("num_shards_per_partition", num_shards_per_client))
@@ -163,7 +170,9 @@ def quantity(
     """Quantity skew with IID labels. ``dirichlet``: client sizes ~ Dir(alpha) * N (at least ``min_partition_size``),
     cut with Flower's ``SizePartitioner`` (Flower has no seeded Dirichlet-size partitioner); ``linear`` /
     ``exponential``: Flower's ``LinearPartitioner`` / ``ExponentialPartitioner``. The data is shuffled first."""
-    from flwr_datasets.partitioner import ExponentialPartitioner, LinearPartitioner, SizePartitioner
+    fp = _fp()
+    ExponentialPartitioner, LinearPartitioner, SizePartitioner = (
+        fp.ExponentialPartitioner, fp.LinearPartitioner, fp.SizePartitioner)
 
     _check_common(ds, num_partitions)
     shuffled = _shuffled(ds, seed)
@@ -199,7 +208,7 @@ def feature_shift(ds: Dataset, num_partitions: int, seed: int = 0, column: str =
     shuffled (seed) and split IID (Flower ``IidPartitioner``) among its clients. With fewer clients than domains
     the remaining domains are unused (a warning is logged).
     """
-    from flwr_datasets.partitioner import IidPartitioner
+    IidPartitioner = _fp().IidPartitioner
 
     _check_common(ds, num_partitions)
     if column not in ds.column_names:
@@ -276,7 +285,7 @@ def concept_drift(
 
 def natural_id(ds: Dataset, num_partitions: int, seed: int = 0, column: str = "domain", **_) -> list[Dataset]:
     """One client per distinct value of ``column`` (Flower ``NaturalIdPartitioner``), values in sorted order."""
-    from flwr_datasets.partitioner import NaturalIdPartitioner
+    NaturalIdPartitioner = _fp().NaturalIdPartitioner
 
     if column not in ds.column_names:
         raise ValueError(f"natural_id needs a {column!r} column; got {ds.column_names}")

@@ -129,15 +129,40 @@ def _mnist_pool() -> tuple[np.ndarray, np.ndarray]:
 
 @functools.lru_cache(maxsize=None)
 def _usps_pool() -> tuple[np.ndarray, np.ndarray]:
-    """sklearn load_digits (1,797 x 8x8, 0..16) -> uint8 [N,28,28] by bilinear upscaling."""
-    import torch
-    from sklearn.datasets import load_digits
+    """scikit-learn's ``load_digits()`` data (1,797 x 8x8, 0..16) -> uint8 [N,28,28] by bilinear upscaling.
 
-    d = load_digits()
-    x = torch.from_numpy(d.images.astype(np.float32) / 16.0).unsqueeze(1)
-    x = torch.nn.functional.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
-    x = (x.squeeze(1).clamp(0, 1) * 255.0).round().to(torch.uint8).numpy()
-    return x, d.target.astype(np.int64)
+    Reads the CSV that ``load_digits`` itself reads (``sklearn/datasets/data/digits.csv.gz``), which avoids the
+    multi-second ``sklearn.datasets`` import; falls back to ``load_digits()`` if the file moves.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if path is not None and path.exists():
+        arr = np.loadtxt(path, delimiter=",")
+        images, target = arr[:, :64].reshape(-1, 8, 8), arr[:, 64]
+    else:  # pragma: no cover
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        images, target = d.images, d.target
+    return _bilinear_resize(images.astype(np.float32) / 16.0, 28), target.astype(np.int64)
+
+
+def _bilinear_resize(x: np.ndarray, size: int) -> np.ndarray:
+    """[N,h,w] floats in [0,1] -> uint8 [N,size,size] (bilinear, half-pixel centres like align_corners=False)."""
+    n, h, w = x.shape
+
+    def coords(src, dst):
+        c = (np.arange(dst) + 0.5) * src / dst - 0.5
+        c = np.clip(c, 0, src - 1)
+        lo = np.floor(c).astype(int)
+        hi = np.minimum(lo + 1, src - 1)
+        return lo, hi, (c - lo).astype(np.float32)
+
+    y0, y1, wy = coords(h, size)
+    x0, x1, wx = coords(w, size)
+    rows = x[:, y0] * (1 - wy)[None, :, None] + x[:, y1] * wy[None, :, None]
+    out = rows[:, :, x0] * (1 - wx)[None, None, :] + rows[:, :, x1] * wx[None, None, :]
+    return (np.clip(out, 0, 1) * 255.0).round().astype(np.uint8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +171,7 @@ def _photos() -> tuple[np.ndarray, ...]:
     import skimage.data as skd
 
     out = []
-    for name in ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "hubble_deep_field", "retina"):
+    for name in ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry"):
         try:
             img = np.asarray(getattr(skd, name)())
         except Exception:  # pragma: no cover - depends on skimage build
@@ -173,14 +198,14 @@ def _mnistm_images(idx: np.ndarray) -> np.ndarray:
     return out
 
 
+_SYN_SIZES = (32, 36, 40, 44)  # few sizes: each (font, size) is loaded once
 _SYN_EXCLUDE = ("cmex", "cmsy", "STIXSiz", "STIXNonUni", "LastResort")
 
 
 @functools.lru_cache(maxsize=None)
 def _font_paths() -> tuple[str, ...]:
-    import matplotlib
-
-    d = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+    spec = importlib.util.find_spec("matplotlib")  # no matplotlib import (slow): the fonts are package data
+    d = Path(spec.origin).parent / "mpl-data" / "fonts" / "ttf" if spec and spec.origin else Path("/nonexistent")
     paths = sorted(str(p) for p in d.glob("*.ttf") if not p.name.startswith(_SYN_EXCLUDE))
     if not paths:  # pragma: no cover
         raise RuntimeError(f"no TTF fonts found in {d} for the 'syn' source")
@@ -214,7 +239,7 @@ def _syn_images(idx: np.ndarray) -> np.ndarray:
             fg = r.integers(0, 256, size=3)
             if abs(float(np.dot(fg - bg, [0.299, 0.587, 0.114]))) > 90:
                 break
-        font = _font(fonts[r.integers(len(fonts))], int(r.integers(30, 46)))
+        font = _font(fonts[r.integers(len(fonts))], int(r.choice(_SYN_SIZES)))
         canvas = PILImage.new("RGB", (big, big), tuple(int(c) for c in bg))
         draw = ImageDraw.Draw(canvas)
         cx = big / 2 + r.uniform(-5, 5)
@@ -270,8 +295,34 @@ def _take(order: np.ndarray, n: int | None, copy: int) -> np.ndarray:
     return order[:n]
 
 
+_CACHE_VERSION = "v1"
+
+
 def _builtin_domain(domain: str, split: str, seed: int, max_per_domain: int | None, copy: int = 0):
-    """(images uint8 [N,28,28] or [N,28,28,3], labels) for one built-in digit domain."""
+    """(images uint8 [N,28,28] or [N,28,28,3], labels) for one built-in digit domain; rendered domains (mnistm, syn)
+    are cached on disk under ``$HF_DATASETS_CACHE/hfpfl/`` (keyed by domain, split, seed, cap, copy)."""
+    if domain not in ("mnistm", "syn"):
+        return _builtin_domain_uncached(domain, split, seed, max_per_domain, copy)
+    cache = (Path(datasets.config.HF_DATASETS_CACHE) / "hfpfl"
+             / f"{domain}-{split}-s{seed}-c{max_per_domain}-k{copy}-{_CACHE_VERSION}.npz")
+    if cache.exists():
+        try:
+            with np.load(cache) as z:
+                return z["x"], z["y"]
+        except Exception:  # corrupt: rebuild
+            pass
+    x, y = _builtin_domain_uncached(domain, split, seed, max_per_domain, copy)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.npz")
+        np.savez(tmp, x=x, y=y)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return x, y
+
+
+def _builtin_domain_uncached(domain: str, split: str, seed: int, max_per_domain: int | None, copy: int = 0):
     if domain in ("mnist", "mnistm"):
         _, y = _mnist_pool()
         order = _stratified_split(y, seed, "mnist")[split]  # mnistm shares mnist's split (same base digits)
