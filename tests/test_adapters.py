@@ -301,3 +301,19 @@ def test_vit_lora_trains_only_lora_and_head():
     out = model(pixel_values=torch.randn(2, 3, 16, 16)).logits
     out.sum().backward()
     assert all(p.grad is None for n, p in model.named_parameters() if n not in tk)
+
+
+def test_parallel_default_skips_1x1_convs_of_bottleneck_resnets():
+    torch.manual_seed(0)
+    cfg = ResNetConfig(embedding_size=8, hidden_sizes=[16, 32], depths=[1, 1], layer_type="bottleneck", num_labels=3)
+    model = get_peft_model(ResNetForImageClassification(cfg), ParallelAdapterConfig())
+    adapted = {n.split(".padapter_conv")[0] for n in trainable_keys(model) if "padapter_conv" in n}
+    assert adapted == {"base_model.model.resnet.embedder.embedder",
+                       "base_model.model.resnet.encoder.stages.0.layers.0.layer.1",
+                       "base_model.model.resnet.encoder.stages.1.layers.0.layer.1"}
+    x = torch.randn(2, 3, 16, 16)
+    model.eval()
+    with torch.no_grad():
+        with model.disable_adapter():
+            ref = model(pixel_values=x).logits
+        assert torch.allclose(model(pixel_values=x).logits, ref)  # zero init: function == pretrained base

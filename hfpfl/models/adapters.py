@@ -42,7 +42,6 @@ Key API (see the functions at the end of this file): ``is_adapter_key``, ``train
 from __future__ import annotations
 
 import copy
-import enum
 import math
 import os
 import re
@@ -57,7 +56,6 @@ from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import (
     BaseTuner,
     BaseTunerLayer,
-    _get_submodules,
     check_adapters_to_merge,
     check_target_module_exists,
 )
@@ -507,6 +505,10 @@ def _matches(spec, key: str) -> bool:
     return key in spec or any(key.endswith("." + s) for s in spec)
 
 
+def _unit_of(module: nn.Module) -> nn.Module:
+    return module.base_layer if isinstance(module, _ConvUnitAdapterLayer) else module
+
+
 def conv_units(model: nn.Module) -> list[str]:
     """Names of all conv units (modules with .convolution Conv2d + .normalization BatchNorm2d) of a model; already
     wrapped units are listed by their wrapper's name."""
@@ -531,6 +533,12 @@ class _ConvAdapterModel(BaseTuner):
     def _resolve_and_validate(self, model: nn.Module, config: _ConvAdapterConfig) -> None:
         if config.target_modules is None:
             config.target_modules = self._default_targets
+            if isinstance(self, ParallelAdapterModel):
+                # bottleneck ResNets: the default regex also hits their 1x1 convs, which a parallel 1x1 cannot adapt
+                hits = [n for n in conv_units(model) if re.fullmatch(config.target_modules, n)]
+                kxk = [n for n in hits if _unit_of(model.get_submodule(n)).convolution.kernel_size[0] > 1]
+                if hits and len(kxk) < len(hits):
+                    config.target_modules = kxk
         if config.norm_modules is None:
             config.norm_modules = self._default_norms if self._default_norms is not None else []
         sig = _model_signature(model)
