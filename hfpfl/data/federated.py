@@ -122,6 +122,67 @@ class FederatedData:
             rows.append(np.bincount(y, minlength=self.num_labels))
         return np.stack(rows) if rows else np.zeros((0, self.num_labels), np.int64)
 
+    def save_to_disk(self, path: str, metadata: dict | None = None) -> None:
+        """One ``datasets.DatasetDict`` at ``path`` with splits ``client_{i}_train`` / ``client_{i}_test`` /
+        ``client_{i}_val`` (held-out new clients continue the ids), ``global_test`` and ``public``, plus
+        ``federated.json`` (client ids, new-client ids, domains, label names, image shape, ``metadata``).
+        Reload with :meth:`FederatedData.load_from_disk`."""
+        import json
+        import os
+
+        splits = {}
+        for c in self.clients + self.new_clients:
+            splits[f"client_{c.client_id}_train"] = c.train
+            splits[f"client_{c.client_id}_test"] = c.test
+            if c.val is not None:
+                splits[f"client_{c.client_id}_val"] = c.val
+        splits["global_test"] = self.global_test
+        if self.public is not None:
+            splits["public"] = self.public
+        datasets.DatasetDict({k: v.with_format(None) for k, v in splits.items()}).save_to_disk(path)
+        meta = {
+            "clients": [c.client_id for c in self.clients],
+            "new_clients": [c.client_id for c in self.new_clients],
+            "domains": {str(c.client_id): c.domain for c in self.clients + self.new_clients},
+            "num_labels": self.num_labels,
+            "label_names": self.label_names,
+            "image_size": self.image_size,
+            "num_channels": self.num_channels,
+            **({"metadata": metadata} if metadata else {}),
+        }
+        with open(os.path.join(path, "federated.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+
+    @classmethod
+    def load_from_disk(cls, path: str) -> "FederatedData":
+        import json
+        import os
+
+        with open(os.path.join(path, "federated.json")) as f:
+            meta = json.load(f)
+        dd = datasets.load_from_disk(path)
+
+        def client(i):
+            val = dd.get(f"client_{i}_val")
+            return ClientData(
+                client_id=i,
+                train=dd[f"client_{i}_train"].with_format("torch"),
+                test=dd[f"client_{i}_test"].with_format("torch"),
+                val=val.with_format("torch") if val is not None else None,
+                domain=meta["domains"].get(str(i)),
+            )
+
+        return cls(
+            clients=[client(i) for i in meta["clients"]],
+            new_clients=[client(i) for i in meta["new_clients"]],
+            global_test=dd["global_test"].with_format("torch"),
+            public=dd["public"].with_format("torch") if "public" in dd else None,
+            num_labels=meta["num_labels"],
+            label_names=meta["label_names"],
+            image_size=meta["image_size"],
+            num_channels=meta["num_channels"],
+        )
+
     def summary(self) -> str:
         """Per-client sizes and train label histograms as a text table."""
         hist = self.label_histograms("train")
