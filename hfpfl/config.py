@@ -114,5 +114,13 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
     parser = HfArgumentParser(types, prog=prog, description=description)
     parser.add_argument("--config", default=None, help="YAML/JSON file of options; command-line flags override it.")
     parser.set_defaults(**{**file_values, "method": method_name})
-    run, data, method_cfg, extra = parser.parse_args_into_dataclasses(args=argv)
+    run, data, method_cfg, _extra, remaining = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True)
+    if remaining:
+        flags = [a for a in remaining if a.startswith("--")] or remaining
+        known_flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(flags[0].split("=")[0], known_flags, n=1)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        raise ValueError(f"unknown option {flags[0]!r} for method {method_name!r}.{hint} "
+                         f"Run with --help (and --method {method_name}) to list every option.")
     return run, data, method_cfg

@@ -183,6 +183,7 @@ class Simulation:
         for u in updates:
             self.ledger.record(round_idx, u.client_id, u.metrics["bytes_down"], tensor_bytes(u.upload))
         new_state = algo.aggregate(server_state, updates, round_idx)
+        self.last_updates = updates  # exactly what reached the server this round (inspection, tests)
         total = sum(u.num_samples for u in updates) or 1
         metrics = {"round": round_idx, "clients": [u.client_id for u in updates]}
         if updates and "train_loss" in updates[0].metrics:
