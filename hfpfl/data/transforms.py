@@ -36,7 +36,12 @@ def _degrade_one(img, kind: str, sev: int, r: np.random.Generator):
         a = a + r.normal(0.0, _NOISE_STD[sev - 1] * 255.0, size=a.shape)
         return PILImage.fromarray(np.clip(a, 0, 255).round().astype(np.uint8), mode=img.mode)
     if kind == "rotation":
-        return img.rotate(float(r.uniform(-_ROT_DEG[sev - 1], _ROT_DEG[sev - 1])), resample=PILImage.BILINEAR)
+        a = np.asarray(img)
+        border = np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]]).reshape(-1, *a.shape[2:])
+        fill = np.median(border, axis=0).astype(int)  # fill the corners with the background, not black
+        fill = int(fill) if fill.ndim == 0 else tuple(int(v) for v in fill)
+        angle = float(r.uniform(-_ROT_DEG[sev - 1], _ROT_DEG[sev - 1]))
+        return img.rotate(angle, resample=PILImage.BILINEAR, fillcolor=fill)
     if kind == "color":
         img = img.convert("RGB")
         s, h = _COLOR_S[sev - 1], _COLOR_H[sev - 1]
