@@ -253,7 +253,7 @@ def push_state_dict(
                     files[p.relative_to(old).as_posix()] = p
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta.setdefault("format", "pt")
-    with tempfile.TemporaryDirectory(dir=storage.parent if storage.parent.exists() else None) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "state.safetensors"
         save_file({k: v.detach().cpu().contiguous().clone() for k, v in state.items()}, str(path), metadata=meta)
         files[filename] = path

@@ -124,3 +124,13 @@ def test_tiny_blip_forward_and_generate():
     out.loss.backward()
     gen = m.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, pixel_values=px, max_new_tokens=3)
     assert gen.shape[0] == 2 and (gen[:, 0] == tok.bos_token_id).all()
+
+
+def test_label_names_kept_when_head_matches(tmp_path):
+    m = build_classifier("tiny-resnet", 3, id2label={0: "cat", 1: "dog", 2: "fox"}, label2id={"cat": 0, "dog": 1, "fox": 2})
+    m.save_pretrained(tmp_path)
+    same = build_classifier(str(tmp_path), 3)
+    assert same.config.id2label == {0: "cat", 1: "dog", 2: "fox"}
+    assert torch.equal(same.classifier[-1].weight, m.classifier[-1].weight)
+    other = build_classifier(str(tmp_path), 4)
+    assert other.config.num_labels == 4 and other.config.id2label[3] == "3"

@@ -187,10 +187,13 @@ def build_classifier(
     revision = overrides.pop("revision", None)
     cache_dir = overrides.pop("cache_dir", None)
     with resolve_pretrained(model_name_or_path, revision=revision, cache_dir=cache_dir) as kw:
+        config = AutoConfig.from_pretrained(model_name_or_path, **kw)
+        # keep the checkpoint's label names when the head size already matches (e.g. ImageNet's 1000 classes)
+        labels = {"num_labels": num_labels} if config.num_labels == num_labels else _labels_kwargs(num_labels)
         model = AutoModelForImageClassification.from_pretrained(
             model_name_or_path,
             **kw,
-            **_labels_kwargs(num_labels),
+            **labels,
             ignore_mismatched_sizes=True,
             **overrides,
         )

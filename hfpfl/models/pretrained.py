@@ -28,7 +28,7 @@ INFO_FILE = "hfpfl_pretrain.json"
 # fields that determine the weights; a cached repo is reused only if these match
 _WEIGHT_FIELDS = (
     "model", "dataset", "epochs", "lr", "weight_decay", "batch_size", "image_size", "num_channels",
-    "max_per_domain", "val_fraction", "seed", "max_steps",
+    "max_per_domain", "val_fraction", "seed", "max_steps", "augment_shift",
 )
 
 
@@ -68,6 +68,9 @@ class PretrainArguments:
         default=None, metadata={"help": "Where to write the save_pretrained folder and results.json (default: temp)."}
     )
     force: bool = field(default=False, metadata={"help": "Retrain and republish even if the repo is already cached."})
+    augment_shift: int = field(
+        default=2, metadata={"help": "Random translation augmentation of up to this many pixels (0: off)."}
+    )
     max_steps: int | None = field(default=None, metadata={"help": "Stop after this many steps (tests, smoke runs)."})
     num_threads: int = field(default=1, metadata={"help": "torch intra-op threads (1 is fastest on shared CPUs)."})
 
@@ -128,6 +131,16 @@ def _accuracy(model, ds, device, batch_size=256) -> float:
     return correct / len(ds)
 
 
+def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Translate each image by up to ``max_shift`` pixels (edge padding), drawn from ``generator``."""
+    if max_shift <= 0:
+        return x
+    n, _, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (max_shift,) * 4, mode="replicate")
+    offs = torch.randint(0, 2 * max_shift + 1, (n, 2), generator=generator)
+    return torch.stack([padded[i, :, dy : dy + h, dx : dx + w] for i, (dy, dx) in enumerate(offs.tolist())])
+
+
 def train_backbone(args: PretrainArguments, output_dir: str | os.PathLike) -> dict:
     """Train ``args.model`` on the public pool and ``save_pretrained`` into ``output_dir``. Returns the metrics.
 
@@ -152,6 +165,7 @@ def train_backbone(args: PretrainArguments, output_dir: str | os.PathLike) -> di
     device = accelerator.device
     model.to(device).train()
     gen = torch.Generator().manual_seed(args.seed)
+    aug_gen = torch.Generator().manual_seed(args.seed + 1)
     loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=gen)
     if len(loader) == 0:
         raise ValueError(f"public pool of {args.dataset!r} has {len(train)} samples < batch_size {args.batch_size}")
@@ -168,7 +182,8 @@ def train_backbone(args: PretrainArguments, output_dir: str | os.PathLike) -> di
         for batch in loader:
             if step >= steps:
                 break
-            out = model(pixel_values=batch["pixel_values"].to(device), labels=batch["labels"].to(device))
+            pixels = random_shift(batch["pixel_values"], args.augment_shift, aug_gen)
+            out = model(pixel_values=pixels.to(device), labels=batch["labels"].to(device))
             out.loss.backward()
             opt.step()
             sched.step()
