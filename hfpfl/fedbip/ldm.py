@@ -210,7 +210,9 @@ def build_tiny_ldm(
     )
     if cfg.text_hidden != cfg.cross_attention_dim:
         raise ValueError("text_hidden must equal cross_attention_dim (the UNet attends to the encoder output)")
-    return dict(vae=vae, unet=unet, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=make_scheduler(scheduler))
+    # eval mode, as `from_pretrained` returns models (train mode changes attention kernels -> ~1e-7 differences)
+    return dict(vae=vae.eval(), unet=unet.eval(), text_encoder=text_encoder.eval(), tokenizer=tokenizer,
+                scheduler=make_scheduler(scheduler))
 
 
 def state_checksum(*modules) -> str:

@@ -1,0 +1,224 @@
+"""FedBiP engine-independent pieces on a tiny *randomly initialised* LDM (no pretraining in tests)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hfpfl.fedbip import (  # noqa: E402
+    UPLOAD_KEYS,
+    build_tiny_ldm,
+    class_average_latents,
+    client_upload,
+    concept_denoising_loss,
+    encode_images,
+    instance_level_latents,
+    interpolate_latents,
+    noise_to_max_timestep,
+    sample_gamma,
+    sample_partners,
+    state_checksum,
+    train_concepts,
+)
+from pipelines import FedBiPPipeline  # noqa: E402
+
+torch.set_num_threads(1)
+N_CLASSES = 3
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = FedBiPPipeline(**build_tiny_ldm(image_size=32, seed=0))
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(0)
+    # class-dependent blobs so the data has structure
+    y = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
+    x = torch.randn(len(y), 3, 32, 32, generator=g) * 0.3
+    for c in range(N_CLASSES):
+        x[y == c, c] += 0.8
+    return x.clamp(-1, 1), y
+
+
+@pytest.fixture(scope="module")
+def upload(pipe, data):
+    x, y = data
+    return client_upload(pipe, x, y, num_classes=N_CLASSES, n_s=2, n_v=2, num_steps=4, seed=0)
+
+
+def test_upload_contains_only_named_tensors(pipe, data, upload):
+    x, y = data
+    assert set(upload) == set(UPLOAD_KEYS) == {"latents", "labels", "domain_concept", "class_concepts"}
+    assert all(torch.is_tensor(v) for v in upload.values())
+    c, h, w = pipe.latent_shape()
+    assert upload["latents"].shape == (len(y), c, h, w)
+    assert torch.equal(upload["labels"], y)
+    d = pipe.text_encoder.config.hidden_size
+    assert upload["domain_concept"].shape == (2, d)
+    assert upload["class_concepts"].shape == (N_CLASSES, 2, d)
+    for v in upload.values():  # nothing image-shaped, nothing equal to the clean latents
+        assert tuple(v.shape[-3:]) != tuple(x.shape[-3:])
+    z0 = encode_images(pipe.vae, x)
+    assert not torch.allclose(upload["latents"], z0, atol=1e-3)
+
+
+def test_upload_is_deterministic_and_multi_latent(pipe, data, upload):
+    x, y = data
+    again = client_upload(pipe, x, y, num_classes=N_CLASSES, n_s=2, n_v=2, num_steps=4, seed=0)
+    assert all(torch.equal(upload[k], again[k]) for k in UPLOAD_KEYS)
+    zt, ys = instance_level_latents(pipe.vae, pipe.scheduler, x, y, latents_per_image=3,
+                                    generator=torch.Generator().manual_seed(1))
+    assert zt.shape[0] == 3 * len(y) and torch.equal(ys, y.repeat(3))
+
+
+def test_ldm_weights_unchanged_by_client(pipe, data):
+    x, y = data
+    mods = (pipe.unet, pipe.vae, pipe.text_encoder)
+    before = state_checksum(*mods)
+    flags = [p.requires_grad for m in mods for p in m.parameters()]
+    client_upload(pipe, x, y, num_classes=N_CLASSES, num_steps=3, seed=1)
+    assert state_checksum(*mods) == before
+    assert [p.requires_grad for m in mods for p in m.parameters()] == flags
+
+
+def test_concept_training_lowers_heldout_denoising_loss(pipe, data):
+    from diffusers import DDPMScheduler
+
+    x, y = data
+    ns = DDPMScheduler.from_config(pipe.scheduler.config)
+    z0 = encode_images(pipe.vae, x)
+    g = torch.Generator().manual_seed(123)  # held-out (t, eps) draws, never seen in training
+    reps = 4
+    z_eval, y_eval = z0.repeat(reps, 1, 1, 1), y.repeat(reps)
+    t_eval = torch.randint(0, 1000, (len(y_eval),), generator=g)
+    e_eval = torch.randn(z_eval.shape, generator=g)
+    res = train_concepts(pipe, x, y, N_CLASSES, n_s=1, n_v=1, num_steps=40, batch_size=8,
+                         generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = concept_denoising_loss(pipe, ns, z_eval, y_eval, res.init_domain_concept,
+                                        res.init_class_concepts, t_eval, e_eval).item()
+        after = concept_denoising_loss(pipe, ns, z_eval, y_eval, res.domain_concept, res.class_concepts,
+                                       t_eval, e_eval).item()
+    assert after < before, (before, after)
+    assert not torch.equal(res.domain_concept, res.init_domain_concept)
+
+
+@pytest.mark.parametrize("output_type", ["pt", "np", "pil"])
+def test_pipeline_output_count_shape_labels(pipe, upload, output_type):
+    n = 5
+    out = pipe(upload["latents"][:n], upload["labels"][:n], upload["domain_concept"], upload["class_concepts"],
+               num_inference_steps=3, batch_size=2, output_type=output_type,
+               generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out.labels, upload["labels"][:n])
+    if output_type == "pt":
+        assert out.images.shape == (n, 3, 32, 32) and 0 <= out.images.min() and out.images.max() <= 1
+    elif output_type == "np":
+        assert out.images.shape == (n, 32, 32, 3)
+    else:
+        assert len(out.images) == n and out.images[0].size == (32, 32)
+
+
+def test_samplers_cfg_and_output_space(pipe, upload):
+    kw = dict(num_inference_steps=3, output_type="pt", batch_size=8)
+    try:
+        for s in ("ddim", "ddpm", "pndm"):
+            pipe.set_sampler(s)
+            out = pipe(**upload, guidance_scale=2.0, concept_space="output",
+                       generator=torch.Generator().manual_seed(0), **kw)
+            assert out.images.shape[0] == len(upload["labels"])
+    finally:
+        pipe.set_sampler("pndm")
+    # the server's perturbation of S changes the images; sigma=0 makes PNDM deterministic in the concepts
+    a = pipe(**upload, concept_noise_sigma=0.0, generator=torch.Generator().manual_seed(0), **kw).images
+    b = pipe(**upload, concept_noise_sigma=0.0, generator=torch.Generator().manual_seed(1), **kw).images
+    c = pipe(**upload, concept_noise_sigma=0.5, generator=torch.Generator().manual_seed(1), **kw).images
+    assert torch.equal(a, b) and not torch.allclose(a, c)
+
+
+def test_save_load_round_trip_and_hub_cache(pipe, upload, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    from hfpfl.fedbip.ldm import push_folder_to_cache
+
+    kw = dict(num_inference_steps=3, output_type="pt")
+    ref = pipe(**upload, generator=torch.Generator().manual_seed(7), **kw).images
+    pipe.save_pretrained(tmp_path / "fedbip")
+    loaded = FedBiPPipeline.from_pretrained(tmp_path / "fedbip")
+    loaded.set_progress_bar_config(disable=True)
+    assert torch.equal(loaded(**upload, generator=torch.Generator().manual_seed(7), **kw).images, ref)
+    # the Stable Diffusion layout (as CompVis/stable-diffusion-v1-4), loaded by repo id from the local Hub cache
+    sd = StableDiffusionPipeline(**pipe.components, safety_checker=None, feature_extractor=None,
+                                 requires_safety_checker=False)
+    sd.save_pretrained(tmp_path / "sd")
+    push_folder_to_cache(tmp_path / "sd", "hfpfl-test/tiny-ldm", cache_dir=tmp_path / "hub")
+    via_hub = FedBiPPipeline.from_pretrained("hfpfl-test/tiny-ldm", cache_dir=tmp_path / "hub")
+    via_hub.set_progress_bar_config(disable=True)
+    assert torch.equal(via_hub(**upload, generator=torch.Generator().manual_seed(7), **kw).images, ref)
+
+
+def test_template_and_shape_errors(pipe, upload):
+    kw = dict(num_inference_steps=2, output_type="pt")
+    for bad in ("A photo of a [V]", "A [S] style", "A [S] [S] of a [V]"):
+        with pytest.raises(ValueError, match="placeholder"):
+            pipe(**upload, prompt_template=bad, **kw)
+    pipe(**upload, prompt_template="A [STY] of [CLS].", **kw)  # Table 5 spelling is accepted
+    bad = dict(upload, latents=torch.randn(len(upload["labels"]), 4, 16, 16))
+    with pytest.raises(ValueError, match=r"\(12, 4, 16, 16\).*\(N, 4, 8, 8\)"):
+        pipe(**bad, **kw)
+    bad = dict(upload, latents=torch.randn(len(upload["labels"]), 3, 8, 8))
+    with pytest.raises(ValueError, match="in_channels=4"):
+        pipe(**bad, **kw)
+    with pytest.raises(ValueError, match="labels"):
+        pipe(**dict(upload, labels=upload["labels"][:-1]), **kw)
+
+
+def test_single_image_class_has_no_partner(pipe, data):
+    x, y = data
+    y1 = y.clone()
+    y1[-1] = N_CLASSES  # class 3 has one image
+    with pytest.raises(ValueError, match="class 3 has a single image"):
+        client_upload(pipe, x, y1, num_classes=N_CLASSES + 1, num_steps=1)
+    # the class-average (prototype) variant needs no partner
+    up = client_upload(pipe, x, y1, num_classes=N_CLASSES + 1, num_steps=1, class_average=True)
+    assert up["latents"].shape[0] == len(y1)
+
+
+def test_partners_same_class_never_self():
+    y = torch.tensor([0, 0, 1, 1, 1, 2, 2, 0])
+    for s in range(20):
+        p = sample_partners(y, torch.Generator().manual_seed(s))
+        assert torch.equal(y[p], y) and not (p == torch.arange(len(y))).any()
+
+
+def test_gamma_distribution_and_clipping():
+    g = sample_gamma(20000, generator=torch.Generator().manual_seed(0))
+    assert 0 <= g.min() and g.max() <= 1
+    assert abs(g.mean() - 0.5) < 0.01 and abs(g.std() - 0.1) < 0.01
+    wide = sample_gamma(20000, std=1.0, generator=torch.Generator().manual_seed(0))
+    assert wide.min() == 0.0 and wide.max() == 1.0 and (wide == 0).sum() > 1000 and (wide == 1).sum() > 1000
+    z0 = torch.stack([torch.zeros(4, 2, 2), torch.ones(4, 2, 2)] * 2)
+    zbar, gamma, partners = interpolate_latents(z0, torch.tensor([0, 0, 0, 0]), gamma_std=10.0,
+                                                generator=torch.Generator().manual_seed(0))
+    assert ((gamma == 0) | (gamma == 1)).all()
+    assert zbar.min() >= 0 and zbar.max() <= 1  # convex combination stays in the hull
+
+
+def test_noising_to_max_timestep_and_class_average(pipe):
+    from diffusers import DDPMScheduler
+
+    ns = DDPMScheduler.from_config(pipe.scheduler.config)
+    z = torch.randn(64, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    zt = noise_to_max_timestep(z, ns, torch.Generator().manual_seed(1))
+    a = ns.alphas_cumprod[999]
+    assert abs(zt.std() - (a * z.var() + 1 - a).sqrt()) < 0.03
+    corr = torch.corrcoef(torch.stack([zt.flatten(), z.flatten()]))[0, 1]
+    assert abs(corr - a.sqrt()) < 0.03  # ~0.068 residual signal of the client latent (SD-v1 betas)
+    y = torch.tensor([0, 0, 1, 1] * 16)
+    proto = class_average_latents(z, y)
+    assert torch.allclose(proto[0], z[y == 0].mean(0)) and torch.equal(proto[0], proto[1])
