@@ -261,9 +261,8 @@ def concept_drift(
     Written here because Flower partitions rows and never changes labels. The data is first partitioned with
     ``base`` (default ``iid``; any other scheme name works, with its kwargs). Client i belongs to concept group
     ``i % num_concepts``; group 0 keeps the true labels, group g > 0 relabels y -> perm_g[y] with a fixed seeded
-    derangement (:func:`concept_drift_permutations`). The global test set keeps the true labels (group 0's concept).
-    Each returned partition carries the permutation in ``info.description`` is not used; call
-    ``concept_drift_permutations`` to recover it.
+    derangement (:func:`concept_drift_permutations`; call it with the same ``num_labels, num_concepts, seed`` to
+    recover the mapping). The global test set keeps the true labels (group 0's concept).
     """
     if num_concepts < 1:
         raise ValueError(f"num_concepts must be >= 1, got {num_concepts}")
@@ -294,6 +293,7 @@ def natural_id(ds: Dataset, num_partitions: int, seed: int = 0, column: str = "d
         raise ValueError(f"natural_id by {column!r} gives {n_ids} clients (one per value); num_partitions={num_partitions}")
     p = NaturalIdPartitioner(partition_by=column)
     p.dataset = ds
+    p.load_partition(0)  # builds Flower's partition_id -> value mapping
     ids = sorted(p.partition_id_to_natural_id.items(), key=lambda kv: str(kv[1]))
     parts = [p.load_partition(pid) for pid, _ in ids]
     return _check_nonempty(parts, "natural_id", "")
