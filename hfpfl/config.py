@@ -15,13 +15,18 @@ from pathlib import Path
 import yaml
 
 
+ADAPTERS = ("none", "lora", "residual", "parallel")
+
+
 @dataclass
 class RunArguments:
     method: str = field(default="fedavg", metadata={"help": "Method or baseline to run (see `hfpfl methods`)."})
     model: str = field(default="tiny-resnet", metadata={
         "help": "Model: a built-in tiny config (tiny-resnet, tiny-vit), a Hub repo id (microsoft/resnet-18) or a local path."})
     adapter: str = field(default="none", metadata={
-        "help": "Parameter-efficient tuning of a frozen backbone: none | lora (peft LoRA on attention / convs)."})
+        "help": "Parameter-efficient tuning of a frozen backbone: none | lora (peft LoRA on attention / convs) | "
+                "residual (PerAda residual adapters, ResNet) | parallel (parallel 1x1 adapters, ResNet). Only adapters, "
+                "their BatchNorms and the head train and travel."})
     lora_r: int = field(default=4, metadata={"help": "LoRA rank when --adapter lora."})
     output_dir: str = field(default="outputs/run", metadata={"help": "Where config, checkpoints, results.json and plots go."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow reusing an output_dir that holds a finished run."})
@@ -57,7 +62,7 @@ class RunArguments:
             (self.batch_size >= 1, "batch_size must be >= 1"),
             (self.lr > 0, "lr must be > 0"),
             (self.eval_every >= 1, "eval_every must be >= 1"),
-            (self.adapter in ("none", "lora"), f"adapter must be none or lora, got {self.adapter!r}"),
+            (self.adapter in ADAPTERS, f"adapter must be one of {', '.join(ADAPTERS)}, got {self.adapter!r}"),
             (self.lora_r >= 1, "lora_r must be >= 1"),
             (self.optimizer in ("sgd", "adam", "adamw"), f"optimizer must be sgd, adam or adamw, got {self.optimizer!r}"),
         ]
