@@ -30,7 +30,6 @@ from typing import Callable
 
 import numpy as np
 
-import datasets
 from datasets import Dataset
 
 logger = logging.getLogger(__name__)

@@ -401,7 +401,7 @@ def _load_external(name: str) -> datasets.DatasetDict:
         ) from e
 
 
-def _pick(columns, candidates, what, name):
+def _pick(columns, candidates):
     for c in candidates:
         if c in columns:
             return c
@@ -410,17 +410,17 @@ def _pick(columns, candidates, what, name):
 
 def _normalize(ds: Dataset, name: str) -> Dataset:
     cols = ds.column_names
-    img = _pick(cols, _IMAGE_COLUMNS, "image", name)
+    img = _pick(cols, _IMAGE_COLUMNS)
     if img is None:
         img = next((c for c, f in ds.features.items() if isinstance(f, Image)), None)
     if img is None:
         raise ValueError(f"source {name!r}: no image column found among {cols} (expected one of {_IMAGE_COLUMNS})")
-    lab = _pick(cols, _LABEL_COLUMNS, "label", name)
+    lab = _pick(cols, _LABEL_COLUMNS)
     if lab is None:
         lab = next((c for c, f in ds.features.items() if isinstance(f, ClassLabel)), None)
     if lab is None:
         raise ValueError(f"source {name!r}: no label column found among {cols} (expected one of {_LABEL_COLUMNS})")
-    dom = _pick(cols, _DOMAIN_COLUMNS, "domain", name)
+    dom = _pick(cols, _DOMAIN_COLUMNS)
     keep = [c for c in (img, lab, dom) if c is not None]
     ds = ds.select_columns(keep)
     if img != "image":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-import datasets
 from datasets import Array3D, ClassLabel, Dataset, Features, Value
 
 DEGRADATIONS = ("noise", "color", "rotation")
