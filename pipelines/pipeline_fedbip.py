@@ -224,6 +224,8 @@ class FedBiPPipeline(DiffusionPipeline):
             shape = tuple(latents.shape) if torch.is_tensor(latents) else type(latents).__name__
             raise ValueError(f"latents have shape {shape} but the UNet expects (N, {exp[0]}, {exp[1]}, {exp[2]}) "
                              f"(unet.config.in_channels={exp[0]}, sample_size={self.unet.config.sample_size})")
+        if len(latents) == 0:
+            raise ValueError("latents is empty: nothing to generate")
         labels = torch.as_tensor(labels)
         if labels.ndim != 1 or len(labels) != len(latents):
             raise ValueError(f"labels must be (N,) = ({len(latents)},), got {tuple(labels.shape)}")
@@ -334,8 +336,6 @@ class FedBiPPipeline(DiffusionPipeline):
                     outputs.append(self.vae.decode(z / self.vae.config.scaling_factor, return_dict=False)[0])
                 progress_bar.update()
 
-        if n == 0:
-            raise ValueError("no latents to generate from")
         image = torch.cat(outputs)
         if output_type != "latent":
             image = self.image_processor.postprocess(image, output_type=output_type)

@@ -491,14 +491,29 @@ def ensure_pretrained_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, force
     """Return the local snapshot path of the pretrained tiny LDM ``repo_id``; pretrain and publish it to the local
     Hub cache first if it is not cached (or ``force``). Afterwards ``StableDiffusionPipeline.from_pretrained(repo_id)``
     and ``FedBiPPipeline.from_pretrained(repo_id)`` load it offline like ``CompVis/stable-diffusion-v1-4``."""
-    import json as _json
-
-    from diffusers import StableDiffusionPipeline
+    from filelock import FileLock
+    from huggingface_hub.constants import HF_HUB_CACHE
 
     if not force:
         path = cached_snapshot(repo_id, cache_dir)
         if path is not None:
             return path
+    # one trainer at a time per repo id (several processes of a simulation may ask at once)
+    lock_dir = os.path.join(str(cache_dir or HF_HUB_CACHE), ".locks")
+    os.makedirs(lock_dir, exist_ok=True)
+    with FileLock(os.path.join(lock_dir, "hfpfl-pretrain-" + repo_id.replace("/", "--") + ".lock")):
+        if not force:
+            path = cached_snapshot(repo_id, cache_dir)
+            if path is not None:
+                return path
+        return _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, log)
+
+
+def _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, log) -> str:
+    import json as _json
+
+    from diffusers import StableDiffusionPipeline
+
     comps, stats = pretrain_tiny_ldm(config, log=log)
     pipe = StableDiffusionPipeline(**comps, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
