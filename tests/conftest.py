@@ -33,6 +33,7 @@ def run_sim(small_digits, tmp_path):
         kw = dict(method=method, num_rounds=2, batch_size=16, lr=0.05, output_dir=str(tmp_path / method),
                   progress=False, new_client_epochs=1, overwrite_output_dir=True)
         kw.update(overrides)
+        kw["output_dir"] = str(tmp_path / kw["output_dir"])  # always inside the test's tmp dir
         cfg = method_config if method_config is not None else get_algorithm(method).Config()
         sim = Simulation(RunArguments(**kw), data_args, cfg, fed_data=fed)
         return sim, (sim.run() if run else None)
