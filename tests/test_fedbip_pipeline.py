@@ -222,3 +222,22 @@ def test_noising_to_max_timestep_and_class_average(pipe):
     y = torch.tensor([0, 0, 1, 1] * 16)
     proto = class_average_latents(z, y)
     assert torch.allclose(proto[0], z[y == 0].mean(0)) and torch.equal(proto[0], proto[1])
+
+
+@pytest.mark.parametrize("space", ["input", "output"])
+def test_word_init_and_concept_spaces(pipe, data, space):
+    from hfpfl.fedbip import init_concepts
+
+    x, y = data
+    words = ["zero", "one", "two"]
+    S, V = init_concepts(pipe, N_CLASSES, n_s=2, n_v=1, init="words", domain_word="handwritten",
+                         class_words=words, concept_space=space)
+    d = pipe.text_encoder.config.hidden_size
+    assert S.shape == (2, d) and V.shape == (N_CLASSES, 1, d)
+    if space == "input":  # textual-inversion initializer tokens: the words' own embedding rows
+        ids = pipe.tokenizer("one", add_special_tokens=False).input_ids
+        assert torch.equal(V[1, 0], pipe.text_encoder.get_input_embeddings().weight[ids[0]])
+    up = client_upload(pipe, x, y, num_classes=N_CLASSES, n_s=2, num_steps=2, concept_space=space, init="words",
+                       domain_word="handwritten", class_words=words)
+    out = pipe(**up, concept_space=space, num_inference_steps=2, output_type="pt")
+    assert out.images.shape[0] == len(y)
