@@ -29,8 +29,9 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run_recipe(method: str | None = None, argv: list[str] | None = None) -> dict | None:
-    """Parse flags (+ --config YAML), run one simulation, print the result table. User errors exit with code 2."""
+def run_recipe(method: str | None = None, argv: list[str] | None = None, defaults: dict | None = None) -> dict | None:
+    """Parse flags (+ --config YAML), run one simulation, print the result table. User errors exit with code 2.
+    ``defaults`` are the recipe's own option defaults (below YAML and flags)."""
     from .config import parse_run_args
 
     _setup_logging()
@@ -38,7 +39,8 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None) -> dict
     prog = os.path.basename(sys.argv[0]) if argv is None else "hfpfl"
     try:
         run, data, method_cfg = parse_run_args(argv, method=method, prog=prog,
-                                               description=f"hfpfl: federated simulation ({method or 'any method'})")
+                                               description=f"hfpfl: federated simulation ({method or 'any method'})",
+                                               defaults=defaults)
         from .federated.engine import Simulation
         sim = Simulation(run, data, method_cfg)
         results = sim.run()

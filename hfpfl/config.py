@@ -94,8 +94,11 @@ def load_config_file(path: str | Path, dataclass_types) -> dict:
 
 
 def parse_run_args(argv: list[str] | None = None, method: str | None = None, prog: str | None = None,
-                   description: str | None = None):
-    """Parse RunArguments, DataArguments and the chosen method's config. Returns (run, data, method_config)."""
+                   description: str | None = None, defaults: dict | None = None):
+    """Parse RunArguments, DataArguments and the chosen method's config. Returns (run, data, method_config).
+
+    ``defaults``: a recipe's own defaults (e.g. ``{"adapter": "residual"}``); precedence: dataclass defaults <
+    recipe defaults < YAML file < command-line flags."""
     from transformers import HfArgumentParser
 
     from .algorithms import get_algorithm
@@ -118,7 +121,7 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
         file_values = load_config_file(known.config, types)
     parser = HfArgumentParser(types, prog=prog, description=description)
     parser.add_argument("--config", default=None, help="YAML/JSON file of options; command-line flags override it.")
-    parser.set_defaults(**{**file_values, "method": method_name})
+    parser.set_defaults(**{**(defaults or {}), **file_values, "method": method_name})
     run, data, method_cfg, _extra, remaining = parser.parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True)
     if remaining:

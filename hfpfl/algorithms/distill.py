@@ -1,0 +1,175 @@
+"""Server-side ensemble distillation on unlabeled public data (PerAda's Line 21, FedDF), one function for both.
+
+Student = the averaged global state; teacher = the *uniform mean of the logits* of the participating clients'
+uploaded states on ``sim.data.public`` (labels never read). Loss = KL(softmax(teacher/T) || softmax(student/T)),
+``batchmean``, no T^2 factor and no CE term (PerAda code, spec 2.3/6.6); Adam(kd_lr) cosine-annealed to 0 over
+``kd_steps`` (spec 6.7). Everything runs through the engine's one model instance: each teacher state is loaded in
+turn (teachers in eval mode, spec 6.10 default), so teacher logits are computed once per round over the pool.
+
+Optional checkpoint selection (PerAda code, spec 2.6 detail 2, off by default): ``kd_val_fraction`` > 0 holds out a
+labelled part of the public pool; the student is scored every ``kd_eval_every`` steps, the best is kept, and the
+plain average is kept when it scores at least as well as every KD checkpoint.
+
+Also: :class:`KDConfig` (the shared flags) and :func:`push_global_adapter` (per-round global adapters as revisions
+``round-N`` of a local Hub cache repo, loadable with ``PeftModel.from_pretrained(base, repo, revision="round-3")``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..federated.state import load_into, snapshot
+from ..federated.training import TensorData, evaluate
+
+logger = logging.getLogger("hfpfl")
+
+
+@dataclass
+class KDConfig:
+    use_kd: bool = field(default=True, metadata={
+        "help": "Refine the averaged global model by ensemble distillation on the unlabeled public pool "
+                "(False = plain averaging, e.g. 'PerAda w/o KD')."})
+    kd_steps: int = field(default=50, metadata={"help": "Server distillation steps R per round (paper: 500/100/50)."})
+    kd_lr: float = field(default=1e-3, metadata={"help": "Server Adam learning rate (cosine-annealed to 0 over R)."})
+    kd_batch_size: int = field(default=128, metadata={"help": "Distillation batch size on the public pool."})
+    kd_temperature: float = field(default=1.0, metadata={
+        "help": "Softmax temperature T of the KL loss (PerAda code default 1; no T^2 factor)."})
+    kd_rounds: int | None = field(default=None, metadata={
+        "help": "Distil only in rounds 1..kd_rounds (PerAda code: kd_max_round=30 of 200); None = every round."})
+    kd_public_fraction: float = field(default=1.0, metadata={
+        "help": "Fraction of the public pool used as distillation data (paper Fig. 4 ablation)."})
+    kd_val_fraction: float = field(default=0.0, metadata={
+        "help": "Hold out this labelled fraction of the public pool for KD checkpoint selection (PerAda code); "
+                "0 = off (pure unlabeled KD as the paper describes)."})
+    kd_eval_every: int = field(default=5, metadata={"help": "With kd_val_fraction > 0: score the student every N steps."})
+    push_adapters_to_hub_cache: str | None = field(default=None, metadata={
+        "help": "Local Hub repo id: push the global adapter after every round as revision 'round-N' (and 'main'); "
+                "load with PeftModel.from_pretrained(base, repo_id, revision='round-N'). Adapter models only."})
+
+    def __post_init__(self):
+        checks = [(self.kd_steps >= 0, "kd_steps must be >= 0"), (self.kd_lr > 0, "kd_lr must be > 0"),
+                  (self.kd_batch_size >= 2, "kd_batch_size must be >= 2"),
+                  (self.kd_temperature > 0, "kd_temperature must be > 0"),
+                  (self.kd_rounds is None or self.kd_rounds >= 0, "kd_rounds must be >= 0"),
+                  (0 < self.kd_public_fraction <= 1, "kd_public_fraction must be in (0, 1]"),
+                  (0 <= self.kd_val_fraction < 1, "kd_val_fraction must be in [0, 1)"),
+                  (self.kd_eval_every >= 1, "kd_eval_every must be >= 1")]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        if self.push_adapters_to_hub_cache is not None:
+            from ..hub import validate_repo_id
+            validate_repo_id(self.push_adapters_to_hub_cache)
+
+    def kd_active(self, round_idx: int) -> bool:
+        return self.use_kd and self.kd_steps > 0 and (self.kd_rounds is None or round_idx <= self.kd_rounds)
+
+
+def public_pool(sim, config: KDConfig) -> tuple[torch.Tensor, TensorData | None]:
+    """(unlabeled KD pixels, labelled selection split or None) from ``sim.data.public``; cached on the simulation."""
+    cache = sim.__dict__.setdefault("_kd_pool", {})
+    key = (config.kd_public_fraction, config.kd_val_fraction)
+    if key not in cache:
+        if sim.data.public is None or len(sim.data.public) == 0:
+            raise ValueError("ensemble distillation needs an unlabeled public pool (sim.data.public is empty); "
+                             "use a dataset with a 'public' split or set use_kd=False")
+        pub = TensorData.from_dataset(sim.data.public)
+        perm = torch.randperm(len(pub), generator=torch.Generator().manual_seed(sim.args.seed))
+        n_val = int(round(config.kd_val_fraction * len(pub)))
+        val_idx, kd_idx = perm[:n_val], perm[n_val:]
+        kd_idx = kd_idx[: max(2, int(round(config.kd_public_fraction * len(kd_idx))))]
+        val = TensorData(pub.pixel_values[val_idx], pub.labels[val_idx]) if n_val > 0 else None
+        cache[key] = (pub.pixel_values[kd_idx].contiguous(), val)  # KD pixels only: labels are never read
+    return cache[key]
+
+
+@torch.no_grad()
+def _logits(model, pixels: torch.Tensor, batch_size: int, device) -> torch.Tensor:
+    return torch.cat([model(pixel_values=pixels[i:i + batch_size].to(device)).logits.float().cpu()
+                      for i in range(0, len(pixels), batch_size)])
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(softmax(teacher/T) || softmax(student/T)), batch mean (zero, with zero gradient, when they agree)."""
+    t = temperature
+    return F.kl_div(F.log_softmax(student_logits / t, -1), F.log_softmax(teacher_logits / t, -1),
+                    reduction="batchmean", log_target=True)
+
+
+def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig, round_idx: int) -> tuple[dict, dict]:
+    """Distil ``student`` (a global-keys state) from the logit ensemble of ``teachers`` (uploaded global-keys states)
+    on the public pool, through ``algo.sim.model``. Returns (new student state, metrics)."""
+    sim, model = algo.sim, algo.model
+    keys = list(student)
+    pixels, val = public_pool(sim, config)
+    bs, dev = sim.args.eval_batch_size, sim.device
+    model.eval()
+    teacher_logits = torch.zeros(0)
+    for t in teachers:  # uniform mean of the K teachers' logits (spec 6.6)
+        load_into(sim.model_state, {k: t[k] for k in keys})
+        lg = _logits(model, pixels, bs, dev)
+        teacher_logits = lg if teacher_logits.numel() == 0 else teacher_logits + lg
+    teacher_logits /= len(teachers)
+
+    load_into(sim.model_state, student)
+    params = algo.trainable_parameters(keys)
+    opt = torch.optim.Adam(params, lr=config.kd_lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=config.kd_steps, eta_min=0.0)
+    gen = sim.generator(round_idx, -1, "kd")
+    best_state, best_acc = None, -1.0
+    if val is not None:  # the plain average competes too; ties keep it (PerAda code)
+        best_state, best_acc = snapshot(sim.model_state, keys), evaluate(model, val, batch_size=bs, device=dev)["accuracy"]
+        avg_acc = best_acc
+    model.train()  # student in train mode (PerAda code): dropout on, trainable BN copies see public batches
+    losses, step = [], 0
+    n, b = len(pixels), min(config.kd_batch_size, len(pixels))
+    while step < config.kd_steps:
+        order = torch.randperm(n, generator=gen)
+        for s in range(0, n - b + 1, b):  # full batches only (BatchNorm in train mode)
+            idx = order[s:s + b]
+            out = model(pixel_values=pixels[idx].to(dev)).logits
+            loss = kd_loss(out, teacher_logits[idx].to(dev), config.kd_temperature)
+            opt.zero_grad(set_to_none=True)
+            sim.accelerator.backward(loss)
+            opt.step()
+            sched.step()
+            losses.append(float(loss))
+            step += 1
+            if val is not None and (step % config.kd_eval_every == 0 or step == config.kd_steps):
+                acc = evaluate(model, val, batch_size=bs, device=dev)["accuracy"]
+                model.train()
+                if acc > best_acc:
+                    best_state, best_acc = snapshot(sim.model_state, keys), acc
+            if step >= config.kd_steps:
+                break
+    metrics = {"kd_loss_first": losses[0] if losses else math.nan, "kd_loss_last": losses[-1] if losses else math.nan,
+               "kd_steps": step}
+    if val is not None:
+        metrics.update(kd_val_accuracy=best_acc, kd_val_accuracy_avg=avg_acc)
+        return best_state, metrics
+    return snapshot(sim.model_state, keys), metrics
+
+
+def push_global_adapter(algo, state: dict, round_idx: int, repo_id: str) -> str:
+    """Save the global adapter in ``state`` (adapter slot ``default``) with ``PeftModel.save_pretrained`` and publish it
+    as revision ``round-<round_idx>`` (and ``main``) of ``repo_id`` in the local Hub cache. Main process only."""
+    from peft import PeftModel
+
+    from .. import hub
+
+    sim = algo.sim
+    if not isinstance(sim.model, PeftModel):
+        raise ValueError("push_adapters_to_hub_cache needs an adapter model (--adapter residual|parallel|lora)")
+    if not sim.accelerator.is_main_process:
+        return ""
+    load_into(sim.model_state, state)
+    with tempfile.TemporaryDirectory() as tmp:
+        sim.model.save_pretrained(tmp, selected_adapters=["default"])
+        snap = hub.push_folder_to_cache(tmp, repo_id, revision=f"round-{round_idx}")
+        hub.push_folder_to_cache(tmp, repo_id, revision="main")
+    return snap
