@@ -50,6 +50,8 @@ def main():
     print(f"  private state per client    : {per_client / 2**10:8.2f} KiB")
     print(f"  client store, all clients   : {sim.store.nbytes() / 2**20:8.2f} MiB  ({len(sim.store)} clients)")
     print(f"  {a.clients} model copies would be : {a.clients * model_bytes / 2**20:8.2f} MiB")
+    data_bytes = sum(t.pixel_values.numel() * 4 + t.labels.numel() * 8 for t in sim._tensors.values())
+    print(f"  client data as tensors      : {data_bytes / 2**20:8.2f} MiB")
     print(f"  peak RSS before / after     : {before:8.1f} / {after:.1f} MiB (growth {after - before:.1f} MiB)")
 
 
