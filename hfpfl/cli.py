@@ -11,7 +11,7 @@ USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, KeyError, OSError
 
 def _setup_logging() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    for noisy in ("httpx", "urllib3", "filelock"):
+    for noisy in ("httpx", "urllib3", "filelock", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -62,7 +62,7 @@ def plot_client_bars(output_dir: Path, per_client: dict[str, float], title: str 
     if not per_client:
         return None
     fig, ax = plt.subplots(figsize=(max(4, 0.4 * len(per_client)), 3.5))
-    ax.bar(list(per_client), list(per_client.values()))
+    ax.bar(range(len(per_client)), list(per_client.values()), tick_label=list(per_client))
     ax.set_xlabel("client")
     ax.set_ylabel("personal test accuracy")
     ax.set_ylim(0, 1)
