@@ -42,6 +42,8 @@ def plot_curves(output_dir: Path, history: list[dict], title: str = "") -> Path 
         pts = [(h["round"], h[k]) for h in history if h.get(k) is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=k)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("accuracy")
     ax.set_title(title)

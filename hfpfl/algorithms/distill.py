@@ -138,7 +138,7 @@ def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig
             sim.accelerator.backward(loss)
             opt.step()
             sched.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             step += 1
             if val is not None and (step % config.kd_eval_every == 0 or step == config.kd_steps):
                 acc = evaluate(model, val, batch_size=bs, device=dev)["accuracy"]

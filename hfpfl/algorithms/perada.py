@@ -29,7 +29,7 @@ import torch
 from ..federated.distributed import all_gather, owned
 from ..federated.state import load_into, snapshot
 from ..federated.training import TensorData, evaluate
-from .base import PRIVATE, Algorithm, Update, register, weighted_average
+from .base import FROZEN, PRIVATE, Algorithm, Update, register, weighted_average
 from .distill import KDConfig, ensemble_distill, push_global_adapter
 from .fedprox import proximal_term
 
@@ -110,7 +110,10 @@ class PerAda(Algorithm):
         return model
 
     def key_role(self, key, default):
-        return PRIVATE if f".{PERSONAL_SLOT}." in key else default
+        if f".{PERSONAL_SLOT}." in key:
+            return PRIVATE
+        # running stats of the frozen pretrained BNs never change (kept in eval mode): not per-client state
+        return FROZEN if default == PRIVATE else default
 
     def _activate(self, slot: str) -> None:
         self.model.set_adapter(slot)  # peft: forward uses `slot`; only its parameters require grad

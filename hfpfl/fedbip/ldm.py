@@ -464,7 +464,7 @@ def cached_snapshot(repo_id: str, cache_dir=None, revision: str = "main") -> str
 DEFAULT_LDM_REPO = "hfpfl/tiny-ldm-digits"
 
 
-def save_sample_grid(pipe, path: str, num_inference_steps: int = 20, guidance_scale: float = 1.0, seed: int = 0,
+def save_sample_grid(pipe, path: str, num_inference_steps: int = 20, guidance_scale: float = 3.0, seed: int = 0,
                      rows: int = 4):
     """Generate ``rows`` images per digit 0..9 with plain text prompts and save one PNG grid (digit per column)."""
     import numpy as np
