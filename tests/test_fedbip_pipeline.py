@@ -241,3 +241,17 @@ def test_word_init_and_concept_spaces(pipe, data, space):
                        domain_word="handwritten", class_words=words)
     out = pipe(**up, concept_space=space, num_inference_steps=2, output_type="pt")
     assert out.images.shape[0] == len(y)
+
+
+def test_word_concepts_reproduce_the_real_prompt(pipe):
+    """Inserting the real words' token embeddings at the placeholders == encoding the plain prompt (wiring check)."""
+    from hfpfl.fedbip import DIGIT_NAMES, init_concepts
+    from pipelines.pipeline_fedbip import encode_concept_prompt
+
+    S, V = init_concepts(pipe, 10, init="words", domain_word="photo", class_words=list(DIGIT_NAMES))
+    with torch.no_grad():
+        ours = encode_concept_prompt(pipe.text_encoder, pipe.tokenizer, "a [S] of the digit [V]", S, V[[7, 2]])
+        ids = pipe.tokenizer(["a photo of the digit seven", "a photo of the digit two"], padding="max_length",
+                             max_length=pipe.tokenizer.model_max_length, return_tensors="pt").input_ids
+        ref = pipe.text_encoder(ids)[0]
+    assert torch.allclose(ours, ref, atol=1e-6)
