@@ -150,6 +150,10 @@ class Algorithm:
         self.load_client(self.download(server_state, client_id), private or self.init_private_state(client_id))
         return self.model
 
+    def extra_metrics(self, round_idx: int, server_state: TensorDict) -> dict:
+        """More scalar metrics at each evaluation (e.g. PerAda's accuracy on corrupted test sets); none by default."""
+        return {}
+
     def new_client_keys(self) -> list[str]:
         """What a new client (never seen in training) tunes; default: everything trainable."""
         return self.global_keys + self.private_keys

@@ -218,9 +218,7 @@ class Simulation:
             out["personal_accuracy"] = float(np.mean([r[1] for r in rows]))  # mean per-client accuracy
             out["personal_accuracy_weighted"] = sum(r[1] * r[2] for r in rows) / max(1, sum(r[2] for r in rows))
             out["per_client"] = {str(c): a for c, a, _ in rows}
-        extra = getattr(algo, "extra_metrics", None)  # optional method hook: more scalar metrics (e.g. PerAda's
-        if extra is not None:                          # personal accuracy on corrupted test sets)
-            out.update(extra(round_idx, server_state))
+        out.update(algo.extra_metrics(round_idx, server_state))
         if final and self.data.new_clients:
             new_rows = []
             for j in owned(range(len(self.data.new_clients)), acc):
