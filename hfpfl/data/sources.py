@@ -78,7 +78,10 @@ SOURCES: dict[str, str] = {
     "mnistm": "MNIST digits blended with crops of real skimage photos (MNIST-M-style), RGB",
     "syn": "digits rendered with matplotlib's TTF fonts (SYN-style), RGB",
     "digits": "multi-domain benchmark: mnist + usps + mnistm + syn with a domain column",
+    "digits-nomnist": "usps + mnistm + syn with a domain column (digits without mnist: domains an MNIST-pretrained "
+                      "model never saw, e.g. FedBiP's tiny LDM)",
 }
+MULTI_DOMAIN = {"digits": DIGIT_DOMAINS, "digits-nomnist": ("usps", "mnistm", "syn")}
 
 _IMAGE_COLUMNS = ("image", "img", "images", "picture", "image_file", "png", "jpg")
 _LABEL_COLUMNS = ("label", "labels", "fine_label", "class", "target", "category", "coarse_label", "y")
@@ -517,7 +520,7 @@ def _load_source_cached(name: str, split: str, seed: int, max_per_domain: int | 
 
     base, degs = _parse_name(name)
     if base in SOURCES:
-        domains = DIGIT_DOMAINS if base == "digits" else (base,)
+        domains = MULTI_DOMAIN.get(base, (base,))
         parts = []
         for d in domains:
             x, y = _builtin_domain(d, split, seed, max_per_domain)

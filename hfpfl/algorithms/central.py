@@ -1,0 +1,49 @@
+"""Centralized real-data oracle: every client sends its raw train split once (bytes counted), the server trains the
+classifier on their union with the engine's training loop. An upper bound, not a federated method."""
+from dataclasses import dataclass, field
+
+import torch
+
+from ..federated.state import load_into, snapshot
+from ..federated.training import TensorData
+from .base import Algorithm, Update, register
+
+
+@dataclass
+class CentralConfig:
+    epochs: int = field(default=50, metadata={"help": "Epochs over the union of the clients' train splits."})
+
+    def __post_init__(self):
+        if self.epochs < 1:
+            raise ValueError("epochs must be >= 1")
+
+
+@register
+class Central(Algorithm):
+    """Centralized oracle: the classifier trained on the union of all clients' real train data."""
+
+    name = "central"
+    Config = CentralConfig
+    one_shot = True
+
+    def download(self, server_state, client_id):
+        return {}
+
+    def init_private_state(self, client_id):
+        return {}
+
+    def client_update(self, client_id, down, private, round_idx):
+        d = self.sim.train_data(client_id)
+        return Update(client_id, {"pixel_values": d.pixel_values.clone(), "labels": d.labels.clone()}, len(d))
+
+    def aggregate(self, server_state, updates, round_idx):
+        if not updates:
+            return server_state
+        data = TensorData(torch.cat([u.upload["pixel_values"] for u in updates]),
+                          torch.cat([u.upload["labels"] for u in updates]))
+        load_into(self.sim.model_state, {k: server_state[k] for k in self.global_keys})
+        self.local_train(-1, round_idx, epochs=self.config.epochs, data=data, tag="central")
+        return {**server_state, **snapshot(self.sim.model_state, self.global_keys)}
+
+    def load_personal(self, client_id, server_state, private, round_idx):
+        return self.load_global(server_state)

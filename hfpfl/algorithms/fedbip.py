@@ -1,0 +1,437 @@
+"""FedBiP (Chen et al., CVPR 2025; dissertation ch. 5): one-shot FL with a personalized latent diffusion model.
+
+One round (``one_shot = True``):
+
+* **client** (``client_update``): from its real train split (resized to the LDM resolution) a client computes the
+  instance-level latents z_i(T) (Eq. 3: same-class interpolation, noised to the maximum timestep, ``multiplier``
+  independent draws per image = FedBiP-S/M/L) and trains its domain concept S and class concepts V (Eq. 4) with
+  the LDM frozen. It uploads exactly ``{"latents", "labels", "domain_concept", "class_concepts"}`` (bytes counted
+  by the engine); nothing travels down (the LDM is public). The classifier is not touched on clients.
+* **server** (``aggregate``): per client upload, in its own seeded generator (asynchronous per client, as the paper
+  allows), ``FedBiPPipeline`` runs the reverse diffusion from each z_i(T) with the prompt "A [S^] style of a [V_y]",
+  S^ = S + eta (Eq. 5). The classifier (``sim.model``) is trained on the synthetic set only, with the engine's one
+  training loop (``Algorithm.local_train(data=TensorData(...))``), and evaluated by the engine on every client's
+  real test data and on the global test set.
+
+The LDM (``FedBiPPipeline``) is loaded once per process and shared by every client and every simulation of the
+process (frozen: its weights are never written; see ``tests/test_fedbip_algorithm.py``).
+
+Ablations (``personalization``), [D] Table 3:
+  ``full``      instance + concept level (FedBiP);            upload: latents, labels, domain_concept, class_concepts
+  ``instance``  z_i(T) + prompt with the real words;           upload: latents, labels
+  ``concept``   learned S, V; z(T) ~ N(0, I) drawn by server;  upload: labels, domain_concept, class_concepts
+  ``none``      prompt only, real words, z(T) ~ N(0, I);        upload: labels
+"Real words": the client's domain name (e.g. ``usps``) and the class names (digit names for digit labels),
+embedded by the LDM's own text encoder (``init_concepts(init="words")``: identical to tokenizing the real prompt).
+
+Choices where the spec and the paper ([D] ch. 5) differ or [D] is silent (the paper wins where it says something):
+* Concept vectors replace the *input* token embeddings ([D] "textual guidance"; spec B7.3 agrees, ``concept_space``
+  switches to the authors'-code output-space variant) and are *randomly* initialised ([D] §4.2.2; the authors' code
+  initialises from words: ``concept_init=words``).
+* Concept training: 50 epochs ([D] §5.1; App. A says 30), Adam lr 0.1, batch 8 ([C]).
+* S/M/L: ``multiplier`` independent z_i(T) per image (spec B7.4 option (a); [D] §5.1 only says 2x/5x/10x).
+* Perturbation: a fresh eta per generated image (Eq. 5 read per sample), sigma 0.1 ([D] App. A); not applied to the
+  real-word ablations (``instance`` / ``none``: [D] Table 3's prompt rows perturb nothing).
+* A class with one image on a client: the paper's Eq. 3 needs a partner i' != i; we raise a clear error (spec B7.8
+  suggests the fallback i' = i, which would upload an un-interpolated latent). ``class_average=True`` (the paper's
+  §5.6 stricter-privacy prototype variant) needs no partner.
+* The concepts a client trains depend only on its data and seed, not on ``multiplier`` (the two personalization
+  levels draw from separate generators), so FedBiP-S and -L differ only in the amount synthesised. Within one
+  process, identical concept trainings are memoised (``reuse_concepts``): a comparison of S/M/L and the
+  concept-only ablation trains each client's concepts once.
+* Classifier: SGD lr/momentum/batch from the run arguments for every variant (paper: SGD 0.01, momentum 0.9,
+  50 epochs on D_syn); synthetic images are resized to the classifier's input size.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..federated.state import load_into, snapshot
+from ..federated.training import TensorData
+from .base import Algorithm, Update, register
+
+logger = logging.getLogger("hfpfl")
+
+PERSONALIZATION_LEVELS = ("full", "instance", "concept", "none")
+UPLOAD_KEYS_BY_LEVEL = {
+    "full": ("latents", "labels", "domain_concept", "class_concepts"),
+    "instance": ("latents", "labels"),
+    "concept": ("labels", "domain_concept", "class_concepts"),
+    "none": ("labels",),
+}
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+@dataclass
+class FedBiPConfig:
+    ldm: str = field(default="hfpfl/tiny-ldm-digits", metadata={
+        "help": "Frozen pretrained latent diffusion model: a Hub repo id or a local folder, loaded with "
+                "FedBiPPipeline.from_pretrained (e.g. CompVis/stable-diffusion-v1-4). The default tiny LDM is "
+                "pretrained on public MNIST and published to the local Hub cache on first use."})
+    multiplier: int = field(default=2, metadata={
+        "help": "Synthetic images per real client image: 2 / 5 / 10 = FedBiP-S / -M / -L ([D] §5.1)."})
+    personalization: str = field(default="full", metadata={
+        "help": "full (FedBiP: instance + concept level) | instance (latents + real-word prompt) | concept (learned "
+                "concepts, random latents) | none (prompt only with real words, random latents) ([D] Table 3)."})
+    n_s: int = field(default=1, metadata={"help": "Domain-concept tokens n_s ([D] Table 5: 1 for style datasets)."})
+    n_v: int = field(default=1, metadata={"help": "Tokens per class concept n_v (n_c in [D] Table 5)."})
+    concept_epochs: int = field(default=50, metadata={
+        "help": "Concept-training epochs over the client's data ([D] §5.1: 50; App. A: 30)."})
+    concept_steps: int | None = field(default=None, metadata={
+        "help": "Exact concept-training steps (overrides concept_epochs)."})
+    concept_lr: float = field(default=0.1, metadata={"help": "Adam learning rate of the concepts ([D] App. A: 0.1)."})
+    concept_batch_size: int = field(default=8, metadata={"help": "Concept-training batch size ([C]: 8)."})
+    concept_init: str = field(default="random", metadata={
+        "help": "random ([D]: N(0, s^2) at the scale of the token embeddings) | words (from the real domain/class "
+                "words, as the authors' code)."})
+    concept_space: str = field(default="input", metadata={
+        "help": "input: concepts replace token embeddings ([D], textual inversion) | output: replace the text "
+                "encoder's output states ([C])."})
+    prompt_template: str = field(default="A [S] style of a [V]", metadata={
+        "help": "Prompt with one domain placeholder ([S] or [STY]) and one class placeholder ([V] or [CLS]) "
+                "([D] Algorithm 1)."})
+    concept_noise_sigma: float = field(default=0.1, metadata={
+        "help": "Std of the perturbation eta of the domain concept, S^ = S + eta, per image ([D] App. A: 0.1)."})
+    sampler: str = field(default="pndm", metadata={"help": "Server sampler: pndm ([D] App. A) | ddim | ddpm."})
+    num_inference_steps: int = field(default=50, metadata={"help": "Reverse-diffusion steps (not stated in [D])."})
+    guidance_scale: float = field(default=1.0, metadata={
+        "help": "Classifier-free guidance scale; 1.0 = the pure conditional Eq. 5 (not stated in [D])."})
+    class_average: bool = field(default=False, metadata={
+        "help": "Instance level from class-average latents (categorical prototypes, [D] §5.6 stricter privacy) "
+                "instead of pairwise interpolation."})
+    gamma_std: float = field(default=0.1, metadata={
+        "help": "Std of the interpolation weight gamma ~ N(0.5, std^2) clipped to [0, 1] ([D] Eq. 3: 0.1)."})
+    classifier_epochs: int = field(default=50, metadata={
+        "help": "Server classifier epochs on the synthetic set ([D] App. A: 50); optimizer, lr, momentum and batch "
+                "size come from --optimizer/--lr/--momentum/--batch_size."})
+    synthesis_batch_size: int = field(default=64, metadata={"help": "Latents denoised together on the server."})
+    domain_words: str | None = field(default=None, metadata={
+        "help": "Comma-separated real domain word per client for the real-word prompts (default: each client's "
+                "domain name, e.g. usps; 'image' when a client holds several domains)."})
+    class_words: str | None = field(default=None, metadata={
+        "help": "Comma-separated real class words (default: digit names for digit labels, else the label names)."})
+    save_grid: bool = field(default=True, metadata={
+        "help": "Write synthetic_grid.png (real vs synthetic images per client and class) to --output_dir."})
+    grid_per_class: int = field(default=3, metadata={"help": "Images per class and client in the grid."})
+    privacy_metrics: bool = field(default=True, metadata={
+        "help": "Report membership-inference gaps and synthetic-to-real nearest-neighbour distances."})
+    reuse_concepts: bool = field(default=True, metadata={
+        "help": "Memoise identical concept trainings within the process (same LDM, client data, seed, settings)."})
+
+    def __post_init__(self):
+        from pipelines.pipeline_fedbip import SAMPLERS, expand_template
+
+        if self.personalization not in PERSONALIZATION_LEVELS:
+            raise ValueError(f"personalization must be one of {PERSONALIZATION_LEVELS}, got {self.personalization!r}")
+        if self.multiplier < 1:
+            raise ValueError(f"multiplier must be >= 1 (2/5/10 = FedBiP-S/M/L), got {self.multiplier}")
+        if self.n_s < 1 or self.n_v < 1:
+            raise ValueError(f"n_s and n_v must be >= 1, got n_s={self.n_s}, n_v={self.n_v}")
+        expand_template(self.prompt_template, self.n_s, self.n_v)  # ValueError for a template without placeholders
+        if self.sampler.lower() not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {self.sampler!r}")
+        if self.concept_init not in ("random", "words"):
+            raise ValueError(f"concept_init must be random or words, got {self.concept_init!r}")
+        if self.concept_space not in ("input", "output"):
+            raise ValueError(f"concept_space must be input or output, got {self.concept_space!r}")
+        checks = [(self.concept_epochs >= 1, "concept_epochs must be >= 1"),
+                  (self.concept_steps is None or self.concept_steps >= 1, "concept_steps must be >= 1"),
+                  (self.concept_lr > 0, "concept_lr must be > 0"),
+                  (self.concept_batch_size >= 1, "concept_batch_size must be >= 1"),
+                  (self.concept_noise_sigma >= 0, "concept_noise_sigma must be >= 0"),
+                  (self.num_inference_steps >= 1, "num_inference_steps must be >= 1"),
+                  (self.guidance_scale >= 1.0, "guidance_scale must be >= 1 (1 = no guidance)"),
+                  (self.gamma_std >= 0, "gamma_std must be >= 0"),
+                  (self.classifier_epochs >= 1, "classifier_epochs must be >= 1"),
+                  (self.synthesis_batch_size >= 1, "synthesis_batch_size must be >= 1"),
+                  (self.grid_per_class >= 1, "grid_per_class must be >= 1")]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def upload_keys(self) -> tuple[str, ...]:
+        return UPLOAD_KEYS_BY_LEVEL[self.personalization]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the frozen LDM: one per process
+# ---------------------------------------------------------------------------------------------------------------
+_PIPES: dict[str, object] = {}
+_CONCEPTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def resolve_ldm(ldm: str) -> str:
+    """Local folder of the LDM: a folder as is; the default tiny repo id pretrained on first use; any other repo id
+    from the Hub cache (offline) or downloaded. Clear error when offline and not cached."""
+    from ..fedbip.ldm import DEFAULT_LDM_REPO, cached_snapshot, ensure_pretrained_ldm
+
+    if os.path.isdir(ldm):
+        return ldm
+    if ldm == DEFAULT_LDM_REPO:
+        return ensure_pretrained_ldm(ldm)
+    path = cached_snapshot(ldm)
+    if path is not None:
+        return path
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    if HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
+        raise OSError(f"LDM {ldm!r} is not a local folder and not in the local Hub cache, and HF_HUB_OFFLINE=1: "
+                      f"download it once online (huggingface-cli download {ldm}), pass a local folder, or use "
+                      f"the default {DEFAULT_LDM_REPO!r}")
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(ldm)
+
+
+def load_ldm(ldm: str):
+    """The process-wide frozen FedBiPPipeline for ``ldm`` (loaded once, shared by clients and simulations)."""
+    path = resolve_ldm(ldm)
+    key = os.path.realpath(path)
+    if key not in _PIPES:
+        from pipelines.pipeline_fedbip import FedBiPPipeline
+
+        pipe = FedBiPPipeline.from_pretrained(path)
+        for m in (pipe.unet, pipe.vae, pipe.text_encoder):
+            m.eval().requires_grad_(False)
+        pipe.set_progress_bar_config(disable=True)
+        _PIPES[key] = pipe
+        logger.info("FedBiP: loaded LDM %s (%s)", ldm, path)
+    return _PIPES[key]
+
+
+def _digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@register
+class FedBiP(Algorithm):
+    """FedBiP: one-shot upload of noised latents + learned concepts; server synthesis with a frozen LDM."""
+
+    name = "fedbip"
+    Config = FedBiPConfig
+    one_shot = True
+
+    def __init__(self, sim, config):
+        super().__init__(sim, config)
+        self.pipe = load_ldm(config.ldm)
+        self.pipe.set_sampler(config.sampler)
+        self.synthetic: dict | None = None  # images / labels / clients of D_syn after aggregate
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def ldm_size(self) -> int:
+        s = self.pipe.vae.config.sample_size
+        return s if isinstance(s, int) else s[0]
+
+    def real_images(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The client's train split as LDM inputs: (N, 3, S, S) in [-1, 1] at the LDM's resolution, labels."""
+        data = self.sim.train_data(client_id)
+        x = data.pixel_values
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        if x.shape[-1] != self.ldm_size:
+            x = F.interpolate(x, size=(self.ldm_size, self.ldm_size), mode="bilinear", align_corners=False)
+        return x.contiguous(), data.labels
+
+    def words(self, client_id: int) -> tuple[str, list[str]]:
+        """Real domain word and class words for the real-word prompts (ablations, concept_init=words)."""
+        cfg, data = self.config, self.sim.data
+        if cfg.domain_words:
+            doms = [w.strip() for w in cfg.domain_words.split(",")]
+            domain = doms[client_id % len(doms)]
+        else:
+            domain = self.sim.client(client_id).domain or "image"
+        if cfg.class_words:
+            classes = [w.strip() for w in cfg.class_words.split(",")]
+        elif list(data.label_names) == [str(i) for i in range(10)]:
+            classes = list(DIGIT_WORDS)
+        else:
+            classes = [str(n) for n in data.label_names]
+        if len(classes) != data.num_labels:
+            raise ValueError(f"class_words has {len(classes)} words but the data has {data.num_labels} classes")
+        return domain, classes
+
+    def word_concepts(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..fedbip import init_concepts
+
+        domain, classes = self.words(client_id)
+        cfg = self.config
+        return init_concepts(self.pipe, self.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template, init="words",
+                             domain_word=domain, class_words=classes, concept_space=cfg.concept_space)
+
+    # ------------------------------------------------------------------ client
+    def download(self, server_state, client_id):
+        return {}  # nothing travels down: the LDM is public, the classifier is trained after the upload
+
+    def init_private_state(self, client_id):
+        return {}
+
+    def client_update(self, client_id, down, private, round_idx):
+        from diffusers import DDPMScheduler
+
+        from ..fedbip import instance_level_latents
+
+        cfg, pipe = self.config, self.pipe
+        x, y = self.real_images(client_id)
+        noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+        upload: dict[str, torch.Tensor] = {"labels": y.clone()}
+        try:
+            if cfg.personalization in ("full", "instance"):  # Eq. 3, no optimisation
+                g = self.sim.generator(round_idx, client_id, "fedbip-instance")
+                latents, labels = instance_level_latents(pipe.vae, noise_scheduler, x, y, cfg.multiplier,
+                                                         cfg.class_average, 0.5, cfg.gamma_std, g)
+                upload["latents"], upload["labels"] = latents, labels
+            if cfg.personalization in ("full", "concept"):  # Eq. 4, LDM frozen
+                upload["domain_concept"], upload["class_concepts"] = self.train_concepts(client_id, x, y, round_idx,
+                                                                                        noise_scheduler)
+        except ValueError as e:
+            raise ValueError(f"FedBiP client {client_id}: {e}") from None
+        assert set(upload) == set(cfg.upload_keys), (sorted(upload), cfg.upload_keys)
+        return Update(client_id, upload=upload, num_samples=len(y), private=None,
+                      metrics={"num_upload_latents": int(len(upload.get("latents", ())))})
+
+    def train_concepts(self, client_id, x, y, round_idx, noise_scheduler):
+        from ..fedbip import train_concepts
+
+        cfg = self.config
+        seed = self.sim.seed_for(round_idx, client_id, "fedbip-concepts")
+        domain, classes = self.words(client_id) if cfg.concept_init == "words" else (None, None)
+        key = "|".join(map(str, (
+            id(self.pipe), _digest(x, y), seed, self.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
+            cfg.concept_epochs, cfg.concept_steps, cfg.concept_batch_size, cfg.concept_lr, cfg.concept_init,
+            cfg.concept_space, domain, classes)))
+        if cfg.reuse_concepts and key in _CONCEPTS:
+            S, V = _CONCEPTS[key]
+            return S.clone(), V.clone()
+        res = train_concepts(self.pipe, x, y, self.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
+                             cfg.concept_epochs, cfg.concept_steps, cfg.concept_batch_size, cfg.concept_lr,
+                             init=cfg.concept_init, domain_word=domain, class_words=classes,
+                             concept_space=cfg.concept_space, noise_scheduler=noise_scheduler,
+                             generator=torch.Generator().manual_seed(seed))
+        if cfg.reuse_concepts:
+            _CONCEPTS[key] = (res.domain_concept.clone(), res.class_concepts.clone())
+        return res.domain_concept, res.class_concepts
+
+    # ------------------------------------------------------------------ server
+    def check_upload(self, upd: Update) -> None:
+        """Validate one client's upload against the LDM (clear errors naming the client)."""
+        cfg, pipe, cid = self.config, self.pipe, upd.client_id
+        up = upd.upload
+        if set(up) != set(cfg.upload_keys):
+            raise ValueError(f"client {cid} uploaded {sorted(up)}; FedBiP ({cfg.personalization}) expects exactly "
+                             f"{sorted(cfg.upload_keys)}")
+        labels = up["labels"]
+        if labels.ndim != 1 or len(labels) == 0:
+            raise ValueError(f"client {cid} uploaded labels of shape {tuple(labels.shape)}; expected (N,), N >= 1")
+        if labels.min() < 0 or labels.max() >= self.sim.data.num_labels:
+            raise ValueError(f"client {cid} uploaded labels outside [0, {self.sim.data.num_labels})")
+        if "latents" in up:
+            exp = pipe.latent_shape()
+            z = up["latents"]
+            if z.ndim != 4 or tuple(z.shape[1:]) != tuple(exp):
+                raise ValueError(f"client {cid} uploaded latents of shape {tuple(z.shape)}, but the LDM {cfg.ldm!r} "
+                                 f"expects (N, {exp[0]}, {exp[1]}, {exp[2]}): the client used a different LDM/VAE or "
+                                 f"image size")
+            if len(z) != len(labels):
+                raise ValueError(f"client {cid} uploaded {len(z)} latents but {len(labels)} labels")
+        if "domain_concept" in up:
+            d = pipe.text_encoder.config.hidden_size
+            S, V = up["domain_concept"], up["class_concepts"]
+            if tuple(S.shape) != (cfg.n_s, d):
+                raise ValueError(f"client {cid} uploaded domain_concept {tuple(S.shape)}; expected ({cfg.n_s}, {d})")
+            if tuple(V.shape) != (self.sim.data.num_labels, cfg.n_v, d):
+                raise ValueError(f"client {cid} uploaded class_concepts {tuple(V.shape)}; expected "
+                                 f"({self.sim.data.num_labels}, {cfg.n_v}, {d})")
+
+    def synthesize(self, upd: Update, round_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """D_syn of one client: (N*M, C, H, W) in [-1, 1] at the classifier's input size, and labels."""
+        cfg, pipe, cid = self.config, self.pipe, upd.client_id
+        up = upd.upload
+        g = self.sim.generator(round_idx, cid, "fedbip-synthesis")  # one generator per client upload
+        if "latents" in up:
+            latents, labels = up["latents"], up["labels"]
+        else:  # concept-only / prompt-only: z(T) ~ N(0, I) drawn on the server, multiplier per uploaded label
+            labels = up["labels"].repeat(cfg.multiplier)
+            latents = torch.randn((len(labels), *pipe.latent_shape()), generator=g)
+        if "domain_concept" in up:
+            S, V, sigma = up["domain_concept"], up["class_concepts"], cfg.concept_noise_sigma
+        else:  # real words, not perturbed
+            (S, V), sigma = self.word_concepts(cid), 0.0
+        out = pipe(latents, labels, S, V, prompt_template=cfg.prompt_template, concept_noise_sigma=sigma,
+                   num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
+                   batch_size=cfg.synthesis_batch_size, generator=g, output_type="pt",
+                   concept_space=cfg.concept_space)
+        images = out.images.float() * 2 - 1
+        size, ch = self.sim.data.image_size, self.sim.data.num_channels
+        if images.shape[-1] != size:
+            images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        if ch == 1:
+            images = images.mean(1, keepdim=True)
+        return images.clamp(-1, 1).contiguous(), out.labels.long()
+
+    def aggregate(self, server_state, updates, round_idx):
+        if not updates:
+            return server_state
+        for u in updates:
+            self.check_upload(u)
+        xs, ys, cs = [], [], []
+        for u in sorted(updates, key=lambda u: u.client_id):  # asynchronous per client: each upload on its own
+            x, y = self.synthesize(u, round_idx)
+            xs.append(x)
+            ys.append(y)
+            cs.append(torch.full((len(y),), u.client_id, dtype=torch.long))
+        self.synthetic = {"images": torch.cat(xs), "labels": torch.cat(ys), "clients": torch.cat(cs)}
+        syn = TensorData(self.synthetic["images"], self.synthetic["labels"])
+        logger.info("FedBiP: %d synthetic images from %d clients; training the classifier on them only", len(syn),
+                    len(updates))
+        load_into(self.sim.model_state, {k: server_state[k] for k in self.global_keys})
+        self.classifier_metrics = self.local_train(-1, round_idx, params=self.trainable_parameters(),
+                                                   epochs=self.config.classifier_epochs, data=syn,
+                                                   tag="fedbip-classifier")
+        if self.config.save_grid and self.sim.accelerator.is_main_process:
+            self.save_grid()
+        return {**server_state, **snapshot(self.sim.model_state, self.global_keys)}
+
+    def save_grid(self, path=None):
+        from ..fedbip.grid import save_real_vs_synthetic_grid
+
+        path = path or (self.sim.output_dir / "synthetic_grid.png")
+        clients = sorted(set(self.synthetic["clients"].tolist()))
+        real = [(self.sim.train_data(c).pixel_values, self.sim.train_data(c).labels) for c in clients]
+        syn = [(self.synthetic["images"][self.synthetic["clients"] == c],
+                self.synthetic["labels"][self.synthetic["clients"] == c]) for c in clients]
+        names = [f"client {c}: {self.sim.client(c).domain or 'mixed'}" for c in clients]
+        return save_real_vs_synthetic_grid(path, real, syn, names, self.sim.data.num_labels,
+                                           per_class=self.config.grid_per_class)
+
+    # ------------------------------------------------------------------ evaluation: one global classifier
+    def load_personal(self, client_id, server_state, private, round_idx):
+        return self.load_global(server_state)
+
+    def personalize_new_client(self, client_id, server_state, data, round_idx):
+        return self.load_global(server_state)  # a one-shot global classifier: new clients use it as is
+
+    def extra_metrics(self, round_idx, server_state) -> dict:
+        out = {}
+        if self.synthetic is not None:
+            out["num_synthetic"] = int(len(self.synthetic["labels"]))
+            out["classifier_train_loss"] = float(self.classifier_metrics["train_loss"])
+        if not self.config.privacy_metrics:
+            return out
+        from ..fedbip.privacy import membership_inference_gap, synthetic_nearest_neighbors
+
+        out.update(membership_inference_gap(self.sim, server_state, round_idx))
+        if self.synthetic is not None:
+            out.update(synthetic_nearest_neighbors(self.sim, self.synthetic))
+        return out
