@@ -1,0 +1,202 @@
+"""FedBiP as an engine plug-in, on a tiny *randomly initialised* LDM saved to a tmp folder (never pretrained here)."""
+import dataclasses
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hfpfl.algorithms.fedbip import FedBiPConfig, load_ldm  # noqa: E402
+from hfpfl.config import RunArguments  # noqa: E402
+from hfpfl.fedbip import build_tiny_ldm, state_checksum  # noqa: E402
+
+torch.set_num_threads(1)
+SHOTS = 2
+
+
+@pytest.fixture(scope="module")
+def ldm_dir(tmp_path_factory):
+    from pipelines.pipeline_fedbip import FedBiPPipeline
+
+    path = tmp_path_factory.mktemp("tiny_ldm")
+    FedBiPPipeline(**build_tiny_ldm(image_size=16, seed=0)).save_pretrained(str(path))
+    return str(path)
+
+
+def _few_shot(fed, shots):
+    clients = []
+    for c in fed.clients:
+        y = np.asarray(c.train.with_format(None)["labels"])
+        keep = np.sort(np.concatenate([np.flatnonzero(y == k)[:shots] for k in np.unique(y)]))
+        clients.append(dataclasses.replace(c, train=c.train.select(keep)))
+    return dataclasses.replace(fed, clients=clients)
+
+
+@pytest.fixture(scope="module")
+def fed():
+    """3 feature-shift clients (usps, mnistm, syn: domains without mnist), 2 shots per class, 12x12 classifier input."""
+    from hfpfl.data import DataArguments, build_federated_dataset
+
+    args = DataArguments(dataset="digits-nomnist", num_clients=3, max_per_domain=80, image_size=12, test_fraction=0.3)
+    return args, _few_shot(build_federated_dataset(args, seed=0), SHOTS)
+
+
+def _cfg(ldm_dir, **kw):
+    base = dict(ldm=ldm_dir, multiplier=2, concept_steps=2, num_inference_steps=2, classifier_epochs=1,
+                synthesis_batch_size=64, grid_per_class=1)
+    base.update(kw)
+    return FedBiPConfig(**base)
+
+
+def _sim(fed, tmp_path, cfg, name="fedbip", **run_kw):
+    from hfpfl.federated.engine import Simulation
+
+    data_args, fd = fed
+    kw = dict(method="fedbip", num_rounds=3, batch_size=16, lr=0.05, output_dir=str(tmp_path / name),
+              progress=False, checkpoint_every=0, overwrite_output_dir=True)
+    kw.update(run_kw)
+    return Simulation(RunArguments(**kw), data_args, cfg, fed_data=fd)
+
+
+@pytest.fixture(scope="module")
+def full_run(ldm_dir, fed, tmp_path_factory):
+    cfg = _cfg(ldm_dir)
+    pipe = load_ldm(ldm_dir)
+    mods = (pipe.unet, pipe.vae, pipe.text_encoder)
+    before = state_checksum(*mods)
+    sim = _sim(fed, tmp_path_factory.mktemp("full"), cfg)
+    res = sim.run()
+    return sim, res, before, state_checksum(*mods)
+
+
+def test_exactly_one_round_and_only_named_tensors_leave_clients(full_run):
+    sim, res, _, _ = full_run
+    assert sim.args.num_rounds == 1 and res["num_rounds"] == 1 and len(sim.history) == 1  # asked for 3
+    pipe = sim.algorithm.pipe
+    c, h, w = pipe.latent_shape()
+    d = pipe.text_encoder.config.hidden_size
+    expected_up = 0
+    for u in sim.last_updates:
+        assert set(u.upload) == {"latents", "labels", "domain_concept", "class_concepts"}
+        n = len(sim.train_data(u.client_id))
+        assert u.upload["latents"].shape == (2 * n, c, h, w)
+        assert u.upload["domain_concept"].shape == (1, d) and u.upload["class_concepts"].shape == (10, 1, d)
+        real = sim.train_data(u.client_id).pixel_values
+        for v in u.upload.values():  # nothing image-shaped leaves a client
+            assert tuple(v.shape[-3:]) != tuple(real.shape[-3:])
+        expected_up += sum(v.numel() * v.element_size() for v in u.upload.values())
+        assert expected_up > 0
+    comm = res["communication"]
+    assert comm["bytes_up"] == expected_up and comm["bytes_down"] == 0
+    assert sum(2 * len(sim.train_data(i)) for i in range(3)) * c * h * w * 4 < comm["bytes_up"]
+
+
+def test_ldm_weights_unchanged_and_frozen(full_run):
+    sim, _, before, after = full_run
+    assert before == after
+    pipe = sim.algorithm.pipe
+    assert not any(p.requires_grad for m in (pipe.unet, pipe.vae, pipe.text_encoder) for p in m.parameters())
+    assert load_ldm(sim.algorithm.config.ldm) is pipe  # loaded once per process, shared
+
+
+def test_synthetic_set_size_and_class_balance(full_run):
+    sim, res, _, _ = full_run
+    syn = sim.algorithm.synthetic
+    assert syn["images"].shape[1:] == (3, 12, 12) and -1 <= syn["images"].min() and syn["images"].max() <= 1
+    for cid in range(sim.num_clients):
+        y_real = sim.train_data(cid).labels
+        y_syn = syn["labels"][syn["clients"] == cid]
+        assert len(y_syn) == 2 * len(y_real)
+        assert torch.equal(torch.bincount(y_syn, minlength=10), 2 * torch.bincount(y_real, minlength=10))
+    assert res["final"]["num_synthetic"] == len(syn["labels"])
+
+
+def test_results_privacy_metrics_and_grid(full_run):
+    sim, res, _, _ = full_run
+    on_disk = json.loads((sim.output_dir / "results.json").read_text())
+    for k in ("mia_loss_gap", "mia_entropy_gap", "syn_nn_dist_mean", "syn_nn_dist_min", "real_test_nn_dist_mean",
+              "personal_accuracy", "global_accuracy"):
+        assert k in on_disk["final"] and np.isfinite(on_disk["final"][k]), k
+    assert on_disk["final"]["syn_nn_dist_min"] > 0  # no synthetic image is a copy of a client image
+    assert set(on_disk["per_domain_accuracy"]) == {"usps", "mnistm", "syn"}
+    assert (sim.output_dir / "synthetic_grid.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("level,keys", [("none", {"labels"}), ("instance", {"latents", "labels"}),
+                                        ("concept", {"labels", "domain_concept", "class_concepts"})])
+def test_ablation_levels_upload_only_what_they_use(ldm_dir, fed, tmp_path, level, keys):
+    cfg = _cfg(ldm_dir, personalization=level, multiplier=1, privacy_metrics=False, save_grid=False)
+    sim = _sim(fed, tmp_path, cfg, name=level)
+    res = sim.run()
+    assert all(set(u.upload) == keys for u in sim.last_updates)
+    assert res["final"]["num_synthetic"] == sum(len(sim.train_data(i)) for i in range(3))
+
+
+def test_central_oracle_uploads_raw_data(fed, tmp_path):
+    from hfpfl.algorithms.central import CentralConfig
+
+    sim = _sim(fed, tmp_path, CentralConfig(epochs=1), name="central", method="central")
+    res = sim.run()
+    raw = sum(len(sim.train_data(i)) * (3 * 12 * 12 * 4 + 8) for i in range(3))
+    assert res["num_rounds"] == 1 and res["communication"]["bytes_up"] == raw
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+def test_template_without_placeholders_is_rejected(ldm_dir):
+    with pytest.raises(ValueError, match="placeholder"):
+        _cfg(ldm_dir, prompt_template="a photo of a digit")
+    with pytest.raises(ValueError, match="personalization"):
+        _cfg(ldm_dir, personalization="partial")
+
+
+def test_client_with_one_image_in_a_class(ldm_dir, fed, tmp_path):
+    data_args, fd = fed
+    c0 = fd.clients[0]
+    y = np.asarray(c0.train.with_format(None)["labels"])
+    keep = [i for i in range(len(y)) if y[i] != 3] + [int(np.flatnonzero(y == 3)[0])]
+    bad = dataclasses.replace(fd, clients=[dataclasses.replace(c0, train=c0.train.select(sorted(keep)))]
+                              + fd.clients[1:])
+    sim = _sim((data_args, bad), tmp_path, _cfg(ldm_dir, personalization="instance"))
+    with pytest.raises(ValueError, match=r"client 0: class 3 has a single image"):
+        sim.run()
+    # the stricter-privacy class-average variant needs no partner
+    sim = _sim((data_args, bad), tmp_path, _cfg(ldm_dir, personalization="instance", class_average=True,
+                                                privacy_metrics=False, save_grid=False), name="avg")
+    assert sim.run()["num_rounds"] == 1
+
+
+def test_mismatched_latent_shapes_from_a_client(ldm_dir, fed, tmp_path):
+    from hfpfl.algorithms import Update
+
+    sim = _sim(fed, tmp_path, _cfg(ldm_dir, personalization="instance"))
+    c, h, w = sim.algorithm.pipe.latent_shape()
+    bad = Update(2, {"latents": torch.randn(4, c, h + 1, w), "labels": torch.zeros(4, dtype=torch.long)}, 4)
+    with pytest.raises(ValueError, match=r"client 2 uploaded latents of shape \(4, 4, 5, 4\).*expects"):
+        sim.algorithm.aggregate(sim.algorithm.init_server_state(), [bad], 1)
+    extra = Update(1, {"latents": torch.randn(4, c, h, w), "labels": torch.zeros(4, dtype=torch.long),
+                       "images": torch.zeros(4, 3, 16, 16)}, 4)
+    with pytest.raises(ValueError, match="client 1 uploaded"):
+        sim.algorithm.aggregate(sim.algorithm.init_server_state(), [extra], 1)
+
+
+def test_uncached_model_id_offline_fails_fast(fed, tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = FedBiPConfig(ldm="someone/not-a-cached-ldm")
+    t = time.perf_counter()
+    with pytest.raises(OSError, match="not in the local Hub cache"):
+        _sim(fed, tmp_path, cfg)
+    assert time.perf_counter() - t < 10
+
+
+def test_same_seed_same_uploads_and_synthetic_set(full_run, ldm_dir, fed, tmp_path):
+    sim, _, _, _ = full_run
+    again = _sim(fed, tmp_path, _cfg(ldm_dir, reuse_concepts=False, privacy_metrics=False, save_grid=False))
+    again.run()
+    for a, b in zip(sim.last_updates, again.last_updates):
+        assert all(torch.equal(a.upload[k], b.upload[k]) for k in a.upload)
+    assert torch.equal(sim.algorithm.synthetic["images"], again.algorithm.synthetic["images"])
