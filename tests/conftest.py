@@ -39,3 +39,11 @@ def run_sim(small_digits, tmp_path):
         return sim, (sim.run() if run else None)
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def pretrained_backbone():
+    """The tiny ResNet pretrained on the public pool, published to the local Hub cache (trained once if missing)."""
+    from hfpfl.models.pretrained import default_repo_id, ensure_pretrained
+
+    return ensure_pretrained(default_repo_id("tiny-resnet", "digits"))

@@ -10,6 +10,7 @@ from hfpfl.algorithms.fednova import NORM, normalizer
 from hfpfl.models.adapters import travel_keys
 from hfpfl.models.pretrained import default_repo_id
 
+pytestmark = pytest.mark.usefixtures("pretrained_backbone")  # published to the Hub cache once
 BACKBONE = default_repo_id("tiny-resnet", "digits")
 
 

@@ -200,3 +200,18 @@ def test_same_seed_same_uploads_and_synthetic_set(full_run, ldm_dir, fed, tmp_pa
     for a, b in zip(sim.last_updates, again.last_updates):
         assert all(torch.equal(a.upload[k], b.upload[k]) for k in a.upload)
     assert torch.equal(sim.algorithm.synthetic["images"], again.algorithm.synthetic["images"])
+
+
+def test_singleton_classes_self_and_drop(ldm_dir, fed, tmp_path):
+    data_args, fd = fed
+    c0 = fd.clients[0]
+    y = np.asarray(c0.train.with_format(None)["labels"])
+    keep = [i for i in range(len(y)) if y[i] != 3] + [int(np.flatnonzero(y == 3)[0])]
+    bad = dataclasses.replace(fd, clients=[dataclasses.replace(c0, train=c0.train.select(sorted(keep)))]
+                              + fd.clients[1:])
+    for mode, n3 in (("self", 2), ("drop", 0)):
+        sim = _sim((data_args, bad), tmp_path, _cfg(ldm_dir, personalization="instance", singleton_classes=mode,
+                                                    privacy_metrics=False, save_grid=False), name=mode)
+        sim.run()
+        up = next(u for u in sim.last_updates if u.client_id == 0).upload
+        assert int((up["labels"] == 3).sum()) == n3 and len(up["latents"]) == len(up["labels"])
