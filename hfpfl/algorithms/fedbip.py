@@ -33,8 +33,8 @@ Choices where the spec and the paper ([D] ch. 5) differ or [D] is silent (the pa
 * Perturbation: a fresh eta per generated image (Eq. 5 read per sample), sigma 0.1 ([D] App. A); not applied to the
   real-word ablations (``instance`` / ``none``: [D] Table 3's prompt rows perturb nothing).
 * A class with one image on a client: the paper's Eq. 3 needs a partner i' != i; we raise a clear error (spec B7.8
-  suggests the fallback i' = i, which would upload an un-interpolated latent). ``class_average=True`` (the paper's
-  §5.6 stricter-privacy prototype variant) needs no partner.
+  suggests the fallback i' = i, which would upload an un-interpolated latent: ``singleton_classes=self``, or
+  ``drop``). ``class_average=True`` (the paper's §5.6 stricter-privacy prototype variant) needs no partner.
 * The concepts a client trains depend only on its data and seed, not on ``multiplier`` (the two personalization
   levels draw from separate generators), so FedBiP-S and -L differ only in the amount synthesised. Within one
   process, identical concept trainings are memoised (``reuse_concepts``): a comparison of S/M/L and the
@@ -105,6 +105,11 @@ class FedBiPConfig:
     class_average: bool = field(default=False, metadata={
         "help": "Instance level from class-average latents (categorical prototypes, [D] §5.6 stricter privacy) "
                 "instead of pairwise interpolation."})
+    singleton_classes: str = field(default="error", metadata={
+        "help": "A class with one image on a client has no same-class partner for Eq. 3: error (default: the paper "
+                "requires i' != i) | self (spec B7.8 fallback i' = i: that latent is not interpolated, only noised; "
+                "logged) | drop (no latent for it; its concepts are still trained). Label-skew (Dirichlet) splits "
+                "need self or drop, or class_average."})
     gamma_std: float = field(default=0.1, metadata={
         "help": "Std of the interpolation weight gamma ~ N(0.5, std^2) clipped to [0, 1] ([D] Eq. 3: 0.1)."})
     classifier_epochs: int = field(default=50, metadata={
@@ -136,6 +141,8 @@ class FedBiPConfig:
         expand_template(self.prompt_template, self.n_s, self.n_v)  # ValueError for a template without placeholders
         if self.sampler.lower() not in SAMPLERS:
             raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {self.sampler!r}")
+        if self.singleton_classes not in ("error", "self", "drop"):
+            raise ValueError(f"singleton_classes must be error, self or drop, got {self.singleton_classes!r}")
         if self.concept_init not in ("random", "words"):
             raise ValueError(f"concept_init must be random or words, got {self.concept_init!r}")
         if self.concept_space not in ("input", "output"):
@@ -280,18 +287,14 @@ class FedBiP(Algorithm):
     def client_update(self, client_id, down, private, round_idx):
         from diffusers import DDPMScheduler
 
-        from ..fedbip import instance_level_latents
-
         cfg, pipe = self.config, self.pipe
         x, y = self.real_images(client_id)
         noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
         upload: dict[str, torch.Tensor] = {"labels": y.clone()}
         try:
             if cfg.personalization in ("full", "instance"):  # Eq. 3, no optimisation
-                g = self.sim.generator(round_idx, client_id, "fedbip-instance")
-                latents, labels = instance_level_latents(pipe.vae, noise_scheduler, x, y, cfg.multiplier,
-                                                         cfg.class_average, 0.5, cfg.gamma_std, g)
-                upload["latents"], upload["labels"] = latents, labels
+                upload["latents"], upload["labels"] = self.instance_latents(client_id, x, y, round_idx,
+                                                                            noise_scheduler)
             if cfg.personalization in ("full", "concept"):  # Eq. 4, LDM frozen
                 upload["domain_concept"], upload["class_concepts"] = self.train_concepts(client_id, x, y, round_idx,
                                                                                         noise_scheduler)
@@ -300,6 +303,31 @@ class FedBiP(Algorithm):
         assert set(upload) == set(cfg.upload_keys), (sorted(upload), cfg.upload_keys)
         return Update(client_id, upload=upload, num_samples=len(y), private=None,
                       metrics={"num_upload_latents": int(len(upload.get("latents", ())))})
+
+    def instance_latents(self, client_id, x, y, round_idx, noise_scheduler):
+        """Eq. 3 for every image, ``multiplier`` draws each; single-image classes per ``singleton_classes``."""
+        from ..fedbip import instance_level_latents
+
+        cfg, pipe = self.config, self.pipe
+        g = self.sim.generator(round_idx, client_id, "fedbip-instance")
+        counts = torch.bincount(y, minlength=self.sim.data.num_labels)
+        single = counts[y] == 1
+        if cfg.class_average or cfg.singleton_classes == "error" or not bool(single.any()):
+            return instance_level_latents(pipe.vae, noise_scheduler, x, y, cfg.multiplier, cfg.class_average, 0.5,
+                                          cfg.gamma_std, g)  # raises for a single-image class unless class_average
+        logger.info("FedBiP client %d: classes %s have a single image (%s)", client_id,
+                    sorted(set(y[single].tolist())), "i' = i, not interpolated" if cfg.singleton_classes == "self"
+                    else "no latent uploaded for them")
+        parts = []
+        if bool((~single).any()):
+            parts.append(instance_level_latents(pipe.vae, noise_scheduler, x[~single], y[~single], cfg.multiplier,
+                                                False, 0.5, cfg.gamma_std, g))
+        if cfg.singleton_classes == "self":  # the class average of one image is the image itself: i' = i
+            parts.append(instance_level_latents(pipe.vae, noise_scheduler, x[single], y[single], cfg.multiplier,
+                                                True, 0.5, cfg.gamma_std, g))
+        if not parts:
+            raise ValueError("every class has a single image and singleton_classes=drop: nothing to upload")
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def train_concepts(self, client_id, x, y, round_idx, noise_scheduler):
         from ..fedbip import train_concepts
