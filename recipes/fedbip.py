@@ -165,7 +165,8 @@ def summarize(name, sim, res, cfg) -> dict:
 def format_comparison(rows: list[dict]) -> str:
     domains = sorted({d for r in rows for d in r["per_domain"]})
     head = (f"{'variant':<20} " + " ".join(f"{d[:8]:>8}" for d in domains) +
-            f" {'mean':>6} {'global':>6} {'#syn':>5} {'up KiB':>8} {'MIA-loss':>8} {'MIA-ent':>7} {'NN-dist':>7}"
+            f" {'mean':>6} {'global':>6} {'#syn':>5} {'syn-fid':>7} {'up KiB':>8} {'MIA-loss':>8} {'MIA-ent':>7}"
+            f" {'NN-dist':>7}"
             f" {'time s':>6}")
     lines = [head, "-" * len(head)]
 
@@ -176,11 +177,13 @@ def format_comparison(rows: list[dict]) -> str:
         lines.append(f"{r['variant']:<20} " + " ".join(f(r["per_domain"].get(d), 8) for d in domains) +
                      f" {f(r['mean_accuracy'], 6)} {f(r['global_accuracy'], 6)}"
                      f" {(str(r.get('num_synthetic')) if r.get('num_synthetic') else '-'):>5}"
+                     f" {f(r.get('synthetic_fidelity'), 7)}"
                      f" {r['bytes_up'] / 1024:>8.1f} {f(r.get('mia_loss_gap'), 8)} {f(r.get('mia_entropy_gap'), 7)}"
                      f" {f(r.get('syn_nn_dist_mean'), 7)} {r['wall_time_s']:>6.1f}")
     lines.append("accuracy per domain = the classifier on that client's real test split; mean = over clients; "
-                 "MIA gaps = |member - non-member| mean loss / entropy (lower = less leakage); NN-dist = RMS pixel "
-                 "distance of synthetic images to the nearest client train image")
+                 "syn-fid = accuracy of the Central (real-data) classifier on the variant's synthetic set (are the "
+                 "images of their label?); MIA gaps = |member - non-member| mean loss / entropy (lower = less "
+                 "leakage); NN-dist = RMS pixel distance of synthetic images to the nearest client train image")
     return "\n".join(lines)
 
 
@@ -208,13 +211,24 @@ def main(argv=None):
             print(format_table(res))
             print(f"results: {os.path.join(run.output_dir, 'results.json')}")
             return res
-        rows, main_res = [], None
+        rows, main_res, syn_sets = [], None, {}
         main_name = {2: "FedBiP-S", 5: "FedBiP-M", 10: "FedBiP-L"}.get(cfg.multiplier, "FedBiP-L")
         for name, r_args, m_cfg in variants(run, cfg, rec):
             t = time.perf_counter()
             sim = Simulation(r_args, data, m_cfg, fed_data=fed)
             res = sim.run()
             rows.append(summarize(name, sim, res, m_cfg))
+            if res["method"] == "fedbip":
+                syn_sets[name] = sim.algorithm.synthetic
+            if name == "Central":  # class fidelity of every synthetic set: the real-data oracle's accuracy on it
+                from hfpfl.federated.training import TensorData, evaluate
+
+                model = sim.algorithm.load_global(sim.server_state)
+                for row in rows:
+                    if row["variant"] in syn_sets:
+                        s_ = syn_sets[row["variant"]]
+                        row["synthetic_fidelity"] = evaluate(model, TensorData(s_["images"], s_["labels"]),
+                                                             device=sim.device)["accuracy"]
             print(f"[{name}] mean accuracy {res['final'].get('personal_accuracy'):.4f} "
                   f"({time.perf_counter() - t:.1f} s)", flush=True)
             if name == main_name:
