@@ -88,6 +88,17 @@ _LABEL_COLUMNS = ("label", "labels", "fine_label", "class", "target", "category"
 _DOMAIN_COLUMNS = ("domain", "domains", "style", "environment")
 
 
+
+def _save_npz(cache, x, y) -> None:
+    """Best-effort atomic write of a built domain to the disk cache (a failure only costs a rebuild)."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.npz")
+        np.savez(tmp, x=x, y=y)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+
 def _features(label_names) -> Features:
     return Features({"image": Image(), "label": ClassLabel(names=list(label_names)), "domain": Value("string")})
 
@@ -120,13 +131,7 @@ def _mnist_pool() -> tuple[np.ndarray, np.ndarray]:
     arr = pd.read_csv(path, header=None).to_numpy()
     x = arr[:, :784].astype(np.uint8).reshape(-1, 28, 28)
     y = arr[:, 784].astype(np.int64)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.npz")
-        np.savez(tmp, x=x, y=y)
-        os.replace(tmp, cache)
-    except OSError:
-        pass
+    _save_npz(cache, x, y)
     return x, y
 
 
@@ -315,13 +320,7 @@ def _builtin_domain(domain: str, split: str, seed: int, max_per_domain: int | No
         except Exception:  # corrupt: rebuild
             pass
     x, y = _builtin_domain_uncached(domain, split, seed, max_per_domain, copy)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.npz")
-        np.savez(tmp, x=x, y=y)
-        os.replace(tmp, cache)
-    except OSError:
-        pass
+    _save_npz(cache, x, y)
     return x, y
 
 
