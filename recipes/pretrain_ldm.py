@@ -37,14 +37,15 @@ class PretrainArguments:
     vae_batch_size: int = field(default=32, metadata={"help": "VAE batch size."})
     vae_lr: float = field(default=2e-3, metadata={"help": "VAE AdamW learning rate (cosine decay)."})
     kl_weight: float = field(default=1e-6, metadata={"help": "Weight of the VAE KL term."})
-    unet_steps: int = field(default=1000, metadata={"help": "UNet + text-encoder optimisation steps."})
+    unet_steps: int = field(default=750, metadata={"help": "UNet + text-encoder optimisation steps."})
     unet_batch_size: int = field(default=64, metadata={"help": "UNet batch size."})
     unet_lr: float = field(default=2e-3, metadata={"help": "UNet AdamW learning rate (cosine decay)."})
     cond_dropout: float = field(default=0.1, metadata={"help": "Fraction of empty captions (classifier-free guidance)."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads (1 is fastest on a shared 2-core box)."})
-    time_budget_s: float | None = field(default=290.0, metadata={"help": "Stop UNet training once the run has "
-                                                                         "used this much CPU time (s); None = no cap."})
+    time_budget_s: float | None = field(default=None, metadata={
+        "help": "Stop UNet training once the run has used this much CPU time (s); None = exactly unet_steps "
+                "(same seed, same weights)."})
 
 
 def main(argv=None):

@@ -288,7 +288,7 @@ class PretrainConfig:
     vae_batch_size: int = 32
     vae_lr: float = 2e-3
     kl_weight: float = 1e-6
-    unet_steps: int = 1000
+    unet_steps: int = 750
     unet_batch_size: int = 64
     unet_lr: float = 2e-3
     cond_dropout: float = 0.1  # empty caption this often, so classifier-free guidance works
@@ -296,7 +296,7 @@ class PretrainConfig:
     num_threads: int = 1
     # stop the UNet phase once the run has used this much CPU time (process time, so that a busy shared machine
     # does not shorten training: 1 thread => CPU seconds == seconds on one free core)
-    time_budget_s: float | None = 290.0
+    time_budget_s: float | None = None  # None = exactly unet_steps (deterministic per seed)
 
 
 def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print):
