@@ -59,7 +59,8 @@ def _labels_kwargs(num_labels: int) -> dict[str, Any]:
     }
 
 
-def _basic_resnet_config(num_labels, num_channels, embedding_size, hidden_sizes, depths, **overrides) -> ResNetConfig:
+def _basic_resnet_config(num_labels, num_channels, embedding_size, hidden_sizes, depths, overrides) -> ResNetConfig:
+    """A basic-block HF ResNet config; ``overrides`` (any ResNetConfig field) win over the shape given here."""
     kw = dict(num_channels=num_channels, embedding_size=embedding_size, hidden_sizes=hidden_sizes, depths=depths,
               layer_type="basic", hidden_act="relu", downsample_in_first_stage=False, **_labels_kwargs(num_labels))
     kw.update(overrides)
@@ -71,12 +72,12 @@ def tiny_resnet_config(num_labels: int, num_channels: int = 3, **overrides) -> R
 
     Measured: one forward+backward+SGD step on a 32x3x28x28 batch takes ~20 ms on one CPU core.
     """
-    return _basic_resnet_config(num_labels, num_channels, 16, [16, 32, 64, 128], [1, 1, 1, 1], **overrides)
+    return _basic_resnet_config(num_labels, num_channels, 16, [16, 32, 64, 128], [1, 1, 1, 1], overrides)
 
 
 def resnet18_config(num_labels: int, num_channels: int = 3, **overrides) -> ResNetConfig:
     """The real ResNet-18 shape (same as ``microsoft/resnet-18``'s config), for parameter accounting without weights."""
-    return _basic_resnet_config(num_labels, num_channels, 64, [64, 128, 256, 512], [2, 2, 2, 2], **overrides)
+    return _basic_resnet_config(num_labels, num_channels, 64, [64, 128, 256, 512], [2, 2, 2, 2], overrides)
 
 
 def resnet26_config(num_labels: int, num_channels: int = 3, **overrides) -> ResNetConfig:
@@ -86,7 +87,7 @@ def resnet26_config(num_labels: int, num_channels: int = 3, **overrides) -> ResN
     Note: the HF ResNet stem is a 7x7/2 conv + max-pool (ImageNet style), not Rebuffi's 3x3/1 stem, so the shape of
     the blocks matches but the stem does not.
     """
-    return _basic_resnet_config(num_labels, num_channels, 32, [64, 128, 256], [4, 4, 4], **overrides)
+    return _basic_resnet_config(num_labels, num_channels, 32, [64, 128, 256], [4, 4, 4], overrides)
 
 
 def tiny_vit_config(num_labels: int, image_size: int = 28, num_channels: int = 3, **overrides) -> ViTConfig:
