@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..federated.state import load_into, snapshot
-from ..federated.training import TensorData, evaluate
+from ..federated.training import TensorData, evaluate, train_local
 
 logger = logging.getLogger("hfpfl")
 
@@ -117,41 +117,38 @@ def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig
     teacher_logits /= len(teachers)
 
     load_into(sim.model_state, student)
-    params = algo.trainable_parameters(keys)
-    opt = torch.optim.Adam(params, lr=config.kd_lr)
+    opt = torch.optim.Adam(algo.trainable_parameters(keys), lr=config.kd_lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=config.kd_steps, eta_min=0.0)
-    gen = sim.generator(round_idx, -1, "kd")
-    best_state, best_acc = None, -1.0
+    best = {}
     if val is not None:  # the plain average competes too; ties keep it (PerAda code)
-        best_state, best_acc = snapshot(sim.model_state, keys), evaluate(model, val, batch_size=bs, device=dev)["accuracy"]
-        avg_acc = best_acc
-    model.train()  # student in train mode (PerAda code): dropout on, trainable BN copies see public batches
-    losses, step = [], 0
-    n, b = len(pixels), min(config.kd_batch_size, len(pixels))
-    while step < config.kd_steps:
-        order = torch.randperm(n, generator=gen)
-        for s in range(0, n - b + 1, b):  # full batches only (BatchNorm in train mode)
-            idx = order[s:s + b]
-            out = model(pixel_values=pixels[idx].to(dev)).logits
-            loss = kd_loss(out, teacher_logits[idx].to(dev), config.kd_temperature)
-            opt.zero_grad(set_to_none=True)
-            sim.accelerator.backward(loss)
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            step += 1
-            if val is not None and (step % config.kd_eval_every == 0 or step == config.kd_steps):
-                acc = evaluate(model, val, batch_size=bs, device=dev)["accuracy"]
-                model.train()
-                if acc > best_acc:
-                    best_state, best_acc = snapshot(sim.model_state, keys), acc
-            if step >= config.kd_steps:
-                break
+        avg_acc = evaluate(model, val, batch_size=bs, device=dev)["accuracy"]
+        best.update(state=snapshot(sim.model_state, keys), acc=avg_acc)
+
+    def select(step):  # KD checkpoint selection on the labelled held-out split (PerAda code)
+        if val is not None and (step % config.kd_eval_every == 0 or step == config.kd_steps):
+            acc = evaluate(model, val, batch_size=bs, device=dev)["accuracy"]  # restores train mode
+            if acc > best["acc"]:
+                best.update(state=snapshot(sim.model_state, keys), acc=acc)
+
+    losses = []
+
+    def loss_fn(m, batch):
+        loss = kd_loss(m(pixel_values=batch["pixel_values"]).logits, batch["teacher_logits"], config.kd_temperature)
+        losses.append(float(loss.detach()))
+        return loss
+
+    # the student trains in train mode (PerAda code) through the engine's one loop; the public pool is unlabeled:
+    # its batches carry the teachers' mean logits instead of labels
+    pool = TensorData(pixels, torch.full((len(pixels),), -1), extras={"teacher_logits": teacher_logits})
+    train_local(model, pool, opt, batch_size=min(config.kd_batch_size, len(pixels)), max_steps=config.kd_steps,
+                generator=sim.generator(round_idx, -1, "kd"), device=dev, loss_fn=loss_fn,
+                backward=sim.accelerator.backward, scheduler=sched, after_step=select)
+    step = len(losses)
     metrics = {"kd_loss_first": losses[0] if losses else math.nan, "kd_loss_last": losses[-1] if losses else math.nan,
                "kd_steps": step}
     if val is not None:
-        metrics.update(kd_val_accuracy=best_acc, kd_val_accuracy_avg=avg_acc)
-        return best_state, metrics
+        metrics.update(kd_val_accuracy=best["acc"], kd_val_accuracy_avg=avg_acc)
+        return best["state"], metrics
     return snapshot(sim.model_state, keys), metrics
 
 

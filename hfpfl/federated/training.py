@@ -4,10 +4,11 @@ Methods customise it through small hooks instead of copying it:
 - ``loss_fn(model, batch) -> loss``           (default: the HF model's own loss from ``labels``)
 - ``regularizer(model) -> loss``              (FedProx / Ditto / PerAda proximal terms, ...)
 - ``before_step(model) -> None``              (gradient corrections, e.g. SCAFFOLD's control variates)
+- ``scheduler`` / ``after_step(step)``         (learning-rate schedules; checkpoint selection, e.g. server-side KD)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -16,10 +17,13 @@ from torch import nn
 
 @dataclass
 class TensorData:
-    """A client's split as in-memory tensors (fast batching on CPU, no per-row Arrow decoding)."""
+    """A client's split as in-memory tensors (fast batching on CPU, no per-row Arrow decoding).
+
+    ``extras`` are more per-sample tensors batched alongside (e.g. teacher logits for distillation)."""
 
     pixel_values: torch.Tensor
     labels: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -43,11 +47,12 @@ def iterate_batches(data: TensorData, batch_size: int, *, shuffle: bool, generat
     for i, s in enumerate(starts):
         e = starts[i + 1] if i + 1 < len(starts) else n
         idx = order[s:e]
-        yield {"pixel_values": data.pixel_values[idx], "labels": data.labels[idx]}
+        yield {"pixel_values": data.pixel_values[idx], "labels": data.labels[idx],
+               **{k: v[idx] for k, v in data.extras.items()}}
 
 
 def default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    return model(**batch).loss
+    return model(pixel_values=batch["pixel_values"], labels=batch["labels"]).loss
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], name: str, lr: float, momentum: float = 0.0,
@@ -70,7 +75,8 @@ def train_local(model: nn.Module, data: TensorData, optimizer: torch.optim.Optim
                 loss_fn: Callable[[nn.Module, dict], torch.Tensor] = default_loss,
                 regularizer: Callable[[nn.Module], torch.Tensor] | None = None,
                 before_step: Callable[[nn.Module], None] | None = None,
-                backward: Callable[[torch.Tensor], None] | None = None) -> dict:
+                backward: Callable[[torch.Tensor], None] | None = None,
+                scheduler=None, after_step: Callable[[int], None] | None = None) -> dict:
     """Run local SGD steps; `epochs` passes over the data, or exactly `max_steps` steps if given."""
     model.train()
     steps, loss_sum = 0, 0.0
@@ -86,8 +92,12 @@ def train_local(model: nn.Module, data: TensorData, optimizer: torch.optim.Optim
             if before_step is not None:
                 before_step(model)
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             steps += 1
             loss_sum += float(task_loss)
+            if after_step is not None:
+                after_step(steps)
             if max_steps is not None and steps >= max_steps:
                 return {"train_loss": loss_sum / steps, "steps": steps}
         epochs -= 1
