@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
+from ..federated.training import TensorData, evaluate, train_local
 from .builders import TINY_CLASSIFIERS, build_classifier
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ class PretrainArguments:
         hub.validate_revision(self.revision)
 
     def weight_config(self) -> dict:
-        return {k: getattr(self, k) for k in _WEIGHT_FIELDS}
+        # recipe_version: bump when the training procedure changes, so stale cached weights are retrained
+        return {"recipe_version": 2, **{k: getattr(self, k) for k in _WEIGHT_FIELDS}}
 
 
 def default_repo_id(model: str, dataset: str) -> str:
@@ -117,18 +118,10 @@ def _data(args: PretrainArguments):
     return train, val, label_names
 
 
-@torch.no_grad()
-def _accuracy(model, ds, device, batch_size=256) -> float:
+def _accuracy(model, ds, device) -> float:
     if ds is None or len(ds) == 0:
         return float("nan")
-    model.eval()
-    correct = 0
-    for i in range(0, len(ds), batch_size):
-        b = ds[i : i + batch_size]
-        logits = model(pixel_values=b["pixel_values"].to(device)).logits
-        correct += (logits.argmax(-1).cpu() == b["labels"]).sum().item()
-    model.train()
-    return correct / len(ds)
+    return evaluate(model, TensorData.from_dataset(ds), device=device)["accuracy"]
 
 
 def random_shift(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
@@ -166,32 +159,32 @@ def train_backbone(args: PretrainArguments, output_dir: str | os.PathLike) -> di
     model.to(device).train()
     gen = torch.Generator().manual_seed(args.seed)
     aug_gen = torch.Generator().manual_seed(args.seed + 1)
-    loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=gen)
-    if len(loader) == 0:
-        raise ValueError(f"public pool of {args.dataset!r} has {len(train)} samples < batch_size {args.batch_size}")
-    steps = args.epochs * len(loader)
+    data = TensorData.from_dataset(train)
+    if len(data) < args.batch_size:
+        raise ValueError(f"public pool of {args.dataset!r} has {len(data)} samples < batch_size {args.batch_size}")
+    steps = args.epochs * (len(data) // args.batch_size)
     if args.max_steps is not None:
         steps = min(steps, args.max_steps)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, max(1, int(0.05 * steps)), steps)
     bar = tqdm(total=steps, desc=f"pretrain {args.model} on {args.dataset}:public",
                disable=not accelerator.is_local_main_process)
-    step, loss_ema = 0, None
+    ema = {}
+
+    def shifted_loss(m, batch):  # random-shift augmentation, then the model's own loss
+        loss = m(pixel_values=random_shift(batch["pixel_values"], args.augment_shift, aug_gen),
+                 labels=batch["labels"]).loss
+        ema["loss"] = loss.item() if "loss" not in ema else 0.9 * ema["loss"] + 0.1 * loss.item()
+        return loss
+
+    def progress(step):
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema['loss']:.3f}")
+
     t_train = time.perf_counter()
-    for _ in range(math.ceil(steps / len(loader))):
-        for batch in loader:
-            if step >= steps:
-                break
-            pixels = random_shift(batch["pixel_values"], args.augment_shift, aug_gen)
-            out = model(pixel_values=pixels.to(device), labels=batch["labels"].to(device))
-            out.loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            loss_ema = out.loss.item() if loss_ema is None else 0.9 * loss_ema + 0.1 * out.loss.item()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_ema:.3f}")
+    step = train_local(model, data, opt, batch_size=args.batch_size, max_steps=steps, generator=gen, device=device,
+                       loss_fn=shifted_loss, scheduler=sched, after_step=progress)["steps"]  # the engine's one loop
+    loss_ema = ema.get("loss")
     bar.close()
     train_time = time.perf_counter() - t_train
     metrics = {
