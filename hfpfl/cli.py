@@ -1,7 +1,6 @@
 """Command-line entry points shared by the recipes (`accelerate launch recipes/<method>.py`) and `hfpfl`."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys

@@ -14,10 +14,8 @@ If the repo id is already cached, nothing is trained unless ``--force``.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from transformers import HfArgumentParser  # noqa: E402
 

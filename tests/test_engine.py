@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from hfpfl.config import RunArguments, load_config_file, parse_run_args
 from hfpfl.federated.comm import tensor_bytes

@@ -20,7 +20,7 @@ from ..algorithms.base import FROZEN, GLOBAL, PRIVATE, Update, get_algorithm
 from . import checkpoint as ckpt
 from .comm import CommLedger, num_elements, tensor_bytes
 from .distributed import all_gather, barrier, owned
-from .state import ClientStateStore, load_into, snapshot
+from .state import ClientStateStore, snapshot
 from .training import TensorData, evaluate, make_optimizer
 
 logger = logging.getLogger("hfpfl")

@@ -12,7 +12,6 @@ import os
 import tempfile
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import (
     AutoConfig,
