@@ -41,6 +41,13 @@ class RunArguments:
     optimizer: str = field(default="sgd", metadata={"help": "Local optimizer: sgd | adam | adamw."})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum (fresh optimizer every round)."})
     weight_decay: float = field(default=0.0, metadata={"help": "Weight decay."})
+    dropout: float | None = field(default=None, metadata={
+        "help": "Dropout rate for every nn.Dropout during local training (default: the model's own)."})
+    server_lr: float = field(default=1.0, metadata={
+        "help": "Server optimizer (FedOpt) learning rate on the pseudo-gradient x - mean(uploads); 1 with "
+                "server_momentum 0 is FedAvg."})
+    server_momentum: float = field(default=0.0, metadata={"help": "Server optimizer momentum (FedAvgM)."})
+    server_lr_decay: float = field(default=1.0, metadata={"help": "Server lr multiplied by this every round."})
     eval_every: int = field(default=1, metadata={"help": "Evaluate every N rounds (and always after the last)."})
     eval_batch_size: int = field(default=256, metadata={"help": "Evaluation batch size."})
     new_client_epochs: int = field(default=3, metadata={"help": "Fine-tuning epochs for held-out new clients."})
@@ -65,6 +72,10 @@ class RunArguments:
             (self.adapter in ADAPTERS, f"adapter must be one of {', '.join(ADAPTERS)}, got {self.adapter!r}"),
             (self.lora_r >= 1, "lora_r must be >= 1"),
             (self.optimizer in ("sgd", "adam", "adamw"), f"optimizer must be sgd, adam or adamw, got {self.optimizer!r}"),
+            (self.dropout is None or 0 <= self.dropout < 1, "dropout must be in [0, 1)"),
+            (self.server_lr > 0, "server_lr must be > 0"),
+            (0 <= self.server_momentum < 1, "server_momentum must be in [0, 1)"),
+            (0 < self.server_lr_decay <= 1, "server_lr_decay must be in (0, 1]"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -157,7 +157,7 @@ def summarize(name, sim, res, cfg) -> dict:
         for k in ("mia_loss_gap", "mia_entropy_gap", "syn_nn_dist_mean", "syn_nn_dist_min", "real_test_nn_dist_mean"):
             row[k] = final.get(k)
     else:  # the same MIA measure for the real-data baselines
-        row.update(membership_inference_gap(sim, sim.server_state, sim.args.num_rounds))
+        row.update(membership_inference_gap(sim.algorithm, sim.server_state, sim.args.num_rounds))
     return row
 
 
@@ -220,7 +220,7 @@ def main(argv=None):
             if res["method"] == "fedbip":
                 syn_sets[name] = sim.algorithm.synthetic
             if name == "Central":  # class fidelity of every synthetic set: the real-data oracle's accuracy on it
-                from hfpfl.federated.training import TensorData, evaluate
+                from hfpfl.training import TensorData, evaluate
 
                 model = sim.algorithm.load_global(sim.server_state)
                 for row in rows:

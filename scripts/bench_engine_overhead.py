@@ -53,7 +53,7 @@ def main():
     from hfpfl.config import RunArguments
     from hfpfl.data import DataArguments, build_federated_dataset
     from hfpfl.federated.engine import Simulation
-    from hfpfl.federated.training import TensorData
+    from hfpfl.training import TensorData
     from hfpfl.models import build_classifier
 
     data_args = DataArguments(num_clients=a.clients)

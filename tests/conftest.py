@@ -35,7 +35,7 @@ def run_sim(small_digits, tmp_path):
         kw.update(overrides)
         kw["output_dir"] = str(tmp_path / kw["output_dir"])  # always inside the test's tmp dir
         cfg = method_config if method_config is not None else get_algorithm(method).Config()
-        sim = Simulation(RunArguments(**kw), data_args, cfg, fed_data=fed)
+        sim = Simulation(RunArguments(**kw), data_args, cfg, fed_data=fed, keep_uploads=True)
         return sim, (sim.run() if run else None)
 
     return _run

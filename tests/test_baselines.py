@@ -1,11 +1,33 @@
-"""Each baseline's defining property, on real (small) Digits data with the tiny HF ResNet."""
+"""Each baseline's defining property, on real (small) Digits data with the tiny HF ResNet, checked against hand
+computations where the property is arithmetic."""
+import pytest
 import torch
+from torch import nn
+from transformers.modeling_outputs import ImageClassifierOutput
 
-from hfpfl.algorithms.base import weighted_average
+from hfpfl.algorithms.base import Update, weighted_average
+from hfpfl.algorithms.ditto import DittoConfig
 from hfpfl.algorithms.fedbn import norm_key_prefixes
+from hfpfl.algorithms.fednova import FedNova, normalizer
 from hfpfl.algorithms.fedper import is_head
 from hfpfl.algorithms.fedprox import FedProxConfig
+from hfpfl.algorithms.scaffold import Scaffold
 from hfpfl.federated.comm import tensor_bytes
+from hfpfl.training import iterate_batches
+
+
+class TinyLinear(nn.Module):
+    """A linear classifier on flattened pixels: small enough to redo an algorithm's arithmetic by hand."""
+
+    def __init__(self, in_features=3 * 16 * 16, num_labels=10):
+        super().__init__()
+        torch.manual_seed(0)
+        self.classifier = nn.Linear(in_features, num_labels)
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.classifier(pixel_values.flatten(1))
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return ImageClassifierOutput(loss=loss, logits=logits)
 
 
 def test_weighted_average_is_sample_weighted():
@@ -18,22 +40,23 @@ def test_fedavg_server_state_is_weighted_mean_of_uploads(run_sim):
     sim, _ = run_sim("fedavg", num_rounds=1)
     ups = sim.last_updates
     assert [u.client_id for u in ups] == [0, 1, 2, 3]
-    expect = weighted_average([u.upload for u in ups], [u.num_samples for u in ups])
+    expect = weighted_average([u.upload["model"] for u in ups], [u.num_samples for u in ups])
     for k, v in expect.items():
-        assert torch.equal(sim.server_state[k], v), k
+        assert torch.equal(sim.server_state["model"][k], v), k
     # the clients really differ (otherwise averaging would be untested)
     key = next(k for k in expect if "classifier" in k and k.endswith("weight"))
-    assert not torch.equal(ups[0].upload[key], ups[1].upload[key])
+    assert not torch.equal(ups[0].upload["model"][key], ups[1].upload["model"][key])
 
 
 def test_fedprox_mu_zero_equals_fedavg_exactly(run_sim):
     avg, r_avg = run_sim("fedavg", output_dir="p_a")
     prox, r_prox = run_sim("fedprox", method_config=FedProxConfig(mu=0.0), output_dir="p_b")
-    for k in avg.server_state:
-        assert torch.equal(avg.server_state[k], prox.server_state[k]), k
+    for k in avg.server_state["model"]:
+        assert torch.equal(avg.server_state["model"][k], prox.server_state["model"][k]), k
     assert r_avg["final"] == r_prox["final"]
     prox_pos, _ = run_sim("fedprox", method_config=FedProxConfig(mu=1.0), output_dir="p_c")
-    assert any(not torch.equal(avg.server_state[k], prox_pos.server_state[k]) for k in avg.server_state)
+    assert any(not torch.equal(avg.server_state["model"][k], prox_pos.server_state["model"][k])
+               for k in avg.server_state["model"])
 
 
 def test_fedbn_norm_layers_never_travel(run_sim):
@@ -41,13 +64,13 @@ def test_fedbn_norm_layers_never_travel(run_sim):
     norms = norm_key_prefixes(sim.model)
     assert norms, "the tiny ResNet must have BatchNorm layers"
     for u in sim.last_updates:
-        assert u.upload and not any(k.startswith(norms) for k in u.upload)
-    private = sim.store.get(0)
+        assert u.upload["model"] and not any(k.startswith(norms) for k in u.upload["model"])
+    private = sim.store.get(0)["model"]
     assert private and all(k.startswith(norms) for k in private)
     assert any("running_mean" in k for k in private)
     # norm statistics are personal: two clients of different domains differ
     k = next(k for k in private if k.endswith("running_mean"))
-    assert not torch.equal(sim.store.get(0)[k], sim.store.get(1)[k])
+    assert not torch.equal(sim.store.get(0)["model"][k], sim.store.get(1)["model"][k])
     # bytes up are exactly the non-norm state
     per_client = res["communication"]["per_client"]["0"]["bytes_up"]
     assert per_client == 2 * tensor_bytes(sim.last_updates[0].upload)
@@ -64,9 +87,9 @@ def test_fedper_and_fedrep_keep_the_head_personal(run_sim):
     for method in ("fedper", "fedrep"):
         sim, _ = run_sim(method)
         for u in sim.last_updates:
-            assert not any(is_head(k) for k in u.upload)
-            assert any(not is_head(k) for k in u.upload)
-        heads = sim.store.get(0)
+            assert not any(is_head(k) for k in u.upload["model"])
+            assert any(not is_head(k) for k in u.upload["model"])
+        heads = sim.store.get(0)["model"]
         assert heads and all(is_head(k) for k in heads)
 
 
@@ -81,34 +104,143 @@ def test_fedrep_head_phase_leaves_body_unchanged(run_sim):
         assert torch.equal(sim.model_state[k], v), k
 
 
+# ------------------------------------------------------------------------------------------------ Ditto
 def test_ditto_global_is_fedavg_and_personal_stays_local(run_sim):
     avg, _ = run_sim("fedavg", output_dir="d_avg")
     ditto, res = run_sim("ditto", output_dir="d_ditto")
-    for k in avg.server_state:
-        assert torch.equal(avg.server_state[k], ditto.server_state[k]), k
+    for k in avg.server_state["model"]:
+        assert torch.equal(avg.server_state["model"][k], ditto.server_state["model"][k]), k
     for u in ditto.last_updates:
-        assert not any(k.startswith("personal::") for k in u.upload)
-    assert all(k.startswith("personal::") for k in ditto.store.get(0))
+        assert set(u.upload) == {"model"}
+    assert "personal" in ditto.store.get(0)
     assert res["final"]["personal_accuracy"] > 0
 
 
-def test_fedavg_ft_personal_beats_or_matches_no_finetuning_on_train_distribution(run_sim):
-    sim, res = run_sim("fedavg_ft", num_rounds=1)
-    assert 0 <= res["final"]["personal_accuracy"] <= 1
-    # fine-tuning at evaluation changes the model away from the global one
+def _ditto_personal(run_sim, lam, name, epochs=1):
+    """(simulation, the global model client 0 received in round 1, client 0's personal model after round 1)"""
+    sim, _ = run_sim("ditto", method_config=DittoConfig(lam=lam, personal_epochs=epochs), num_rounds=1, output_dir=name, momentum=0.0,
+                     lr=0.01, run=False)
+    w0 = sim.algorithm.init_server_state()["model"]
+    sim.run()
+    return sim, w0, sim.store.get(0)["personal"]
+
+
+def test_ditto_lambda_limits(run_sim):
+    """lambda = 0: the personal model is plain local training from the received global model; lambda large: it
+    stays at the received global model."""
+    sim0, w0, v0 = _ditto_personal(run_sim, 0.0, "lam0")
+    algo = sim0.algorithm
+    # plain local training from w0 with the personal stage's data order, no regularizer, by hand
+    sim0.ctx.load(w0)
+    sim0.ctx.load(sim0.initial_private)
+    algo.local_train(0, 1, epochs=1, tag="personal")
+    plain = sim0.ctx.snapshot(algo.global_keys)
+    for k in v0:
+        assert torch.allclose(v0[k], plain[k], atol=1e-6), k
+
+    params = dict(sim0.model.named_parameters())  # weights, not BN statistics (the prox term pulls weights)
+
+    def dist(v):
+        return sum(float(((v[k] - w0[k]) ** 2).sum()) for k in v if k in params) ** 0.5
+
+    # lambda -> infinity: SGD with lr * lambda = 1 puts v back at w - lr * grad(v) every step, however long it
+    # trains (one step away from w, no more), while lambda = 0 drifts further with every epoch
+    _, _, far = _ditto_personal(run_sim, 0.0, "lam0_e4", epochs=4)
+    _, _, mid = _ditto_personal(run_sim, 10.0, "lam10_e4", epochs=4)
+    _, _, near = _ditto_personal(run_sim, 100.0, "lam100_e4", epochs=4)
+    assert dist(near) < dist(mid) < dist(far) and dist(near) < 0.5 * dist(far)
+
+
+# ------------------------------------------------------------------------------------------------ FedAvg + FT
+def test_fedavg_ft_personal_beats_or_matches_the_global_model_on_its_training_distribution(run_sim):
+    from hfpfl.algorithms.fedavg_ft import FineTuneConfig
+
+    sim, res = run_sim("fedavg_ft", method_config=FineTuneConfig(finetune_epochs=3), num_rounds=2, lr=0.01)
     algo = sim.algorithm
-    g = {k: v.clone() for k, v in sim.server_state.items()}
-    algo.load_personal(0, sim.server_state, None, 1)
-    assert any(not torch.equal(sim.model_state[k], g[k]) for k in algo.global_keys)
+    for cid in range(sim.num_clients):
+        glob = sim.ctx.evaluate(algo.load_global(sim.server_state), sim.train_data(cid))
+        pers = sim.ctx.evaluate(algo.load_personal(cid, sim.server_state, sim.store.get(cid), 2), sim.train_data(cid))
+        assert pers["loss"] < glob["loss"] and pers["accuracy"] >= glob["accuracy"], cid
 
 
-def test_scaffold_control_variate_is_mean_of_client_controls(run_sim):
-    sim, _ = run_sim("scaffold", num_rounds=1, momentum=0.0)
-    key = next(k for k in sim.server_state if k.startswith("control::"))
-    client_cs = torch.stack([sim.store.get(c)[key] for c in range(sim.num_clients)])
-    # all clients participate and c starts at 0: c = mean_i c_i
-    assert torch.allclose(sim.server_state[key], client_cs.mean(0), atol=1e-6)
-    assert client_cs.abs().sum() > 0
-    # model + control travel down: twice the model parameters
-    down = sim.algorithm.download(sim.server_state, 0)
-    assert tensor_bytes(down) > tensor_bytes({k: v for k, v in down.items() if not k.startswith("control::")})
+# ------------------------------------------------------------------------------------------------ SCAFFOLD
+class TinyScaffold(Scaffold):
+    name = "tiny_scaffold"
+
+    def build_model(self):
+        return TinyLinear()
+
+
+def test_scaffold_matches_a_hand_computation(run_sim):
+    """Two rounds of SCAFFOLD (option II) redone by hand on a linear model: x, c and every c_i agree."""
+    from hfpfl.algorithms import register
+
+    register(TinyScaffold)
+    lr, eta_g = 0.05, 0.7
+    sim, _ = run_sim("tiny_scaffold", method_config=TinyScaffold.Config(server_lr=eta_g), num_rounds=2,
+                     momentum=0.0, local_steps=3, clients_per_round=3, run=False)
+    x = {k: v.clone().double() for k, v in sim.model.state_dict().items()}
+    c = {k: torch.zeros_like(v) for k, v in x.items()}
+    c_i = {}
+    n = sim.num_clients
+    for r in (1, 2):
+        sampled = sim.sample_clients(r)
+        dys, dcs = [], []
+        for cid in sampled:
+            ci = c_i.get(cid, {k: torch.zeros_like(v) for k, v in x.items()})
+            y = {k: v.clone().requires_grad_(True) for k, v in x.items()}
+            data, gen = sim.train_data(cid), sim.generator(r, cid, "")
+            batches = (b for _ in range(3) for b in iterate_batches(data, 16, shuffle=True, generator=gen))
+            for _, batch in zip(range(3), batches):  # 3 steps, across epochs for clients with few batches
+                logits = batch["pixel_values"].flatten(1).double() @ y["classifier.weight"].T + y["classifier.bias"]
+                loss = nn.functional.cross_entropy(logits, batch["labels"])
+                grads = torch.autograd.grad(loss, list(y.values()))
+                y = {k: (v - lr * (g - ci[k] + c[k])).detach().requires_grad_(True)
+                     for (k, v), g in zip(y.items(), grads)}
+            ci_new = {k: ci[k] - c[k] + (x[k] - y[k].detach()) / (3 * lr) for k in x}
+            dys.append({k: y[k].detach() - x[k] for k in x})
+            dcs.append({k: ci_new[k] - ci[k] for k in x})
+            c_i[cid] = ci_new
+        x = {k: x[k] + eta_g * sum(d[k] for d in dys) / len(dys) for k in x}
+        c = {k: c[k] + len(sampled) / n * sum(d[k] for d in dcs) / len(dcs) for k in x}
+        sim.step()
+    for k in x:
+        assert torch.allclose(sim.server_state["model"][k].double(), x[k], atol=1e-5), k
+        assert torch.allclose(sim.server_state["control"][k].double(), c[k], atol=1e-4), k
+    for cid, ci in c_i.items():
+        for k in ci:
+            assert torch.allclose(sim.store.get(cid)["control"][k].double(), ci[k], atol=1e-4), (cid, k)
+    # model and control travel down: twice the model's bytes, reported per part
+    by_part = sim.ledger.totals()["by_part"]
+    assert by_part["control"]["bytes_down"] == by_part["model"]["bytes_down"] > 0
+    assert set(by_part) == {"model", "control", "delta_y", "delta_c"}
+
+
+@pytest.mark.parametrize("bad", [dict(momentum=0.9), dict(optimizer="adam", momentum=0.0),
+                                 dict(weight_decay=1e-4, momentum=0.0)])
+def test_scaffold_rejects_optimizers_its_correction_does_not_fit(run_sim, bad):
+    with pytest.raises(ValueError, match="plain SGD.*--momentum 0"):
+        run_sim("scaffold", run=False, **bad)
+
+
+# ------------------------------------------------------------------------------------------------ FedNova
+@pytest.mark.parametrize("tau,rho", [(1, 0.0), (5, 0.0), (3, 0.9), (7, 0.5)])
+def test_fednova_normalizer_matches_the_papers_closed_form(tau, rho):
+    # Wang et al. 2020, momentum SGD: ||a||_1 = [tau - rho (1 - rho^tau) / (1 - rho)] / (1 - rho)
+    closed = (tau - rho * (1 - rho ** tau) / (1 - rho)) / (1 - rho)
+    assert normalizer(tau, rho) == pytest.approx(closed, rel=1e-12)
+    assert normalizer(3, 0.9) == pytest.approx(1 + 1.9 + 2.71)
+
+
+def test_fednova_aggregate_matches_hand_values(run_sim):
+    """x = 0; client A: y = -1, ||a|| = 1, n = 1; client B: y = -4, ||a|| = 2, n = 3.
+    p = (1/4, 3/4); tau_eff = 1/4 + 3/2 = 1.75; d = 1/4 * 1/1 + 3/4 * 4/2 = 1.75; x+ = -1.75 * 1.75 = -3.0625."""
+    sim, _ = run_sim("fednova", run=False)
+    algo: FedNova = sim.algorithm
+    key = algo._param_keys()[0]
+    state = {"model": {key: torch.zeros(2)}}
+    algo._param_keys = lambda: [key]
+    ups = [Update(0, {"model": {key: torch.full((2,), -1.0)}, "fednova": {"a": torch.tensor([1.0], dtype=torch.float64)}}, 1),
+           Update(1, {"model": {key: torch.full((2,), -4.0)}, "fednova": {"a": torch.tensor([2.0], dtype=torch.float64)}}, 3)]
+    out = algo.aggregate(state, ups, 1)
+    assert torch.allclose(out["model"][key], torch.full((2,), -3.0625))

@@ -28,6 +28,7 @@ def test_same_seed_same_results_and_different_seed_differs(run_sim):
 def test_one_model_instance_and_private_state_only(run_sim):
     sim, _ = run_sim("fedbn", num_rounds=1)
     private_bytes = tensor_bytes({k: sim.model_state[k] for k in sim.algorithm.private_keys})
+    assert all(set(sim.store.get(c)) == {"model"} for c in range(sim.num_clients))
     model_bytes = tensor_bytes(sim.model_state)
     assert sim.store.nbytes() == sim.num_clients * private_bytes
     assert private_bytes < model_bytes / 10  # the store holds norms, not model copies
@@ -66,7 +67,7 @@ def test_results_contract_files(run_sim):
 
 def test_lora_adapter_only_adapters_and_head_travel(run_sim):
     sim, res = run_sim("fedavg", num_rounds=1, adapter="lora", lora_r=2)
-    up = sim.last_updates[0].upload
+    up = sim.last_updates[0].upload["model"]
     assert up and all("lora_" in k or "classifier" in k or "running" in k or "num_batches" in k for k in up)
     assert any("lora_" in k for k in up)
     full = tensor_bytes(sim.model_state)
@@ -111,7 +112,7 @@ def test_corrupt_and_mismatched_checkpoints(run_sim, tmp_path):
     out = Path(sim.args.output_dir)
     latest = sorted((out / "checkpoints").glob("round-*"))[-1]
     # mismatched: a different method cannot resume this checkpoint
-    with pytest.raises(ValueError, match="different run.*method"):
+    with pytest.raises(ValueError, match="other settings.*method"):
         run_sim("fedbn", num_rounds=3, output_dir="ck", resume_from_checkpoint="latest", overwrite_output_dir=False)
     # corrupt: truncated safetensors
     data = (latest / "server.safetensors").read_bytes()

@@ -26,7 +26,8 @@ def test_baselines_run_on_frozen_backbone_and_send_only_adapters(run_sim, adapte
     for method in ("fedavg", "fedprox", "fedavg_ft", "ditto", "fedrep", "local", "fednova"):
         sim, res = run_sim(method, model=BACKBONE, adapter=adapter, num_rounds=1, output_dir=f"{adapter}-{method}")
         tk = travel_keys(sim.model)
-        sent = {_name_free(k) for u in sim.last_updates for k in u.upload if k != NORM}
+        sent = {_name_free(k) for u in sim.last_updates for k in u.upload.get("model", {})}
+        assert all(set(u.upload) <= {"model", NORM} for u in sim.last_updates)
         if method == "local":
             assert not sent
         elif method == "fedrep":  # the head is personal there
@@ -61,31 +62,31 @@ def test_fednova_equal_steps_is_fedavg(run_sim):
     kw = dict(model=BACKBONE, adapter="parallel", num_rounds=1, local_steps=3)
     avg, _ = run_sim("fedavg", output_dir="n_avg", **kw)
     nova, _ = run_sim("fednova", output_dir="n_nova", **kw)
-    assert {float(u.upload[NORM]) for u in nova.last_updates} == {normalizer(3, 0.9)}
-    for k, v in avg.server_state.items():
+    assert {float(u.upload[NORM]["a"]) for u in nova.last_updates} == {normalizer(3, 0.9)}
+    for k, v in avg.server_state["model"].items():
         if v.is_floating_point():
-            assert torch.allclose(nova.server_state[k], v, atol=1e-6, rtol=0), k
+            assert torch.allclose(nova.server_state["model"][k], v, atol=1e-6, rtol=0), k
         else:
-            assert torch.equal(nova.server_state[k], v), k
+            assert torch.equal(nova.server_state["model"][k], v), k
 
 
 def test_fednova_normalizes_unequal_steps(run_sim):
     sim, _ = run_sim("fednova", model=BACKBONE, adapter="parallel", num_rounds=1, momentum=0.0, output_dir="nova_u",
                      run=False)
-    x = sim.algorithm.init_server_state()
+    x = sim.algorithm.init_server_state()["model"]
     sim.run()
     ups = sim.last_updates
-    taus = [float(u.upload[NORM]) for u in ups]
+    taus = [float(u.upload[NORM]["a"]) for u in ups]
     assert len(set(taus)) > 1  # clients of different sizes run different step counts
     n = sum(u.num_samples for u in ups)
     p = [u.num_samples / n for u in ups]
     tau_eff = sum(pi * t for pi, t in zip(p, taus))
     key = next(k for k in sim.algorithm._param_keys() if "padapter_conv" in k)
-    expect = x[key].double() - tau_eff * sum(pi * (x[key].double() - u.upload[key].double()) / t
+    expect = x[key].double() - tau_eff * sum(pi * (x[key].double() - u.upload["model"][key].double()) / t
                                              for pi, t, u in zip(p, taus, ups))
-    assert torch.allclose(sim.server_state[key].double(), expect, atol=1e-6)
-    fedavg = weighted_average([u.upload for u in ups], [u.num_samples for u in ups])
-    assert not torch.allclose(sim.server_state[key], fedavg[key], atol=1e-6)
+    assert torch.allclose(sim.server_state["model"][key].double(), expect, atol=1e-6)
+    fedavg = weighted_average([u.upload["model"] for u in ups], [u.num_samples for u in ups])
+    assert not torch.allclose(sim.server_state["model"][key], fedavg[key], atol=1e-6)
     assert normalizer(4, 0.0) == 4 and normalizer(1, 0.9) == pytest.approx(1.0)
 
 
@@ -98,9 +99,10 @@ def test_feddf_distils_the_fedavg_model(run_sim):
     kw = dict(model=BACKBONE, adapter="parallel", num_rounds=1)
     avg, _ = run_sim("fedavg", output_dir="df_avg", **kw)
     off, _ = run_sim("feddf", KDConfig(use_kd=False), output_dir="df_off", **kw)
-    assert all(torch.equal(avg.server_state[k], off.server_state[k]) for k in avg.server_state)
+    a, o = avg.server_state["model"], off.server_state["model"]
+    assert all(torch.equal(a[k], o[k]) for k in a)
     on, res = run_sim("feddf", KDConfig(kd_steps=5), output_dir="df_on", **kw)
-    assert any(not torch.equal(avg.server_state[k], on.server_state[k]) for k in avg.server_state)
+    assert any(not torch.equal(a[k], on.server_state["model"][k]) for k in a)
     assert on.algorithm.last_kd["kd_steps"] == 5 and "global_accuracy" in res["final"]
 
 

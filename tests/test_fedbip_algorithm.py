@@ -58,7 +58,7 @@ def _sim(fed, tmp_path, cfg, name="fedbip", **run_kw):
     kw = dict(method="fedbip", num_rounds=3, batch_size=16, lr=0.05, output_dir=str(tmp_path / name),
               progress=False, checkpoint_every=0, overwrite_output_dir=True)
     kw.update(run_kw)
-    return Simulation(RunArguments(**kw), data_args, cfg, fed_data=fd)
+    return Simulation(RunArguments(**kw), data_args, cfg, fed_data=fd, keep_uploads=True)
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +80,14 @@ def test_exactly_one_round_and_only_named_tensors_leave_clients(full_run):
     d = pipe.text_encoder.config.hidden_size
     expected_up = 0
     for u in sim.last_updates:
-        assert set(u.upload) == {"latents", "labels", "domain_concept", "class_concepts"}
+        assert set(u.upload["fedbip"]) == {"latents", "labels", "domain_concept", "class_concepts"}
         n = len(sim.train_data(u.client_id))
-        assert u.upload["latents"].shape == (2 * n, c, h, w)
-        assert u.upload["domain_concept"].shape == (1, d) and u.upload["class_concepts"].shape == (10, 1, d)
+        assert u.upload["fedbip"]["latents"].shape == (2 * n, c, h, w)
+        assert u.upload["fedbip"]["domain_concept"].shape == (1, d) and u.upload["fedbip"]["class_concepts"].shape == (10, 1, d)
         real = sim.train_data(u.client_id).pixel_values
-        for v in u.upload.values():  # nothing image-shaped leaves a client
+        for v in u.upload["fedbip"].values():  # nothing image-shaped leaves a client
             assert tuple(v.shape[-3:]) != tuple(real.shape[-3:])
-        expected_up += sum(v.numel() * v.element_size() for v in u.upload.values())
+        expected_up += sum(v.numel() * v.element_size() for v in u.upload["fedbip"].values())
         assert expected_up > 0
     comm = res["communication"]
     assert comm["bytes_up"] == expected_up and comm["bytes_down"] == 0
@@ -131,7 +131,7 @@ def test_ablation_levels_upload_only_what_they_use(ldm_dir, fed, tmp_path, level
     cfg = _cfg(ldm_dir, personalization=level, multiplier=1, privacy_metrics=False, save_grid=False)
     sim = _sim(fed, tmp_path, cfg, name=level)
     res = sim.run()
-    assert all(set(u.upload) == keys for u in sim.last_updates)
+    assert all(set(u.upload["fedbip"]) == keys for u in sim.last_updates)
     assert res["final"]["num_synthetic"] == sum(len(sim.train_data(i)) for i in range(3))
 
 
@@ -173,11 +173,11 @@ def test_mismatched_latent_shapes_from_a_client(ldm_dir, fed, tmp_path):
 
     sim = _sim(fed, tmp_path, _cfg(ldm_dir, personalization="instance"))
     c, h, w = sim.algorithm.pipe.latent_shape()
-    bad = Update(2, {"latents": torch.randn(4, c, h + 1, w), "labels": torch.zeros(4, dtype=torch.long)}, 4)
+    bad = Update(2, {"fedbip": {"latents": torch.randn(4, c, h + 1, w), "labels": torch.zeros(4, dtype=torch.long)}}, 4)
     with pytest.raises(ValueError, match=r"client 2 uploaded latents of shape \(4, 4, 5, 4\).*expects"):
         sim.algorithm.aggregate(sim.algorithm.init_server_state(), [bad], 1)
-    extra = Update(1, {"latents": torch.randn(4, c, h, w), "labels": torch.zeros(4, dtype=torch.long),
-                       "images": torch.zeros(4, 3, 16, 16)}, 4)
+    extra = Update(1, {"fedbip": {"latents": torch.randn(4, c, h, w), "labels": torch.zeros(4, dtype=torch.long),
+                                  "images": torch.zeros(4, 3, 16, 16)}}, 4)
     with pytest.raises(ValueError, match="client 1 uploaded"):
         sim.algorithm.aggregate(sim.algorithm.init_server_state(), [extra], 1)
 
@@ -198,7 +198,7 @@ def test_same_seed_same_uploads_and_synthetic_set(full_run, ldm_dir, fed, tmp_pa
     again = _sim(fed, tmp_path, _cfg(ldm_dir, reuse_concepts=False, privacy_metrics=False, save_grid=False))
     again.run()
     for a, b in zip(sim.last_updates, again.last_updates):
-        assert all(torch.equal(a.upload[k], b.upload[k]) for k in a.upload)
+        assert all(torch.equal(a.upload["fedbip"][k], b.upload["fedbip"][k]) for k in a.upload["fedbip"])
     assert torch.equal(sim.algorithm.synthetic["images"], again.algorithm.synthetic["images"])
 
 
@@ -213,7 +213,7 @@ def test_singleton_classes_self_and_drop(ldm_dir, fed, tmp_path):
         sim = _sim((data_args, bad), tmp_path, _cfg(ldm_dir, personalization="instance", singleton_classes=mode,
                                                     privacy_metrics=False, save_grid=False), name=mode)
         sim.run()
-        up = next(u for u in sim.last_updates if u.client_id == 0).upload
+        up = next(u for u in sim.last_updates if u.client_id == 0).upload["fedbip"]
         assert int((up["labels"] == 3).sum()) == n3 and len(up["latents"]) == len(up["labels"])
 
 

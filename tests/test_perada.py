@@ -31,12 +31,12 @@ def test_upload_is_exactly_the_adapter_and_personal_never_travels(perada):
     tk = travel_keys(sim.model, "default")
     assert tk and all("personal" not in k for k in tk)
     for u in sim.last_updates:
-        assert {_name_free(k) for k in u.upload} == tk
-        assert not any(".personal." in k for k in u.upload)
-    private = sim.store.get(0)
+        assert {_name_free(k) for k in u.upload["model"]} == tk
+        assert not any(".personal." in k for k in u.upload["model"])
+    private = sim.store.get(0)["model"]
     assert private and all(".personal." in k for k in private)
     # v_i was trained and differs from what client 0 uploaded (w_i)
-    up = sim.last_updates[0].upload
+    up = sim.last_updates[0].upload["model"]
     k = next(k for k in up if "radapter_conv" in k)
     assert not torch.equal(private[k.replace(".default.", ".personal.")], up[k])
     # bytes up = exactly the adapter state; paper Tab. 1: trained = 2 x communicated
@@ -53,13 +53,13 @@ def _personal_after_one_update(sim, down, lam):
     algo = sim.algorithm
     algo.config.lam = lam
     torch.manual_seed(0)
-    upd = algo.client_update(0, down, None, 1)
-    return upd.private
+    upd = algo.client_update(0, {"model": down}, None, 1)
+    return upd.private["model"]
 
 
 def _perturbed(sim, scale=0.05):
     algo = sim.algorithm
-    w = algo.init_server_state()
+    w = algo.init_server_state()["model"]
     g = torch.Generator().manual_seed(1)
     return {k: v + scale * torch.randn(v.shape, generator=g) if v.is_floating_point() and "running" not in k else v
             for k, v in w.items()}
@@ -67,7 +67,7 @@ def _perturbed(sim, scale=0.05):
 
 def test_lambda_zero_personal_adapter_ignores_global(perada):
     sim, _ = perada(run=False)
-    w0 = sim.algorithm.init_server_state()
+    w0 = sim.algorithm.init_server_state()["model"]
     w1 = _perturbed(sim)
     a, b = _personal_after_one_update(sim, w0, 0.0), _personal_after_one_update(sim, w1, 0.0)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -84,7 +84,7 @@ def test_large_lambda_pulls_personal_adapter_onto_received_global(perada):
         return sum(float(((v[k.replace(".default.", ".personal.")] - down[k]) ** 2).sum())
                    for k in down if k in params) ** 0.5
 
-    v0 = {k: t.clone() for k, t in sim.algorithm.init_private_state(0).items()}
+    v0 = {k: t.clone() for k, t in sim.algorithm.init_private_state(0)["model"].items()}
     d_start = dist(v0)
     d0, d1, dbig = (dist(_personal_after_one_update(sim, down, lam)) for lam in (0.0, 1.0, 19.0))  # lr*19 = 0.95
     assert dbig < 0.3 * d_start and dbig < 0.3 * d0 and d1 < d0
@@ -93,28 +93,28 @@ def test_large_lambda_pulls_personal_adapter_onto_received_global(perada):
 def test_no_kd_is_plain_uniform_average_and_kd_changes_it(perada):
     off, _ = perada(PerAdaConfig(use_kd=False), output_dir="nokd")
     ups = off.last_updates
-    avg = weighted_average([u.upload for u in ups], [1.0] * len(ups))
+    avg = weighted_average([u.upload["model"] for u in ups], [1.0] * len(ups))
     for k, v in avg.items():
-        assert torch.equal(off.server_state[k], v), k
+        assert torch.equal(off.server_state["model"][k], v), k
     on, _ = perada(PerAdaConfig(kd_steps=10), output_dir="kd")
     for a, b in zip(off.last_updates, on.last_updates):  # same local training, so the same average ...
-        assert all(torch.equal(a.upload[k], b.upload[k]) for k in a.upload)
-    changed = [k for k in avg if avg[k].is_floating_point() and not torch.equal(on.server_state[k], avg[k])]
+        assert all(torch.equal(a.upload["model"][k], b.upload["model"][k]) for k in a.upload["model"])
+    changed = [k for k in avg if avg[k].is_floating_point() and not torch.equal(on.server_state["model"][k], avg[k])]
     assert changed  # ... which KD moves
     kd = on.algorithm.last_kd
     assert kd["kd_steps"] == 10 and kd["kd_loss_first"] > 0
     # samples weighting is the FedAvg weighted mean
     w, _ = perada(PerAdaConfig(use_kd=False, weighting="samples"), output_dir="w")
-    ref = weighted_average([u.upload for u in w.last_updates], [u.num_samples for u in w.last_updates])
-    assert all(torch.equal(w.server_state[k], ref[k]) for k in ref)
+    ref = weighted_average([u.upload["model"] for u in w.last_updates], [u.num_samples for u in w.last_updates])
+    assert all(torch.equal(w.server_state["model"][k], ref[k]) for k in ref)
 
 
 def test_kd_rounds_cutoff(perada):
     sim, _ = perada(PerAdaConfig(kd_steps=3, kd_rounds=1), num_rounds=2)
     assert sim.algorithm.last_kd == {}  # round 2 > kd_rounds: plain average
     ups = sim.last_updates
-    avg = weighted_average([u.upload for u in ups], [1.0] * len(ups))
-    assert all(torch.equal(sim.server_state[k], avg[k]) for k in avg)
+    avg = weighted_average([u.upload["model"] for u in ups], [1.0] * len(ups))
+    assert all(torch.equal(sim.server_state["model"][k], avg[k]) for k in avg)
 
 
 def test_kd_loss_is_zero_when_teacher_equals_student():
@@ -129,11 +129,11 @@ def test_unsampled_client_keeps_its_personal_adapter(perada):
     sim, _ = perada(run=False, clients_per_round=2)
     state = sim.algorithm.init_server_state()
     state, _ = sim.run_round(1, state)
-    before = {c: {k: v.clone() for k, v in sim.store.get(c).items()} for c in sim.store.clients()}
+    before = {c: {k: v.clone() for k, v in sim.store.get(c)["model"].items()} for c in sim.store.clients()}
     sampled = sim.sample_clients(2)
     sim.run_round(2, state)
     for c, st in before.items():
-        same = all(torch.equal(st[k], sim.store.get(c)[k]) for k in st)
+        same = all(torch.equal(st[k], sim.store.get(c)["model"][k]) for k in st)
         assert same == (c not in sampled), c
 
 
@@ -161,9 +161,9 @@ def test_global_adapter_per_round_in_hub_cache(perada, tmp_path):
         pm = PeftModel.from_pretrained(bases[0], "me/perada-global", revision="round-2")
         sd = pm.state_dict()
         for k in sim.algorithm.global_keys:
-            assert torch.equal(sd[k], sim.server_state[k]), k
+            assert torch.equal(sd[k], sim.server_state["model"][k]), k
         r1 = PeftModel.from_pretrained(bases[1], "me/perada-global", revision="round-1").state_dict()
-        assert any(not torch.equal(r1[k], sim.server_state[k]) for k in sim.algorithm.global_keys)
+        assert any(not torch.equal(r1[k], sim.server_state["model"][k]) for k in sim.algorithm.global_keys)
         with pytest.raises(hub.RevisionNotCachedError, match="round-9"):
             hub.require_cached("me/perada-global", revision="round-9")
         snap = hub.require_cached("me/perada-global", revision="round-2")
@@ -182,7 +182,7 @@ def test_perada_needs_an_adapter_backbone(perada):
 def test_load_personal_uses_the_personal_slot(perada):
     sim, _ = perada()
     algo = sim.algorithm
-    m = algo.load_personal(0, sim.server_state, sim.store.get(0), 1)
+    m = algo.load_personal(0, sim.server_state, sim.store.get(0)["model"], 1)
     assert sim.model.active_adapter == "personal"
     x = sim.test_data(0).pixel_values[:4]
     m.eval()

@@ -4,9 +4,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..federated.state import load_into, snapshot
-from ..federated.training import TensorData
-from .base import Algorithm, Update, register
+from ..training import TensorData
+from .base import MODEL, Algorithm, Update, register
 
 
 @dataclass
@@ -33,17 +32,17 @@ class Central(Algorithm):
         return {}
 
     def client_update(self, client_id, down, private, round_idx):
-        d = self.sim.train_data(client_id)
-        return Update(client_id, {"pixel_values": d.pixel_values.clone(), "labels": d.labels.clone()}, len(d))
+        d = self.ctx.train_data(client_id)
+        return Update(client_id, {"data": {"pixel_values": d.pixel_values.clone(), "labels": d.labels.clone()}}, len(d))
 
     def aggregate(self, server_state, updates, round_idx):
         if not updates:
             return server_state
-        data = TensorData(torch.cat([u.upload["pixel_values"] for u in updates]),
-                          torch.cat([u.upload["labels"] for u in updates]))
-        load_into(self.sim.model_state, {k: server_state[k] for k in self.global_keys})
+        data = TensorData(torch.cat([u.upload["data"]["pixel_values"] for u in updates]),
+                          torch.cat([u.upload["data"]["labels"] for u in updates]))
+        self.ctx.load({k: server_state[MODEL][k] for k in self.global_keys})
         self.local_train(-1, round_idx, epochs=self.config.epochs, data=data, tag="central")
-        return {**server_state, **snapshot(self.sim.model_state, self.global_keys)}
+        return {**server_state, MODEL: self.ctx.snapshot(self.global_keys)}
 
     def load_personal(self, client_id, server_state, private, round_idx):
         return self.load_global(server_state)

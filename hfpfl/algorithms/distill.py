@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..federated.state import load_into, snapshot
-from ..federated.training import TensorData, evaluate, train_local
+from ..training import TensorData, evaluate, train_local
 
 logger = logging.getLogger("hfpfl")
 

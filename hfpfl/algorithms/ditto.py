@@ -1,10 +1,12 @@
 """Ditto (Li et al. 2021): FedAvg for the global model, plus a personal model v_i trained with
-lambda/2 ||v_i - w||^2 toward the global model received this round. v_i never leaves the client."""
+lambda/2 ||v_i - w||^2 toward the global model received this round. v_i (the private part ``"personal"``) never
+leaves the client; the client's private model keys (e.g. its BatchNorm statistics) are swapped in by the engine."""
 from dataclasses import dataclass, field
 
-from ..federated.state import load_into, snapshot
-from .base import Algorithm, Update, register
+from .base import MODEL, Algorithm, Update, register
 from .fedprox import proximal_term
+
+PERSONAL = "personal"
 
 
 @dataclass
@@ -17,35 +19,30 @@ class DittoConfig:
             raise ValueError(f"lam must be >= 0, got {self.lam}")
 
 
-PERSONAL = "personal::"
-
-
 @register
 class Ditto(Algorithm):
     name = "ditto"
     Config = DittoConfig
 
-    def init_private_state(self, client_id):
-        return {}  # the personal model starts from the first global model it receives
-
     def client_update(self, client_id, down, private, round_idx):
         private = private or {}
         # 1) the global model's local update (FedAvg)
-        self.load_client(down, None)
+        self.load_client(down, private)
         metrics = self.local_train(client_id, round_idx)
-        upload = snapshot(self.sim.model_state, self.global_keys)
-        # 2) the personal model, proximal to the received global model
-        personal = {k[len(PERSONAL):]: v for k, v in private.items()} or dict(down)
-        load_into(self.sim.model_state, personal)
-        anchor = {k: v.detach().clone() for k, v in down.items()}
+        upload = {MODEL: self.ctx.snapshot(self.global_keys)}
+        private_model = self.ctx.snapshot(self.private_keys)
+        # 2) the personal model, proximal to the received global model (starts from it the first time)
+        self.ctx.load(private.get(PERSONAL) or down[MODEL])
+        self.ctx.load(private.get(MODEL) or self.ctx.initial_private)
+        anchor = {k: v.to(self.ctx.device, copy=True) for k, v in down[MODEL].items()}
         pm = self.local_train(client_id, round_idx, epochs=self.config.personal_epochs, tag="personal",
                               regularizer=lambda m: proximal_term(m, anchor, self.config.lam))
-        new_private = {PERSONAL + k: v for k, v in snapshot(self.sim.model_state, self.global_keys).items()}
-        return Update(client_id, upload, len(self.sim.train_data(client_id)), new_private,
+        new_private = {PERSONAL: self.ctx.snapshot(self.global_keys), MODEL: private_model}
+        return Update(client_id, upload, len(self.ctx.train_data(client_id)), new_private,
                       {**metrics, "personal_train_loss": pm["train_loss"]})
 
     def load_personal(self, client_id, server_state, private, round_idx):
-        personal = {k[len(PERSONAL):]: v for k, v in (private or {}).items()}
-        self.load_client(self.download(server_state, client_id), None)
-        load_into(self.sim.model_state, personal)  # a client never sampled keeps the global model
+        private = private or {}
+        self.load_client(self.download(server_state, client_id), private)
+        self.ctx.load(private.get(PERSONAL, {}))  # a client never sampled keeps the global model
         return self.model

@@ -52,9 +52,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..federated.state import load_into, snapshot
-from ..federated.training import TensorData
-from .base import Algorithm, Update, register
+from ..training import TensorData
+from .base import MODEL, Algorithm, Update, register
+
+UPLOAD = "fedbip"  # the one upload part: latents, labels, domain_concept, class_concepts
 
 logger = logging.getLogger("hfpfl")
 
@@ -301,7 +302,7 @@ class FedBiP(Algorithm):
         except ValueError as e:
             raise ValueError(f"FedBiP client {client_id}: {e}") from None
         assert set(upload) == set(cfg.upload_keys), (sorted(upload), cfg.upload_keys)
-        return Update(client_id, upload=upload, num_samples=len(y), private=None,
+        return Update(client_id, upload={UPLOAD: upload}, num_samples=len(y), private=None,
                       metrics={"num_upload_latents": int(len(upload.get("latents", ())))})
 
     def instance_latents(self, client_id, x, y, round_idx, noise_scheduler):
@@ -355,7 +356,9 @@ class FedBiP(Algorithm):
     def check_upload(self, upd: Update) -> None:
         """Validate one client's upload against the LDM (clear errors naming the client)."""
         cfg, pipe, cid = self.config, self.pipe, upd.client_id
-        up = upd.upload
+        up = upd.upload.get(UPLOAD, {})
+        if set(upd.upload) != {UPLOAD}:
+            raise ValueError(f"client {cid} uploaded parts {sorted(upd.upload)}; FedBiP expects only {UPLOAD!r}")
         if set(up) != set(cfg.upload_keys):
             raise ValueError(f"client {cid} uploaded {sorted(up)}; FedBiP ({cfg.personalization}) expects exactly "
                              f"{sorted(cfg.upload_keys)}")
@@ -385,7 +388,7 @@ class FedBiP(Algorithm):
     def synthesize(self, upd: Update, round_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """D_syn of one client: (N*M, C, H, W) in [-1, 1] at the classifier's input size, and labels."""
         cfg, pipe, cid = self.config, self.pipe, upd.client_id
-        up = upd.upload
+        up = upd.upload[UPLOAD]
         g = self.sim.generator(round_idx, cid, "fedbip-synthesis")  # one generator per client upload
         if "latents" in up:
             latents, labels = up["latents"], up["labels"]
@@ -423,13 +426,13 @@ class FedBiP(Algorithm):
         syn = TensorData(self.synthetic["images"], self.synthetic["labels"])
         logger.info("FedBiP: %d synthetic images from %d clients; training the classifier on them only", len(syn),
                     len(updates))
-        load_into(self.sim.model_state, {k: server_state[k] for k in self.global_keys})
+        self.ctx.load({k: server_state[MODEL][k] for k in self.global_keys})
         self.classifier_metrics = self.local_train(-1, round_idx, params=self.trainable_parameters(),
                                                    epochs=self.config.classifier_epochs, data=syn,
                                                    tag="fedbip-classifier")
         if self.config.save_grid and self.sim.accelerator.is_main_process:
             self.save_grid()
-        return {**server_state, **snapshot(self.sim.model_state, self.global_keys)}
+        return {**server_state, MODEL: self.ctx.snapshot(self.global_keys)}
 
     def save_grid(self, path=None):
         from ..fedbip.grid import save_real_vs_synthetic_grid
@@ -459,7 +462,7 @@ class FedBiP(Algorithm):
             return out
         from ..fedbip.privacy import membership_inference_gap, synthetic_nearest_neighbors
 
-        out.update(membership_inference_gap(self.sim, server_state, round_idx))
+        out.update(membership_inference_gap(self, server_state, round_idx))
         if self.synthetic is not None:
             out.update(synthetic_nearest_neighbors(self.sim, self.synthetic))
         return out

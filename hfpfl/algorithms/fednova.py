@@ -12,10 +12,10 @@ import math
 
 import torch
 
-from .base import Algorithm, Update, register, weighted_average
+from .base import MODEL, Algorithm, Update, register, weighted_average
 
 logger = logging.getLogger("hfpfl")
-NORM = "fednova::a"  # the client's ||a_i||_1, a 1-element tensor that travels with its model
+NORM = "fednova"  # upload part holding the client's ||a_i||_1 ("a", a 1-element tensor) beside its model
 
 
 def normalizer(steps: int, momentum: float) -> float:
@@ -30,16 +30,20 @@ class FedNova(Algorithm):
     """FedNova: client updates normalized by their local step counts before averaging."""
 
     name = "fednova"
+    on_non_finite = "skip"  # a diverged client is skipped and logged (spec A7.12), not a run-ending error
 
-    def __init__(self, sim, config):
-        super().__init__(sim, config)
-        if sim.args.optimizer != "sgd":
-            raise ValueError(f"fednova normalizes SGD updates; got --optimizer {sim.args.optimizer} (use sgd)")
+    def __init__(self, ctx, config):
+        super().__init__(ctx, config)
+        if ctx.args.optimizer != "sgd":
+            raise ValueError(f"fednova normalizes SGD updates; got --optimizer {ctx.args.optimizer} (use sgd)")
 
     def client_update(self, client_id, down, private, round_idx):
+        hp = self.ctx.hparams(client_id)
+        if hp.optimizer != "sgd":
+            raise ValueError(f"fednova normalizes SGD updates; client {client_id} got optimizer {hp.optimizer}")
         upd = super().client_update(client_id, down, private, round_idx)
-        a = normalizer(upd.metrics["steps"], self.sim.args.momentum)
-        upd.upload[NORM] = torch.tensor([a], dtype=torch.float64)
+        a = normalizer(upd.metrics["steps"], hp.momentum)
+        upd.upload[NORM] = {"a": torch.tensor([a], dtype=torch.float64)}
         upd.metrics["fednova_a"] = a
         return upd
 
@@ -48,7 +52,7 @@ class FedNova(Algorithm):
         return [k for k in self.global_keys if k in params and params[k].requires_grad]
 
     def aggregate(self, server_state, updates: list[Update], round_idx):
-        ok = [u for u in updates if all(torch.isfinite(v).all() for v in u.upload.values() if v.is_floating_point())]
+        ok = [u for u in updates if all(torch.isfinite(v).all() for v in u.upload[MODEL].values() if v.is_floating_point())]
         for u in updates:
             if u not in ok:
                 logger.warning("fednova: round %d: client %d sent a non-finite update; skipped", round_idx, u.client_id)
@@ -56,16 +60,14 @@ class FedNova(Algorithm):
             return server_state
         total = float(sum(u.num_samples for u in ok))
         p = [u.num_samples / total for u in ok]
-        a = [float(u.upload[NORM]) for u in ok]
+        a = [float(u.upload[NORM]["a"]) for u in ok]
         tau_eff = sum(pi * ai for pi, ai in zip(p, a))
-        state = dict(server_state)
-        # buffers (and non-float tensors): plain weighted average / max, as FedAvg
-        state.update(weighted_average([{k: v for k, v in u.upload.items() if k != NORM} for u in ok],
-                                      [u.num_samples for u in ok]))
-        for k in self._param_keys():
-            x = server_state[k].double()
-            step = sum(pi * (x - u.upload[k].double()) / ai for pi, ai, u in zip(p, a, ok))
-            state[k] = (x - tau_eff * step).to(server_state[k].dtype)
         if not math.isfinite(tau_eff):
             raise ValueError("fednova: non-finite tau_eff")
-        return state
+        # buffers (and non-float tensors): plain weighted average / max, as FedAvg
+        model = {**server_state[MODEL], **weighted_average([u.upload[MODEL] for u in ok], [u.num_samples for u in ok])}
+        for k in self._param_keys():
+            x = server_state[MODEL][k].double()
+            step = sum(pi * (x - u.upload[MODEL][k].double()) / ai for pi, ai, u in zip(p, a, ok))
+            model[k] = (x - tau_eff * step).to(server_state[MODEL][k].dtype)
+        return {**server_state, MODEL: model}

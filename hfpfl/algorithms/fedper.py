@@ -2,8 +2,7 @@
 the body is shared. FedPer trains both jointly; FedRep trains the head first (body frozen), then the body."""
 from dataclasses import dataclass, field
 
-from .base import GLOBAL, PRIVATE, Algorithm, Update, register
-from ..federated.state import snapshot
+from .base import GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 
 HEAD_PREFIXES = ("classifier.", "head.", "fc.")
 
@@ -38,6 +37,6 @@ class FedRep(FedPer):
                                 epochs=self.config.head_epochs, tag="head")
         body = self.local_train(client_id, round_idx, params=self.trainable_parameters(self.global_keys),
                                 epochs=self.config.body_epochs, tag="body")
-        return Update(client_id, snapshot(self.sim.model_state, self.global_keys), len(self.sim.train_data(client_id)),
-                      snapshot(self.sim.model_state, self.private_keys),
+        return Update(client_id, {MODEL: self.ctx.snapshot(self.global_keys)}, len(self.ctx.train_data(client_id)),
+                      {MODEL: self.ctx.snapshot(self.private_keys)},
                       {"train_loss": body["train_loss"], "head_train_loss": head["train_loss"]})

@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import Algorithm, register
+from .base import MODEL, Algorithm, register
 
 
 @dataclass
@@ -28,5 +28,5 @@ class FedProx(Algorithm):
     Config = FedProxConfig
 
     def local_hooks(self, client_id, down, private):
-        anchor = {k: v.detach().clone() for k, v in down.items()}
+        anchor = {k: v.detach().to(self.ctx.device, copy=True) for k, v in down[MODEL].items()}
         return {"regularizer": lambda model: proximal_term(model, anchor, self.config.mu)}

@@ -10,5 +10,5 @@ class LocalOnly(Algorithm):
     def key_role(self, key, default):
         return PRIVATE if default == GLOBAL else default
 
-    def aggregate(self, server_state, updates, round_idx):
-        return server_state
+    def reduce(self, server_state, sums, round_idx):
+        return server_state  # nothing travels, nothing to aggregate

@@ -27,9 +27,8 @@ import numpy as np
 import torch
 
 from ..federated.distributed import all_gather, owned
-from ..federated.state import load_into, snapshot
-from ..federated.training import TensorData, evaluate
-from .base import FROZEN, PRIVATE, Algorithm, Update, register, weighted_average
+from ..training import TensorData, evaluate
+from .base import FROZEN, MODEL, PRIVATE, Algorithm, Update, register, weighted_average
 from .distill import KDConfig, ensemble_distill, push_global_adapter
 from .fedprox import proximal_term
 
@@ -128,24 +127,23 @@ class PerAda(Algorithm):
 
     # ------------------------------------------------------------------ client
     def prox(self, down):
-        anchor = {_to_personal(k): v.detach().clone() for k, v in down.items()}
+        anchor = {_to_personal(k): v.detach().to(self.ctx.device, copy=True) for k, v in down[MODEL].items()}
         coef = self.config.lam if self.config.prox_half else 2.0 * self.config.lam
         return lambda model: proximal_term(model, anchor, coef)
 
     def client_update(self, client_id, down, private, round_idx):
         cfg = self.config
-        load_into(self.sim.model_state, down)
-        load_into(self.sim.model_state, private or self.init_private_state(client_id))
+        self.load_client(down, private or self.init_private_state(client_id))
         # 1) personal adapter v_i: CE + prox toward the received w^t (Line 10)
         self._activate(PERSONAL_SLOT)
         pm = self.local_train(client_id, round_idx, epochs=cfg.personal_epochs, tag="personal",
                               regularizer=self.prox(down) if cfg.lam > 0 else None)
-        new_private = snapshot(self.sim.model_state, self.private_keys)
+        new_private = {MODEL: self.ctx.snapshot(self.private_keys)}
         # 2) local adapter w_i from w^t: plain CE (Line 15); uploaded
         self._activate(GLOBAL_SLOT)
         lm = self.local_train(client_id, round_idx, tag="local")
-        upload = snapshot(self.sim.model_state, self.global_keys)
-        return Update(client_id, upload, len(self.sim.train_data(client_id)), new_private,
+        upload = {MODEL: self.ctx.snapshot(self.global_keys)}
+        return Update(client_id, upload, len(self.ctx.train_data(client_id)), new_private,
                       {**lm, "personal_train_loss": pm["train_loss"]})
 
     # ------------------------------------------------------------------ server
@@ -153,35 +151,36 @@ class PerAda(Algorithm):
         if not updates:
             return server_state
         weights = [1.0] * len(updates) if self.config.weighting == "uniform" else [u.num_samples for u in updates]
-        avg = weighted_average([u.upload for u in updates], weights)
-        state = {**server_state, **avg}
+        avg = weighted_average([u.upload[MODEL] for u in updates], weights)
+        model = {**server_state[MODEL], **avg}
         self._activate(GLOBAL_SLOT)
         self.last_kd = {}
         if self.config.kd_active(round_idx):  # Line 21: w <- KD(avg; ensemble of the uploaded w_i) on public data
-            distilled, self.last_kd = ensemble_distill(self, avg, [u.upload for u in updates], self.config, round_idx)
-            state.update(distilled)
+            distilled, self.last_kd = ensemble_distill(self, avg, [u.upload[MODEL] for u in updates], self.config,
+                                                       round_idx)
+            model.update(distilled)
         if self.config.push_adapters_to_hub_cache:
-            push_global_adapter(self, {k: state[k] for k in self.global_keys}, round_idx,
+            push_global_adapter(self, {k: model[k] for k in self.global_keys}, round_idx,
                                 self.config.push_adapters_to_hub_cache)
-        return state
+        return {**server_state, MODEL: model}
 
     # ------------------------------------------------------------------ evaluation
     def load_global(self, server_state):
         self._activate(GLOBAL_SLOT)
-        load_into(self.sim.model_state, {k: server_state[k] for k in self.global_keys})
+        self.ctx.load({k: server_state[MODEL][k] for k in self.global_keys})
         return self.model
 
     def load_personal(self, client_id, server_state, private, round_idx):
-        load_into(self.sim.model_state, {k: server_state[k] for k in self.global_keys})
-        load_into(self.sim.model_state, private or self.init_private_state(client_id))  # unsampled: v_i^0 = w^0
+        self.load_client(self.download(server_state, client_id),
+                         private or self.init_private_state(client_id))  # unsampled: v_i^0 = w^0
         self._activate(PERSONAL_SLOT)
         return self.model
 
     def personalize_new_client(self, client_id, server_state, data, round_idx):
         """A new client's personal adapter starts at the global adapter and trains on CE + prox toward it."""
         down = self.download(server_state, client_id)
-        load_into(self.sim.model_state, down)
-        load_into(self.sim.model_state, {_to_personal(k): v for k, v in down.items()})
+        self.ctx.load(down[MODEL])
+        self.ctx.load({_to_personal(k): v for k, v in down[MODEL].items()})
         self._activate(PERSONAL_SLOT)
         if self.sim.args.new_client_epochs > 0:
             self.local_train(client_id, round_idx, epochs=self.sim.args.new_client_epochs, tag="new-client", data=data,
@@ -227,7 +226,7 @@ def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, s
     rows = []
     for cid in owned(range(sim.num_clients), sim.accelerator):
         torch.manual_seed(sim.seed_for(round_idx, cid, "eval"))  # same personal model as the clean evaluation
-        model = algo.load_personal(cid, server_state, sim.store.get(cid), round_idx)
+        model = algo.load_personal(cid, server_state, sim.private_state(cid), round_idx)
         res = evaluate(model, corrupted_test_data(sim, cid, kind, severity), batch_size=sim.args.eval_batch_size,
                        device=sim.device)
         rows.append((cid, res["accuracy"]))

@@ -1,18 +1,20 @@
 """SCAFFOLD (Karimireddy et al. 2020), option II control variates.
 
-Server state: model x and global control c. Client keeps c_i (private). Local step: g <- g - c_i + c.
-After K local steps with learning rate eta: c_i+ = c_i - c + (x - y_i) / (K eta).
-Upload (delta y_i, delta c_i); server: x += eta_g * mean(delta y), c += |S|/N * mean(delta c).
-Control variates are defined for plain SGD; use --momentum 0 for the paper's setting.
+Server state: the model x (part ``"model"``) and the global control c (part ``"control"``). Client i keeps c_i
+(private part ``"control"``). Local step: g <- g - c_i + c. After K local SGD steps with learning rate eta:
+c_i+ = c_i - c + (x - y_i) / (K eta). Upload (delta y_i, delta c_i) as parts ``"delta_y"`` and ``"delta_c"``;
+server: x += eta_g * mean(delta y), c += |S|/N * mean(delta c) (uniform means, as in the paper's Algorithm 1).
+
+Option II's formula is derived for plain SGD: momentum, Adam and weight decay change the step that c_i+ assumes,
+so they are rejected (use option I or FedDyn-style corrections for those; not implemented).
 """
 from dataclasses import dataclass, field
 
 import torch
 
-from ..federated.state import snapshot
-from .base import Algorithm, Update, register
+from .base import MODEL, Algorithm, Update, register
 
-CONTROL, DELTA_Y, DELTA_C = "control::", "delta_y::", "delta_c::"
+CONTROL, DELTA_Y, DELTA_C = "control", "delta_y", "delta_c"
 
 
 @dataclass
@@ -20,10 +22,22 @@ class ScaffoldConfig:
     server_lr: float = field(default=1.0, metadata={"help": "SCAFFOLD global step size eta_g."})
 
 
+def check_plain_sgd(hp) -> None:
+    if hp.optimizer != "sgd" or hp.momentum != 0 or hp.weight_decay != 0:
+        raise ValueError(f"scaffold's control variates (option II) assume plain SGD; got --optimizer {hp.optimizer} "
+                         f"--momentum {hp.momentum} --weight_decay {hp.weight_decay}: pass --optimizer sgd "
+                         "--momentum 0 --weight_decay 0")
+
+
 @register
 class Scaffold(Algorithm):
     name = "scaffold"
     Config = ScaffoldConfig
+
+    def __init__(self, ctx, config):
+        super().__init__(ctx, config)
+        from .base import HParams
+        check_plain_sgd(HParams.from_args(ctx.args))
 
     def _param_keys(self):
         params = dict(self.model.named_parameters())
@@ -31,52 +45,51 @@ class Scaffold(Algorithm):
 
     def init_server_state(self):
         state = super().init_server_state()
-        state.update({CONTROL + k: torch.zeros_like(state[k]) for k in self._param_keys()})
+        state[CONTROL] = {k: torch.zeros_like(state[MODEL][k]) for k in self._param_keys()}
         return state
 
-    def init_private_state(self, client_id):
-        return {}
-
     def download(self, server_state, client_id):
-        return dict(server_state)  # model and global control c both travel down
+        return {MODEL: dict(server_state[MODEL]), CONTROL: dict(server_state[CONTROL])}  # x and c both travel
+
+    def aggregation_weights(self, client_ids):
+        return {c: 1.0 for c in client_ids}  # uniform means (Algorithm 1)
 
     def client_update(self, client_id, down, private, round_idx):
+        hp = self.ctx.hparams(client_id)
+        check_plain_sgd(hp)
         keys = self._param_keys()
-        c = {k: down[CONTROL + k] for k in keys}
-        c_i = {k: private[CONTROL + k] for k in keys} if private else {k: torch.zeros_like(c[k]) for k in keys}
-        self.load_client(down, None)
+        c = down[CONTROL]
+        c_i = (private or {}).get(CONTROL) or {k: torch.zeros_like(c[k]) for k in keys}
+        self.load_client(down, private)
         params = dict(self.model.named_parameters())
-        correction = {k: c[k] - c_i[k] for k in keys}
+        correction = {k: (c[k] - c_i[k]).to(self.ctx.device) for k in keys}
 
         def before_step(model):
             for k in keys:
                 if params[k].grad is not None:
                     params[k].grad.add_(correction[k])
 
-        metrics = self.local_train(client_id, round_idx, before_step=before_step)
-        y = snapshot(self.sim.model_state, self.global_keys)
-        scale = 1.0 / (metrics["steps"] * self.sim.args.lr)
-        c_new = {k: c_i[k] - c[k] + (down[k] - y[k]) * scale for k in keys}
-        upload = {DELTA_Y + k: y[k] - down[k] if torch.is_floating_point(y[k]) else y[k] for k in self.global_keys}
-        upload.update({DELTA_C + k: c_new[k] - c_i[k] for k in keys})
-        return Update(client_id, upload, len(self.sim.train_data(client_id)),
-                      {CONTROL + k: v for k, v in c_new.items()}, metrics)
+        metrics = self.local_train(client_id, round_idx, hp=hp, before_step=before_step)
+        x, y = down[MODEL], self.ctx.snapshot(self.global_keys)
+        scale = 1.0 / (metrics["steps"] * hp.lr)
+        c_new = {k: c_i[k] - c[k] + (x[k] - y[k]) * scale for k in keys}
+        upload = {DELTA_Y: {k: y[k] - x[k] if torch.is_floating_point(y[k]) else y[k] for k in self.global_keys},
+                  DELTA_C: {k: c_new[k] - c_i[k] for k in keys}}
+        return Update(client_id, upload, len(self.ctx.train_data(client_id)),
+                      {CONTROL: c_new, MODEL: self.ctx.snapshot(self.private_keys)}, metrics)
 
-    def aggregate(self, server_state, updates, round_idx):
-        if not updates:
+    def accumulate(self, sums, update, coef):
+        sums.add(DELTA_Y, update.upload[DELTA_Y], coef)
+        sums.add(DELTA_C, update.upload[DELTA_C], coef)
+
+    def reduce(self, server_state, sums, round_idx):
+        if DELTA_Y not in sums:
             return server_state
-        n, m = self.sim.num_clients, len(updates)
-        state = dict(server_state)
-        for k in self.global_keys:
-            vals = [u.upload[DELTA_Y + k] for u in updates]
-            if torch.is_floating_point(vals[0]):
-                state[k] = server_state[k] + self.config.server_lr * torch.stack(vals).mean(0)
-            else:
-                state[k] = torch.stack(vals).max(0).values
-        for k in self._param_keys():
-            state[CONTROL + k] = server_state[CONTROL + k] + (m / n) * torch.stack(
-                [u.upload[DELTA_C + k] for u in updates]).mean(0)
-        return state
-
-    def load_client(self, down, private):
-        super().load_client({k: down[k] for k in self.global_keys}, None)  # control variates are not weights
+        dy = sums.get(DELTA_Y, server_state[MODEL])
+        dc = sums.get(DELTA_C, server_state[CONTROL])
+        # the sums are already means (coef = 1/|S|); |S| = the number of uploads folded in
+        n, m = self.ctx.num_clients, sums.count
+        x = {k: server_state[MODEL][k] + self.config.server_lr * dy[k] if torch.is_floating_point(dy[k]) else dy[k]
+             for k in dy}
+        c = {k: server_state[CONTROL][k] + (m / n) * dc[k] for k in dc}
+        return {**server_state, MODEL: {**server_state[MODEL], **x}, CONTROL: c}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..federated.training import TensorData, iterate_batches
+from ..training import TensorData, iterate_batches
 
 
 @torch.no_grad()
@@ -39,16 +39,16 @@ def mia_gap_from_stats(member_loss, member_ent, nonmember_loss, nonmember_ent) -
             "member_entropy": me, "nonmember_entropy": ne}
 
 
-def membership_inference_gap(sim, server_state, round_idx: int) -> dict:
+def membership_inference_gap(algo, server_state, round_idx: int) -> dict:
     """|mean member - mean non-member| of loss and entropy over all clients (sample-pooled), each client with the
-    model the method gives it. Members: clients' train splits; non-members: their test splits."""
-    algo = sim.algorithm
+    model the method ``algo`` gives it. Members: clients' train splits; non-members: their test splits."""
+    sim = algo.ctx
     stats = [[], [], [], []]
     for cid in range(sim.num_clients):
         test = sim.test_data(cid) if len(sim.client(cid).test) else None
         if test is None:
             continue
-        model = algo.load_personal(cid, server_state, sim.store.get(cid), round_idx)
+        model = algo.load_personal(cid, server_state, sim.private_state(cid), round_idx)
         ml, me = loss_and_entropy(model, sim.train_data(cid), sim.args.eval_batch_size, sim.device)
         nl, ne = loss_and_entropy(model, test, sim.args.eval_batch_size, sim.device)
         for acc, v in zip(stats, (ml, me, nl, ne)):

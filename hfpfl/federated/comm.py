@@ -4,19 +4,41 @@ from __future__ import annotations
 import torch
 
 TensorDict = dict[str, torch.Tensor]
+Parts = dict[str, TensorDict]   # named parts of a state or payload: {"model": {...}, "control": {...}}
 
 
-def tensor_bytes(tensors: TensorDict | None) -> int:
-    """Bytes on the wire for a payload of tensors (numel x element size, no compression)."""
-    if not tensors:
-        return 0
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def _leaves(tensors):
+    for v in (tensors or {}).values():
+        if isinstance(v, dict):
+            yield from _leaves(v)
+        else:
+            yield v
 
 
-def num_elements(tensors: TensorDict | None) -> int:
-    if not tensors:
-        return 0
-    return sum(t.numel() for t in tensors.values())
+def tensor_bytes(tensors: TensorDict | Parts | None) -> int:
+    """Bytes on the wire for a payload of tensors or of named parts (numel x element size, no compression)."""
+    return sum(t.numel() * t.element_size() for t in _leaves(tensors))
+
+
+def bytes_by_part(parts: Parts | None) -> dict[str, int]:
+    return {name: tensor_bytes(p) for name, p in (parts or {}).items()}
+
+
+def num_elements(tensors: TensorDict | Parts | None) -> int:
+    return sum(t.numel() for t in _leaves(tensors))
+
+
+def flatten_parts(parts: Parts) -> TensorDict:
+    """``{"model": {"w": t}}`` -> ``{"model/w": t}`` (safetensors files hold flat names)."""
+    return {f"{p}/{k}": v for p, d in parts.items() for k, v in d.items()}
+
+
+def unflatten_parts(flat: TensorDict) -> Parts:
+    out: Parts = {}
+    for name, v in flat.items():
+        p, _, k = name.partition("/")
+        out.setdefault(p, {})[k] = v
+    return out
 
 
 class CommLedger:
@@ -24,9 +46,14 @@ class CommLedger:
 
     def __init__(self):
         self.rounds: dict[int, dict[int, tuple[int, int]]] = {}
+        self.by_part: dict[str, list[int]] = {}   # part -> [bytes down, bytes up] over the run
 
-    def record(self, round_idx: int, client_id: int, down: int, up: int) -> None:
+    def record(self, round_idx: int, client_id: int, down: int, up: int, parts_down: dict | None = None,
+               parts_up: dict | None = None) -> None:
         self.rounds.setdefault(round_idx, {})[client_id] = (int(down), int(up))
+        for i, per in enumerate((parts_down or {}, parts_up or {})):
+            for p, b in per.items():
+                self.by_part.setdefault(p, [0, 0])[i] += int(b)
 
     def round_totals(self, round_idx: int) -> tuple[int, int]:
         per = self.rounds.get(round_idx, {})
@@ -45,15 +72,18 @@ class CommLedger:
             "bytes_down": down,
             "bytes_up": up,
             "per_client": {str(c): {"bytes_down": d, "bytes_up": u} for c, (d, u) in sorted(per_client.items())},
+            "by_part": {p: {"bytes_down": d, "bytes_up": u} for p, (d, u) in sorted(self.by_part.items())},
         }
 
     def to_json(self) -> dict:
-        return {str(r): {str(c): list(v) for c, v in per.items()} for r, per in self.rounds.items()}
+        return {"rounds": {str(r): {str(c): list(v) for c, v in per.items()} for r, per in self.rounds.items()},
+                "by_part": self.by_part}
 
     @classmethod
     def from_json(cls, data: dict) -> "CommLedger":
         ledger = cls()
-        for r, per in data.items():
+        for r, per in data.get("rounds", {}).items():
             for c, (d, u) in per.items():
                 ledger.record(int(r), int(c), d, u)
+        ledger.by_part = {p: list(v) for p, v in data.get("by_part", {}).items()}
         return ledger

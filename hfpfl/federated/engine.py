@@ -1,4 +1,9 @@
-"""The simulation engine: one model instance per process, client states swapped in and out, methods as plug-ins."""
+"""The simulation engine: one model instance per process, client states swapped in and out, methods as plug-ins.
+
+``Simulation(run_args, data_args).run()`` runs a whole experiment; ``step()`` runs one round (a driver such as FedPop
+interleaves several simulations and may give each round its own per-client and server hyperparameters);
+``state_dict()`` / ``load_state_dict()`` hold everything needed to continue bit for bit.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -16,26 +21,34 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import tracking
-from ..algorithms.base import FROZEN, GLOBAL, PRIVATE, Update, get_algorithm
+from ..training import TensorData
 from . import checkpoint as ckpt
-from .comm import CommLedger, num_elements, tensor_bytes
-from .distributed import all_gather, barrier, owned
+from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
+from .distributed import all_gather, barrier, broadcast_from_main, gather_to_main, owned
+from .protocol import (FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, HParams, MethodContext, NonFiniteError,
+                       ServerHParams, Update, WeightedSums, get_algorithm)
 from .state import ClientStateStore, snapshot
-from .training import TensorData, evaluate, make_optimizer
 
 logger = logging.getLogger("hfpfl")
+
+# run settings that do not change what a run computes (they may differ on resume)
+_NOT_FINGERPRINTED = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "num_rounds", "progress",
+                      "report_to", "num_threads", "checkpoint_every", "keep_checkpoints"}
 
 
 class Simulation:
     """Runs one federated experiment. ``Simulation(run_args, data_args).run()`` -> results dict.
 
     ``fed_data`` may be passed in (already built) to share it between simulations (FedPop, benchmarks).
+    ``keep_uploads=True`` keeps the last round's uploads in ``last_updates`` (tests, debugging); by default uploads
+    are folded into running sums as they arrive and dropped (O(model) memory for any number of clients).
     """
 
     def __init__(self, run_args, data_args=None, method_config=None, *, fed_data=None,
-                 accelerator: Accelerator | None = None):
+                 accelerator: Accelerator | None = None, keep_uploads: bool = False):
         self.args = run_args
         self.data_args = data_args
+        self.keep_uploads = keep_uploads
         torch.set_num_threads(max(1, run_args.num_threads))
         log_with = None if run_args.report_to == "none" else run_args.report_to
         self.accelerator = accelerator or Accelerator(log_with=log_with, project_dir=run_args.output_dir)
@@ -52,7 +65,8 @@ class Simulation:
             raise ValueError("the federated dataset has no clients")
 
         algo_cls = get_algorithm(run_args.method)
-        self.algorithm = algo_cls(self, method_config if method_config is not None else algo_cls.Config())
+        self.ctx = MethodContext(self)
+        self.algorithm: Algorithm = algo_cls(self.ctx, method_config if method_config is not None else algo_cls.Config())
         if algo_cls.one_shot and run_args.num_rounds != 1:
             logger.warning("%s is one-shot: running exactly 1 round (asked for %d)", algo_cls.name, run_args.num_rounds)
             self.args = dataclasses.replace(run_args, num_rounds=1)
@@ -62,11 +76,19 @@ class Simulation:
         self.model_state = self.model.state_dict()  # entries share storage with the model: swap by copy_
         self.keys_by_role = self._assign_roles()
         self.initial_private = snapshot(self.model_state, self.keys_by_role[PRIVATE])
+        self._frozen_buffers = self._frozen_buffer_keys()
+        self._frozen_reference = snapshot(self.model_state, self._frozen_buffers)
         self.store = ClientStateStore()
         self.ledger = CommLedger()
         self.history: list[dict] = []
         self._tensors: dict[tuple, TensorData] = {}
         self._elapsed_before = 0.0
+        self.round = 0                        # the last completed round
+        self.server_state: dict | None = None
+        self.final_eval: dict | None = None
+        self._client_hp_overrides: dict = {}
+        self._server_hp = ServerHParams.from_args(run_args)
+        self.last_updates: list[Update] = []
 
     # ------------------------------------------------------------------ setup helpers
     def _prepare_output_dir(self) -> None:
@@ -130,7 +152,19 @@ class Simulation:
                 params[key].requires_grad_(False)
         return roles
 
-    # ------------------------------------------------------------------ data, seeds, optimizers
+    def _frozen_buffer_keys(self) -> list[str]:
+        """Frozen keys that training could still change (floating buffers such as BN running statistics)."""
+        params = dict(self.model.named_parameters())
+        return [k for k in self.keys_by_role[FROZEN] if k not in params and torch.is_floating_point(self.model_state[k])]
+
+    def _check_frozen(self, where: str) -> None:
+        for k in self._frozen_buffers:
+            if not torch.equal(self.model_state[k].cpu(), self._frozen_reference[k]):
+                raise ValueError(f"{where}: {k!r} has role 'frozen' but changed during training (statistics that "
+                                 f"change are state): {type(self.algorithm).__name__}.key_role must make it 'private' "
+                                 "or 'global', or keep its module in eval mode")
+
+    # ------------------------------------------------------------------ data, seeds, hyperparameters
     def _tensor_data(self, key, ds) -> TensorData:
         if key not in self._tensors:
             self._tensors[key] = TensorData.from_dataset(ds)
@@ -147,11 +181,22 @@ class Simulation:
             raise ValueError(f"client {client_id} has no training data; use fewer clients or a larger min_partition_size")
         return self._tensor_data((client_id, "train"), c.train)
 
+    def val_data(self, client_id: int) -> TensorData:
+        c = self.client(client_id)
+        if c.val is None or len(c.val) == 0:
+            raise ValueError(f"client {client_id} has no validation split; pass --val_fraction (e.g. 0.1)")
+        return self._tensor_data((client_id, "val"), c.val)
+
     def test_data(self, client_id: int) -> TensorData:
         return self._tensor_data((client_id, "test"), self.client(client_id).test)
 
     def global_test_data(self) -> TensorData:
         return self._tensor_data(("global", "test"), self.data.global_test)
+
+    def public_data(self) -> TensorData:
+        if self.data.public is None or len(self.data.public) == 0:
+            raise ValueError("this federated dataset has no public pool")
+        return self._tensor_data(("global", "public"), self.data.public)
 
     def seed_for(self, round_idx: int, client_id: int, tag: str = "") -> int:
         ss = np.random.SeedSequence([self.args.seed, round_idx, client_id + 1, zlib.crc32(tag.encode())])
@@ -161,8 +206,19 @@ class Simulation:
         return torch.Generator().manual_seed(self.seed_for(round_idx, client_id, tag))
 
     def make_optimizer(self, params) -> torch.optim.Optimizer:
-        a = self.args
-        return make_optimizer(params, a.optimizer, a.lr, a.momentum, a.weight_decay)
+        return self.ctx.make_optimizer(params)
+
+    def client_hparams(self, client_id: int) -> HParams:
+        """This client's hyperparameters in the current round: run arguments < step(client_hparams=...) < method."""
+        hp = HParams.from_args(self.args)
+        over = self._client_hp_overrides
+        over = over(client_id) if callable(over) else over.get(client_id, {})
+        if over:
+            hp = hp.replace(**over)
+        return self.algorithm.client_hparams(client_id, self.round + 1, hp)
+
+    def server_hparams(self) -> ServerHParams:
+        return self._server_hp
 
     def sample_clients(self, round_idx: int) -> list[int]:
         n = self.num_clients
@@ -172,46 +228,112 @@ class Simulation:
         return sorted(int(c) for c in rng.choice(n, size=m, replace=False))
 
     # ------------------------------------------------------------------ one round
+    def _client_work(self, cid: int, round_idx: int, server_state: dict) -> Update:
+        """One client's round: download, swap its private state in, local update, swap it out, checks."""
+        algo = self.algorithm
+        down = algo.download(server_state, cid)
+        private = self.store.get(cid)
+        if private is None:
+            private = algo.init_private_state(cid)
+        # the engine, not the method, swaps the client's private model keys in: nothing leaks between clients
+        self.ctx.load(private.get(MODEL) or self.initial_private)
+        torch.manual_seed(self.seed_for(round_idx, cid, "client"))
+        upd = algo.client_update(cid, down, private, round_idx)
+        if upd.private is None:
+            upd.private = {}
+        if self.keys_by_role[PRIVATE] and MODEL not in upd.private:
+            upd.private[MODEL] = snapshot(self.model_state, self.keys_by_role[PRIVATE])
+        self._check_frozen(f"round {round_idx}, client {cid}")
+        self._check_finite(upd, round_idx)
+        self.store.put(cid, upd.private)
+        upd.private = None  # private state never leaves the client
+        upd.upload = {p: {k: v.detach().cpu() for k, v in d.items()} for p, d in upd.upload.items()}
+        upd.metrics["bytes_down"] = tensor_bytes(down)
+        upd.metrics["parts_down"], upd.metrics["parts_up"] = bytes_by_part(down), bytes_by_part(upd.upload)
+        return upd
+
+    def _check_finite(self, upd: Update, round_idx: int) -> None:
+        if self.algorithm.on_non_finite != "error":
+            return
+        loss = upd.metrics.get("train_loss")
+        bad = [f"{p}/{k}" for p, d in upd.upload.items() for k, v in d.items()
+               if torch.is_floating_point(v) and not bool(torch.isfinite(v).all())]
+        if bad or (loss is not None and not np.isfinite(loss)):
+            what = f"upload {bad[0]!r}" if bad else f"train loss {loss}"
+            raise NonFiniteError(f"training diverged in round {round_idx} on client {upd.client_id}: non-finite "
+                                 f"{what}; lower --lr (now {self.client_hparams(upd.client_id).lr}) or check the data")
+
     def run_round(self, round_idx: int, server_state: dict) -> tuple[dict, dict]:
         algo, acc = self.algorithm, self.accelerator
         sampled = self.sample_clients(round_idx)
-        updates: list[Update] = []
-        for cid in owned(sampled, acc):
-            down = algo.download(server_state, cid)
-            private = self.store.get(cid)
-            if private is None:
-                private = algo.init_private_state(cid)
-            torch.manual_seed(self.seed_for(round_idx, cid, "client"))
-            upd = algo.client_update(cid, down, private, round_idx)
-            self.store.put(cid, upd.private)
-            upd.private = None  # private state never leaves the client
-            upd.metrics["bytes_down"] = tensor_bytes(down)
-            upd.upload = {k: v.detach().cpu() for k, v in upd.upload.items()}
-            updates.append(upd)
-        updates = sorted(all_gather(updates, acc), key=lambda u: u.client_id)
-        for u in updates:
-            self.ledger.record(round_idx, u.client_id, u.metrics["bytes_down"], tensor_bytes(u.upload))
-        new_state = algo.aggregate(server_state, updates, round_idx)
-        self.last_updates = updates  # exactly what reached the server this round (inspection, tests)
-        total = sum(u.num_samples for u in updates) or 1
-        metrics = {"round": round_idx, "clients": [u.client_id for u in updates]}
-        if updates and "train_loss" in updates[0].metrics:
-            metrics["train_loss"] = sum(u.metrics["train_loss"] * u.num_samples for u in updates) / total
+        gather = algo.needs_all_uploads or type(algo).aggregate is not Algorithm.aggregate
+        kept: list[Update] = []
+        if gather:
+            for cid in owned(sampled, acc):
+                kept.append(self._client_work(cid, round_idx, server_state))
+            everything = gather_to_main(kept, acc)
+            if acc.is_main_process:  # server work once, then every process gets the result
+                everything = sorted(everything, key=lambda u: u.client_id)
+                new_state = algo.aggregate(server_state, everything, round_idx)
+                meta = [(u.client_id, u.num_samples, u.metrics) for u in everything]
+            else:
+                new_state, meta = None, None
+            new_state, meta = broadcast_from_main((new_state, meta), acc)
+            kept = everything if acc.is_main_process else []
+        else:
+            weights = algo.aggregation_weights(sampled)
+            total = float(sum(weights.values()))
+            if total <= 0:
+                raise ValueError("aggregation weights sum to zero (every sampled client has no data)")
+            sums = WeightedSums()
+            meta = []
+            for cid in owned(sampled, acc):
+                upd = self._client_work(cid, round_idx, server_state)
+                algo.accumulate(sums, upd, weights[cid] / total)
+                sums.count += 1
+                meta.append((cid, upd.num_samples, upd.metrics))
+                if self.keep_uploads:
+                    kept.append(upd)
+            sums.all_reduce(acc)
+            new_state = algo.reduce(server_state, sums, round_idx)
+            meta = sorted(all_gather(meta, acc), key=lambda m: m[0])
+        self._check_finite_state(new_state, round_idx)
+        for cid, _, m in meta:
+            self.ledger.record(round_idx, cid, m["bytes_down"], sum(m["parts_up"].values()), m["parts_down"],
+                               m["parts_up"])
+        self.last_updates = sorted(kept, key=lambda u: u.client_id) if self.keep_uploads else []
+        total_n = sum(n for _, n, _ in meta) or 1
+        metrics = {"round": round_idx, "clients": [cid for cid, _, _ in meta]}
+        if meta and "train_loss" in meta[0][2]:
+            metrics["train_loss"] = sum(m["train_loss"] * n for _, n, m in meta) / total_n
         metrics["bytes_down"], metrics["bytes_up"] = self.ledger.round_totals(round_idx)
         return new_state, metrics
 
+    def _check_finite_state(self, state: dict, round_idx: int) -> None:
+        for p, d in state.items():
+            for k, v in d.items():
+                if torch.is_floating_point(v) and not bool(torch.isfinite(v).all()):
+                    raise NonFiniteError(f"training diverged in round {round_idx}: the server state {p}/{k!r} is "
+                                         "non-finite after aggregation; lower --lr or --server_lr")
+
     # ------------------------------------------------------------------ evaluation
+    def _eval(self, model, data) -> dict:
+        return self.ctx.evaluate(model, data)
+
     def evaluate(self, round_idx: int, server_state: dict, final: bool = False) -> dict:
-        algo, acc, bs = self.algorithm, self.accelerator, self.args.eval_batch_size
+        algo, acc = self.algorithm, self.accelerator
         out: dict = {}
+        self.ctx.load(self.initial_private)  # the global model never carries a client's private statistics
         model = algo.load_global(server_state)
         if model is not None:
-            out["global_accuracy"] = evaluate(model, self.global_test_data(), batch_size=bs, device=self.device)["accuracy"]
+            out["global_accuracy"] = self._eval(model, self.global_test_data())["accuracy"]
         rows = []
         for cid in owned(range(self.num_clients), acc):
             torch.manual_seed(self.seed_for(round_idx, cid, "eval"))
-            model = algo.load_personal(cid, server_state, self.store.get(cid), round_idx)
-            res = evaluate(model, self.test_data(cid), batch_size=bs, device=self.device)
+            private = self.store.get(cid)
+            self.ctx.load((private or {}).get(MODEL) or self.initial_private)
+            model = algo.load_personal(cid, server_state, private, round_idx)
+            res = self._eval(model, self.test_data(cid))
             rows.append((cid, res["accuracy"], res["num_samples"]))
         rows = sorted(all_gather(rows, acc))
         if rows:
@@ -224,18 +346,55 @@ class Simulation:
             for j in owned(range(len(self.data.new_clients)), acc):
                 cid = self.num_clients + j
                 torch.manual_seed(self.seed_for(round_idx, cid, "new-client"))
+                self.ctx.load(self.initial_private)
                 model = algo.personalize_new_client(cid, server_state, self.train_data(cid), round_idx)
-                new_rows.append((cid, evaluate(model, self.test_data(cid), batch_size=bs, device=self.device)["accuracy"]))
+                new_rows.append((cid, self._eval(model, self.test_data(cid))["accuracy"]))
             new_rows = sorted(all_gather(new_rows, acc))
             out["new_client_accuracy"] = float(np.mean([a for _, a in new_rows]))
             out["new_clients"] = {str(c): a for c, a in new_rows}
         return out
 
+    # ------------------------------------------------------------------ whole state (FedPop, checkpoints)
+    def state_dict(self) -> dict:
+        """Everything needed to continue this simulation bit for bit (this process's clients): server state,
+        client store (private parts, optimizer states), ledger, history, round, the method's own state, RNG."""
+        return {"round": self.round, "server_state": {p: dict(d) for p, d in (self.server_state or {}).items()},
+                "store": self.store.flatten(), "ledger": self.ledger.to_json(), "history": list(self.history),
+                "algorithm": self.algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
+                "server_hparams": dataclasses.asdict(self._server_hp), "elapsed": self._elapsed()}
+
+    def load_state_dict(self, state: dict) -> None:
+        expected = self.algorithm.init_server_state()
+        got = state["server_state"]
+        for p in set(expected) | set(got):
+            if p == "server_opt":
+                continue
+            mismatch = set(expected.get(p, {})) ^ set(got.get(p, {}))
+            if mismatch:
+                raise ValueError(f"state does not match this model: server state part {p!r} differs in "
+                                 f"{len(mismatch)} keys (e.g. {sorted(mismatch)[0]!r})")
+        self.round = int(state["round"])
+        self.server_state = {p: {k: v.clone() for k, v in d.items()} for p, d in got.items()}
+        self.store.clear()
+        self.store.load_flat(state["store"])
+        self.ledger = CommLedger.from_json(state["ledger"])
+        self.history = list(state["history"])
+        self.algorithm.load_state_dict(state.get("algorithm", {}))
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"])
+        if "server_hparams" in state:
+            self._server_hp = ServerHParams(**state["server_hparams"])
+        self._elapsed_before = float(state.get("elapsed", 0.0))
+        self._start = time.perf_counter()
+
     # ------------------------------------------------------------------ checkpoints
-    def _fingerprint(self) -> dict:
-        a = self.args
-        return {"method": a.method, "model": a.model, "seed": a.seed, "num_clients": self.num_clients,
-                "adapter": a.adapter, "world_size": self.accelerator.num_processes}
+    def fingerprint(self) -> dict:
+        """What a run computes: run, data and method settings (not where it writes or how long it runs)."""
+        def plain(dc):
+            return {k: v for k, v in (dataclasses.asdict(dc) if dataclasses.is_dataclass(dc) else {}).items()}
+        run = {k: v for k, v in plain(self.args).items() if k not in _NOT_FINGERPRINTED}
+        return {"run": run, "data": plain(self.data_args), "method": plain(self.algorithm.config),
+                "num_clients": self.num_clients}
 
     def save_checkpoint(self, round_idx: int, server_state: dict, elapsed: float) -> None:
         acc = self.accelerator
@@ -246,35 +405,37 @@ class Simulation:
         barrier(acc)
         ckpt.save_tensors(self.store.flatten(), tmp / f"clients-rank{acc.process_index}.safetensors")
         if acc.is_main_process:
-            ckpt.save_tensors(server_state, tmp / "server.safetensors")
+            ckpt.save_tensors(flatten_parts(server_state), tmp / "server.safetensors")
         barrier(acc)
         if acc.is_main_process:
             ckpt.finalize(self.output_dir, round_idx, {
-                "round": round_idx, "fingerprint": self._fingerprint(), "history": self.history,
-                "ledger": self.ledger.to_json(), "elapsed": elapsed}, keep=self.args.keep_checkpoints)
+                "round": round_idx, "fingerprint": self.fingerprint(), "history": self.history,
+                "ledger": self.ledger.to_json(), "elapsed": elapsed, "algorithm": self.algorithm.state_dict(),
+                "server_hparams": dataclasses.asdict(self._server_hp)}, keep=self.args.keep_checkpoints)
         barrier(acc)
 
-    def load_checkpoint(self, spec: str) -> tuple[int, dict]:
+    def load_checkpoint(self, spec: str) -> None:
         path = ckpt.resolve(self.output_dir, spec)
         state = ckpt.read_state(path)
-        mine, theirs = self._fingerprint(), state.get("fingerprint", {})
-        diff = {k: (theirs.get(k), v) for k, v in mine.items() if k != "world_size" and theirs.get(k) != v}
+        mine, theirs = self.fingerprint(), state.get("fingerprint", {})
+        diff = _diff(theirs, mine)
         if diff:
-            detail = ", ".join(f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"checkpoint {str(path)!r} was written by a different run ({detail}); resume with the "
-                             "same settings or start a new --output_dir")
-        server_state = ckpt.load_tensors(path / "server.safetensors")
-        expected = set(self.algorithm.init_server_state())
-        if set(server_state) != expected:
-            raise ValueError(f"checkpoint {str(path)!r} does not match this model: server state keys differ "
-                             f"({len(set(server_state) ^ expected)} mismatched)")
+            detail = "; ".join(f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in list(diff.items())[:6])
+            raise ValueError(f"--resume_from_checkpoint: checkpoint {str(path)!r} was written with other settings "
+                             f"({detail}); resume with the same settings (only --num_rounds may grow), or start a new "
+                             "run with another --output_dir")
+        if int(state["round"]) > self.args.num_rounds:
+            raise ValueError(f"--num_rounds {self.args.num_rounds} is smaller than the checkpoint's round "
+                             f"{state['round']}; resume with --num_rounds >= {state['round']}")
         acc = self.accelerator
+        flat = {}
         for f in sorted(path.glob("clients-rank*.safetensors")):
-            self.store.load_flat(ckpt.load_tensors(f), keep=lambda c: c % acc.num_processes == acc.process_index)
-        self.history = state["history"]
-        self.ledger = CommLedger.from_json(state["ledger"])
-        self._elapsed_before = float(state.get("elapsed", 0.0))
-        return int(state["round"]), server_state
+            flat.update({k: v for k, v in ckpt.load_tensors(f).items()
+                         if int(k.split("::", 1)[0]) % acc.num_processes == acc.process_index})
+        self.load_state_dict({"round": state["round"], "server_state": unflatten_parts(
+            ckpt.load_tensors(path / "server.safetensors")), "store": flat, "ledger": state["ledger"],
+            "history": state["history"], "algorithm": state.get("algorithm", {}), "elapsed": state.get("elapsed", 0.0),
+            "server_hparams": state.get("server_hparams", dataclasses.asdict(self._server_hp))})
 
     # ------------------------------------------------------------------ the run
     def parameter_counts(self) -> dict:
@@ -285,49 +446,83 @@ class Simulation:
                 "global_state_elements": num_elements(comm), "private_state_elements":
                     num_elements({k: self.model_state[k] for k in self.keys_by_role[PRIVATE]})}
 
-    def run(self) -> dict:
+    def _elapsed(self) -> float:
+        return self._elapsed_before + time.perf_counter() - getattr(self, "_start", time.perf_counter())
+
+    def setup(self) -> None:
+        """Initial server state, or the state of ``--resume_from_checkpoint``; config written. Idempotent."""
+        if self.server_state is not None:
+            return
         acc, args = self.accelerator, self.args
-        start = time.perf_counter()
-        first_round, server_state = 1, None
+        self._start = time.perf_counter()
+        resumed_rounds = None
         if args.resume_from_checkpoint:
-            last, server_state = self.load_checkpoint(args.resume_from_checkpoint)
-            first_round = last + 1
-            logger.info("resumed from round %d", last)
+            self.load_checkpoint(args.resume_from_checkpoint)
+            logger.info("resumed from round %d", self.round)
+            resumed_rounds = self.history and max(h["round"] for h in self.history)
         else:
-            server_state = self.algorithm.init_server_state()
-        if acc.is_main_process:
+            self.server_state = self.algorithm.init_server_state()
+        # a resumed run keeps its config.yaml; only an extended --num_rounds is recorded
+        if acc.is_main_process and (not args.resume_from_checkpoint or not (self.output_dir / "config.yaml").exists()
+                                    or (resumed_rounds is not None and args.num_rounds != _saved_rounds(self.output_dir))):
             tracking.write_config(self.output_dir, run=args, data=self.data_args, method=self.algorithm.config)
         if acc.log_with:
             acc.init_trackers("hfpfl", config={k: v for k, v in dataclasses.asdict(args).items()
                                                 if isinstance(v, (int, float, str, bool))})
-        bar = tqdm(range(first_round, args.num_rounds + 1), desc=f"{args.method} rounds", initial=first_round - 1,
+
+    def step(self, client_hparams=None, server_hparams: dict | None = None) -> dict:
+        """Run the next round (with evaluation and checkpoint as configured); returns its metrics.
+
+        ``client_hparams``: ``{client_id: {"lr": ..., "local_epochs": ...}}`` or a function of the client id
+        (FedPop-L gives every active client its own vector); ``server_hparams``: ``{"server_lr": ...,
+        "server_momentum": ...}`` from this round on."""
+        self.setup()
+        acc, args = self.accelerator, self.args
+        r = self.round + 1
+        self._client_hp_overrides = client_hparams or {}
+        if server_hparams:
+            self._server_hp = dataclasses.replace(self._server_hp, **server_hparams)
+        try:
+            self.server_state, metrics = self.run_round(r, self.server_state)
+        finally:
+            self._client_hp_overrides = {}
+        self.round = r
+        last = r == args.num_rounds
+        if r % args.eval_every == 0 or last:
+            ev = self.evaluate(r, self.server_state, final=last)
+            metrics.update({k: v for k, v in ev.items() if not isinstance(v, dict)})
+            metrics["per_client"] = ev.get("per_client")
+            if last:
+                self.final_eval = ev
+        self.history.append(metrics)
+        if acc.log_with:
+            acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=r)
+        if args.checkpoint_every and (r % args.checkpoint_every == 0 or last):
+            self.save_checkpoint(r, self.server_state, self._elapsed())
+        if acc.is_main_process:
+            tracking.write_history(self.output_dir, self.history)
+        return metrics
+
+    def run(self) -> dict:
+        self.setup()
+        acc, args = self.accelerator, self.args
+        bar = tqdm(range(self.round + 1, args.num_rounds + 1), desc=f"{args.method} rounds", initial=self.round,
                    total=args.num_rounds, disable=not (args.progress and acc.is_local_main_process))
-        for r in bar:
-            server_state, metrics = self.run_round(r, server_state)
-            last = r == args.num_rounds
-            if r % args.eval_every == 0 or last:
-                ev = self.evaluate(r, server_state, final=last)
-                metrics.update({k: v for k, v in ev.items() if not isinstance(v, dict)})
-                metrics["per_client"] = ev.get("per_client")
-                if last:
-                    final_eval = ev
-                bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k.endswith("accuracy") and isinstance(v, float)})
-            self.history.append(metrics)
-            if acc.log_with:
-                acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=r)
-            elapsed = self._elapsed_before + time.perf_counter() - start
-            if args.checkpoint_every and (r % args.checkpoint_every == 0 or last):
-                self.save_checkpoint(r, server_state, elapsed)
-            if acc.is_main_process:
-                tracking.write_history(self.output_dir, self.history)
-        if first_round > args.num_rounds:  # resumed a finished run: evaluate the final state again
-            final_eval = self.evaluate(args.num_rounds, server_state, final=True)
-        self.server_state = server_state
-        results = self._results(final_eval, self._elapsed_before + time.perf_counter() - start)
+        for _ in bar:
+            metrics = self.step()
+            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k.endswith("accuracy") and isinstance(v, float)})
+        return self.finish()
+
+    def finish(self) -> dict:
+        """Final evaluation (if the last round did not have one), results.json and plots."""
+        acc, args = self.accelerator, self.args
+        if self.final_eval is None:  # resumed a finished run, or stepped externally: evaluate the final state
+            self.final_eval = self.evaluate(self.round, self.server_state, final=True)
+        results = self._results(self.final_eval, self._elapsed())
         if acc.is_main_process:
             tracking.write_results(self.output_dir, results)
             tracking.plot_curves(self.output_dir, self.history, title=f"{args.method} on {self._dataset_name()}")
-            tracking.plot_client_bars(self.output_dir, final_eval.get("per_client", {}), title=args.method)
+            tracking.plot_client_bars(self.output_dir, self.final_eval.get("per_client", {}), title=args.method)
         if acc.log_with:
             acc.end_training()
         return results
@@ -346,7 +541,7 @@ class Simulation:
         return {
             "method": a.method, "model": a.model, "adapter": a.adapter, "dataset": self._dataset_name(),
             "partition": getattr(self.data_args, "partition", None), "num_clients": self.num_clients,
-            "num_rounds": a.num_rounds, "seed": a.seed, "world_size": self.accelerator.num_processes,
+            "num_rounds": self.round, "seed": a.seed, "world_size": self.accelerator.num_processes,
             "final": {k: v for k, v in final_eval.items() if not isinstance(v, dict)},
             "per_client_accuracy": per_client,
             "per_domain_accuracy": {d: float(np.mean(v)) for d, v in sorted(per_domain.items())},
@@ -355,3 +550,25 @@ class Simulation:
             "parameters": self.parameter_counts(),
             "wall_time_s": wall,
         }
+
+
+def _diff(old: dict, new: dict, prefix: str = "") -> dict:
+    """Flattened keys whose values differ between two nested fingerprints."""
+    out = {}
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(_diff(a, b, f"{prefix}{k}."))
+        elif a != b and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b)):
+            out[f"{prefix}{k}"] = (a, b)
+    return out
+
+
+def _saved_rounds(output_dir: Path):
+    import yaml
+    try:
+        cfg = yaml.safe_load((output_dir / "config.yaml").read_text()) or {}
+    except Exception:  # noqa: BLE001 - an unreadable config is rewritten
+        return None
+    return (cfg.get("run") or {}).get("num_rounds", cfg.get("num_rounds"))
+

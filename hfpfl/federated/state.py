@@ -1,14 +1,18 @@
-"""Per-client private state, swapped in and out of the one model instance of this process."""
+"""Per-client private state, swapped in and out of the one model instance of this process.
+
+Device placement is explicit and uniform: every tensor of a state (server state, uploads, downloads, private
+state) is a CPU tensor; only the model lives on the accelerator device. :func:`snapshot` copies to the CPU and
+:func:`load_into` copies onto the model's device."""
 from __future__ import annotations
 
 import torch
 
-from .comm import TensorDict
+from .comm import Parts, TensorDict
 
 
 def snapshot(model_state: TensorDict, keys) -> TensorDict:
-    """Detached copies of `keys` from a (cached) state dict."""
-    return {k: model_state[k].detach().clone() for k in keys}
+    """Detached CPU copies of `keys` from a (cached) state dict."""
+    return {k: model_state[k].detach().to("cpu", copy=True) for k in keys}
 
 
 @torch.no_grad()
@@ -29,19 +33,24 @@ def load_into(model_state: TensorDict, values: TensorDict) -> None:
 class ClientStateStore:
     """What each client keeps between rounds, only for the clients this process owns.
 
-    Holds CPU tensors only (adapters, heads, norms, embeddings, control variates ...), never a model copy.
+    Holds CPU tensors only, as named parts (adapters, heads, norms, embeddings, control variates, optimizer
+    state ...), never a model copy.
     """
 
     def __init__(self):
-        self._states: dict[int, TensorDict] = {}
+        self._states: dict[int, Parts] = {}
 
-    def get(self, client_id: int) -> TensorDict | None:
+    def get(self, client_id: int) -> Parts | None:
         return self._states.get(client_id)
 
-    def put(self, client_id: int, state: TensorDict | None) -> None:
+    def put(self, client_id: int, state: Parts | None) -> None:
         if state is None:
             return
-        self._states[client_id] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        self._states[client_id] = {p: {k: v.detach().to("cpu", copy=True) for k, v in d.items()}
+                                   for p, d in state.items()}
+
+    def clear(self) -> None:
+        self._states.clear()
 
     def __contains__(self, client_id: int) -> bool:
         return client_id in self._states
@@ -53,15 +62,17 @@ class ClientStateStore:
         return sorted(self._states)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self._states.values() for t in s.values())
+        return sum(t.numel() * t.element_size() for s in self._states.values() for d in s.values() for t in d.values())
 
-    # flat form for safetensors checkpoints: "<client>::<key>"
+    # flat form for safetensors checkpoints: "<client>::<part>/<key>"
     def flatten(self) -> TensorDict:
-        return {f"{cid}::{k}": v.contiguous() for cid, s in self._states.items() for k, v in s.items()}
+        return {f"{cid}::{p}/{k}": v.contiguous() for cid, s in self._states.items() for p, d in s.items()
+                for k, v in d.items()}
 
     def load_flat(self, flat: TensorDict, keep=lambda cid: True) -> None:
         for name, tensor in flat.items():
-            cid_s, key = name.split("::", 1)
+            cid_s, rest = name.split("::", 1)
+            part, _, key = rest.partition("/")
             cid = int(cid_s)
             if keep(cid):
-                self._states.setdefault(cid, {})[key] = tensor
+                self._states.setdefault(cid, {}).setdefault(part, {})[key] = tensor

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from ..federated.training import TensorData, evaluate, train_local
+from ..training import TensorData, evaluate, train_local
 from .builders import TINY_CLASSIFIERS, build_classifier
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,574 @@
+"""The protocol every method plugs into. It belongs to the engine; methods depend on it, never the reverse.
+
+A round, as the engine runs it (one model instance per process, client states swapped in and out)::
+
+    server_state = algo.init_server_state()                        # once; named parts, e.g. {"model": ..., "control": ...}
+    for round r (Simulation.step()):
+        weights = algo.aggregation_weights(sampled)                # known before training (FedAvg: n_i)
+        for each sampled client i (sharded over processes):
+            down   = algo.download(server_state, i)                # parts that travel server -> client (bytes counted)
+            update = algo.client_update(i, down, private_i, r)     # local work; update.upload travels client -> server
+            algo.accumulate(sums, update, weights[i] / total)      # streaming: O(model) memory, upload dropped
+        server_state = algo.reduce(server_state, sums, r)          # mean, server optimizer (FedOpt), ...
+        # or, for methods that need every upload (KD ensembles, FedBiP synthesis): they override ``aggregate``
+        # (server_state, updates, r), which the engine runs once, on the main process, then broadcasts.
+    evaluation: algo.load_global(server_state), algo.load_personal(i, server_state, private_i, r)
+    new clients: algo.personalize_new_client(i, server_state, data, r)
+
+**State is made of named parts.** Everything that is stored or travels is a ``Parts`` = ``dict[part name,
+dict[key, Tensor]]``: the part ``"model"`` holds model state-dict entries; methods add their own parts (SCAFFOLD's
+``"control"``, Ditto's ``"personal"``, FedBasis' bases, optimizer state ``"optim"``). Checkpoints and byte accounting
+understand parts (bytes are reported per part). All state tensors live on the CPU; the model lives on ``ctx.device``.
+
+**Key roles.** Every model state-dict key is ``global`` (travels and is aggregated), ``private`` (kept per client;
+the engine always swaps a client's private model part in before its update and out after, so nothing leaks between
+clients) or ``frozen`` (never trained, never sent; the engine checks that frozen tensors do not change).
+
+**The context.** A method sees the engine only through ``self.ctx`` (:class:`MethodContext`): the model, its key
+roles, the client's data, per-client hyperparameters, seeded generators, the training loop and evaluation.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from ..training import Metric, TensorData, default_loss, evaluate, load_optimizer_state, make_optimizer, \
+    optimizer_state_tensors, train_local
+from .comm import Parts, TensorDict
+from .state import load_into, snapshot
+
+if TYPE_CHECKING:
+    from .engine import Simulation
+
+GLOBAL, PRIVATE, FROZEN = "global", "private", "frozen"
+MODEL = "model"          # the part holding model state-dict entries
+OPTIM = "optim"          # the private part holding a client's persistent optimizer state
+
+
+class NonFiniteError(ValueError):
+    """Training diverged: weights or losses became NaN/inf."""
+
+
+@dataclass
+class NoConfig:
+    """This method has no hyperparameters of its own."""
+
+
+@dataclass(frozen=True)
+class HParams:
+    """A client's training hyperparameters for one round. Defaults come from the run arguments; a method
+    (``Algorithm.client_hparams``) or a driver such as FedPop (``Simulation.step(client_hparams=...)``) can give each
+    client its own."""
+
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    optimizer: str = "sgd"
+    local_epochs: int = 1
+    local_steps: int | None = None
+    batch_size: int = 32
+    dropout: float | None = None   # None: the model's own dropout rates
+
+    @classmethod
+    def from_args(cls, args) -> "HParams":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+    def replace(self, **changes) -> "HParams":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown client hyperparameter(s) {sorted(unknown)}; known: "
+                             f"{[f.name for f in dataclasses.fields(self)]}")
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ServerHParams:
+    """The server optimizer (FedOpt, Reddi et al. 2021): pseudo-gradient d = x - mean(uploads); m <- momentum * m + d;
+    x <- x - lr_t * m with lr_t = server_lr * server_lr_decay^(round - 1). server_lr = 1, momentum = 0 is FedAvg."""
+
+    server_lr: float = 1.0
+    server_momentum: float = 0.0
+    server_lr_decay: float = 1.0
+
+    @classmethod
+    def from_args(cls, args) -> "ServerHParams":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+@dataclass
+class Update:
+    """What a client's local work produced."""
+
+    client_id: int
+    upload: Parts                          # travels client -> server (bytes counted)
+    num_samples: int
+    private: Parts | None = None           # new private state; stays on the client
+    metrics: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def dropout_rate(model: nn.Module, p: float | None):
+    """Temporarily set every nn.Dropout's rate (per-client dropout, tuned by FedPop)."""
+    if p is None:
+        yield
+        return
+    mods = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    old = [m.p for m in mods]
+    for m in mods:
+        m.p = p
+    try:
+        yield
+    finally:
+        for m, q in zip(mods, old):
+            m.p = q
+
+
+class MethodContext:
+    """What a method may read and call. Nothing else of the engine is part of the protocol.
+
+    Model: ``model``, ``model_state`` (the model's cached state dict, shares storage), ``keys(role)``,
+    ``initial_private``, ``load(values)``, ``snapshot(keys)``, ``build_default_model()``, ``device``.
+    Data: ``data`` (the FederatedData), ``num_clients``, ``num_labels``, ``client(i)``, ``train_data(i)``,
+    ``val_data(i)``, ``test_data(i)``, ``global_test_data()``, ``public_data()``.
+    Training: ``hparams(i)``, ``server_hparams()``, ``train(...)``, ``evaluate(model, data)``, ``metric()``,
+    ``make_optimizer(params, hp)``, ``generator(round, i, tag)``, ``seed_for(round, i, tag)``, ``args`` (read-only run
+    settings).
+    Several processes: ``is_main_process``, ``owned(clients)``, ``gather(items)``, ``private_state(i)``;
+    ``output_dir`` for artefacts (grids, adapters)."""
+
+    def __init__(self, sim: "Simulation"):
+        self._sim = sim
+
+    # model ------------------------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self._sim.model
+
+    @property
+    def model_state(self) -> TensorDict:
+        return self._sim.model_state
+
+    def keys(self, role: str) -> list[str]:
+        return self._sim.keys_by_role[role]
+
+    @property
+    def keys_by_role(self) -> dict[str, list[str]]:
+        return self._sim.keys_by_role
+
+    @property
+    def initial_private(self) -> TensorDict:
+        return self._sim.initial_private
+
+    def load(self, values: TensorDict) -> None:
+        load_into(self._sim.model_state, values)
+
+    def snapshot(self, keys) -> TensorDict:
+        return snapshot(self._sim.model_state, keys)
+
+    def build_default_model(self) -> nn.Module:
+        return self._sim.build_default_model()
+
+    @property
+    def device(self) -> torch.device:
+        return self._sim.device
+
+    # data -------------------------------------------------------------------------------------------------
+    @property
+    def data(self):
+        return self._sim.data
+
+    @property
+    def num_clients(self) -> int:
+        return self._sim.num_clients
+
+    @property
+    def num_labels(self) -> int:
+        return self._sim.data.num_labels
+
+    def client(self, client_id: int):
+        return self._sim.client(client_id)
+
+    def train_data(self, client_id: int) -> TensorData:
+        return self._sim.train_data(client_id)
+
+    def val_data(self, client_id: int) -> TensorData:
+        return self._sim.val_data(client_id)
+
+    def test_data(self, client_id: int) -> TensorData:
+        return self._sim.test_data(client_id)
+
+    def global_test_data(self) -> TensorData:
+        return self._sim.global_test_data()
+
+    def public_data(self) -> TensorData:
+        return self._sim.public_data()
+
+    # training ---------------------------------------------------------------------------------------------
+    @property
+    def args(self):
+        return self._sim.args
+
+    @property
+    def round(self) -> int:
+        return self._sim.round
+
+    def hparams(self, client_id: int) -> HParams:
+        return self._sim.client_hparams(client_id)
+
+    def server_hparams(self) -> ServerHParams:
+        return self._sim.server_hparams()
+
+    def metric(self) -> Metric:
+        return self._sim.algorithm.metric()
+
+    def make_optimizer(self, params, hp: HParams | None = None) -> torch.optim.Optimizer:
+        hp = hp or HParams.from_args(self.args)
+        return make_optimizer(params, hp.optimizer, hp.lr, hp.momentum, hp.weight_decay)
+
+    def generator(self, round_idx: int, client_id: int, tag: str = "") -> torch.Generator:
+        return self._sim.generator(round_idx, client_id, tag)
+
+    def seed_for(self, round_idx: int, client_id: int, tag: str = "") -> int:
+        return self._sim.seed_for(round_idx, client_id, tag)
+
+    def evaluate(self, model: nn.Module, data: TensorData, metric: Metric | None = None) -> dict:
+        return evaluate(model, data, batch_size=self.args.eval_batch_size, device=self.device,
+                        metric=metric or self.metric())
+
+    def train(self, client_id: int, round_idx: int, *, params=None, hp: HParams | None = None, epochs=None,
+              steps=None, data=None, tag: str = "", optimizer_state: TensorDict | None = None, **hooks) -> dict:
+        """The engine's training loop on a client's data with its hyperparameters, seeded by (seed, round, client,
+        tag). ``params``: parameters or parameter groups (dicts with per-group ``lr``); several optimizers: pass
+        ``params=[groups_a, groups_b]`` with ``loss_fn=[fn_a, fn_b]``. ``optimizer_state``: the optimizer state this
+        client kept from earlier rounds (returned as ``metrics["optimizer_state"]`` for the method to keep).
+        ``hooks``: ``loss_fn``, ``regularizer``, ``before_step``, ``scheduler``, ``after_step``."""
+        sim = self._sim
+        hp = hp or self.hparams(client_id)
+        params = sim.algorithm.trainable_parameters() if params is None else params
+        several = isinstance(hooks.get("loss_fn"), (list, tuple))
+        param_sets = list(params) if several else [params]
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        optimizers = [self.make_optimizer(ps, hp) for ps in param_sets]
+        if optimizer_state:
+            for i, opt in enumerate(optimizers):
+                load_optimizer_state(opt, {k[len(f"{i}:"):]: v for k, v in optimizer_state.items()
+                                           if k.startswith(f"{i}:")}, names)
+        if epochs is None and steps is None:
+            epochs, steps = hp.local_epochs, hp.local_steps
+        with dropout_rate(self.model, hp.dropout):
+            metrics = train_local(self.model, data if data is not None else self.train_data(client_id),
+                                  optimizers if several else optimizers[0], batch_size=hp.batch_size,
+                                  epochs=epochs or 1, max_steps=steps,
+                                  generator=self.generator(round_idx, client_id, tag), device=self.device,
+                                  backward=sim.accelerator.backward, **{"loss_fn": default_loss, **hooks})
+        if optimizer_state is not None:
+            metrics["optimizer_state"] = {f"{i}:{k}": v for i, opt in enumerate(optimizers)
+                                          for k, v in optimizer_state_tensors(opt, names).items()}
+        return metrics
+
+    # several processes and artefacts -------------------------------------------------------------------------
+    @property
+    def is_main_process(self) -> bool:
+        return self._sim.accelerator.is_main_process
+
+    def owned(self, client_ids) -> list[int]:
+        from .distributed import owned
+        return owned(client_ids, self._sim.accelerator)
+
+    def gather(self, items: list) -> list:
+        from .distributed import all_gather
+        return all_gather(items, self._sim.accelerator)
+
+    def private_state(self, client_id: int) -> Parts | None:
+        return self._sim.store.get(client_id)
+
+    @property
+    def output_dir(self):
+        return self._sim.output_dir
+
+    # older plug-ins used ``self.sim.store.get`` / ``self.sim.accelerator``; keep the two read paths they need
+    @property
+    def accelerator(self):
+        return self._sim.accelerator
+
+
+class WeightedSums:
+    """Running sums of uploads, O(model) memory however many clients upload: float tensors accumulate
+    ``coef * tensor`` in float64 (FedAvg's order of operations, so one process gives the same bits as holding every
+    upload); integer tensors (BatchNorm step counters) keep the running max. Across processes the partial sums are
+    all-reduced (sum / max)."""
+
+    def __init__(self):
+        self.sums: dict[str, dict[str, torch.Tensor]] = {}
+        self.total: dict[str, float] = {}
+        self.count = 0          # uploads folded in (the engine counts them; all-reduced across processes)
+
+    def add(self, part: str, tensors: TensorDict, coef: float) -> None:
+        acc = self.sums.setdefault(part, {})
+        self.total[part] = self.total.get(part, 0.0) + coef
+        for k, v in tensors.items():
+            v = v.detach()
+            if torch.is_floating_point(v):
+                if k not in acc:
+                    acc[k] = torch.zeros(v.shape, dtype=torch.float64)
+                acc[k] += v.double().cpu() * coef
+            else:
+                acc[k] = v.cpu().clone() if k not in acc else torch.maximum(acc[k], v.cpu())
+
+    def __contains__(self, part: str) -> bool:
+        return part in self.sums
+
+    def get(self, part: str, like: TensorDict) -> TensorDict:
+        """The sums of ``part`` cast to the dtypes of ``like``."""
+        acc = self.sums[part]
+        return {k: acc[k].to(like[k].dtype) for k in acc}
+
+    def all_reduce(self, accelerator) -> None:
+        if accelerator.num_processes == 1:
+            return
+        import torch.distributed as dist
+        parts = accelerator_broadcast_keys(self, accelerator)
+        for part, keys in parts:
+            acc = self.sums.setdefault(part, {})
+            for k, (shape, is_float, dtype) in keys:
+                if k not in acc:
+                    acc[k] = torch.zeros(shape, dtype=torch.float64) if is_float else \
+                        torch.full(shape, torch.iinfo(dtype).min, dtype=dtype)
+                t = acc[k].to(accelerator.device)
+                dist.all_reduce(t, op=dist.ReduceOp.SUM if is_float else dist.ReduceOp.MAX)
+                acc[k] = t.cpu()
+        totals = torch.tensor([self.total.get(p, 0.0) for p, _ in parts], dtype=torch.float64,
+                              device=accelerator.device)
+        dist.all_reduce(totals)
+        self.total = {p: float(t) for (p, _), t in zip(parts, totals.cpu())}
+        count = torch.tensor([self.count], dtype=torch.int64, device=accelerator.device)
+        dist.all_reduce(count)
+        self.count = int(count.item())
+
+
+def accelerator_broadcast_keys(sums: WeightedSums, accelerator):
+    """The union over processes of (part, [(key, (shape, is_float, dtype))]), in one agreed order (a process whose
+    clients uploaded nothing for a key still joins the collective with zeros)."""
+    from accelerate.utils import gather_object
+    mine = [(p, [(k, (tuple(v.shape), v.dtype == torch.float64, v.dtype)) for k, v in acc.items()])
+            for p, acc in sums.sums.items()]
+    merged: dict[str, dict] = {}
+    for per_process in gather_object([mine]):
+        for p, keys in per_process:
+            for k, meta in keys:
+                merged.setdefault(p, {})[k] = meta
+    return [(p, sorted(merged[p].items())) for p in sorted(merged)]
+
+
+class Algorithm:
+    """Base class = FedAvg semantics (with the FedOpt server optimizer); methods override only what differs."""
+
+    name: ClassVar[str] = "base"
+    Config: ClassVar[type] = NoConfig
+    one_shot: ClassVar[bool] = False          # one-shot methods run exactly one round
+    has_global_model: ClassVar[bool] = True
+    needs_all_uploads: ClassVar[bool] = False  # True (or overriding ``aggregate``): the gather path
+    on_non_finite: ClassVar[str] = "error"     # "error": a diverged client stops the run; "skip": the method copes
+
+    def __init__(self, ctx: MethodContext, config):
+        self.ctx = ctx
+        self.config = config
+
+    @property
+    def sim(self) -> MethodContext:
+        """Older name of :attr:`ctx` (plug-ins written before the context existed)."""
+        return self.ctx
+
+    # ------------------------------------------------------------------ model and key roles
+    def build_model(self) -> nn.Module:
+        return self.ctx.build_default_model()
+
+    def key_role(self, key: str, default: str) -> str:
+        """Role of a state-dict key. `default` is derived from requires_grad (see Simulation)."""
+        return default
+
+    def metric(self) -> Metric:
+        """How personal and global models are scored (the task's metric); default: classification accuracy."""
+        return Metric()
+
+    @property
+    def model(self) -> nn.Module:
+        return self.ctx.model
+
+    @property
+    def global_keys(self) -> list[str]:
+        return self.ctx.keys(GLOBAL)
+
+    @property
+    def private_keys(self) -> list[str]:
+        return self.ctx.keys(PRIVATE)
+
+    def trainable_parameters(self, keys=None) -> list[nn.Parameter]:
+        """Parameters among `keys` (default: global + private) that may be trained."""
+        allowed = set(keys) if keys is not None else set(self.global_keys) | set(self.private_keys)
+        return [p for n, p in self.model.named_parameters() if n in allowed and p.requires_grad]
+
+    # ------------------------------------------------------------------ hyperparameters
+    def client_hparams(self, client_id: int, round_idx: int, hp: HParams) -> HParams:
+        """A client's hyperparameters this round (default: unchanged)."""
+        return hp
+
+    # ------------------------------------------------------------------ server side
+    def init_server_state(self) -> Parts:
+        return {MODEL: self.ctx.snapshot(self.global_keys)}
+
+    def init_private_state(self, client_id: int) -> Parts:
+        """Every client starts from the same initial private values (as if the server sent the init once)."""
+        return {MODEL: {k: v.clone() for k, v in self.ctx.initial_private.items()}}
+
+    def download(self, server_state: Parts, client_id: int) -> Parts:
+        return {MODEL: {k: server_state[MODEL][k] for k in self.global_keys}}
+
+    def aggregation_weights(self, client_ids: list[int]) -> dict[int, float]:
+        """Each sampled client's aggregation weight, known before training (FedAvg: its number of samples)."""
+        return {c: float(len(self.ctx.train_data(c))) for c in client_ids}
+
+    def accumulate(self, sums: WeightedSums, update: Update, coef: float) -> None:
+        """Fold one upload into the running sums (``coef`` = its weight / the round's total weight)."""
+        sums.add(MODEL, update.upload[MODEL], coef)
+
+    def reduce(self, server_state: Parts, sums: WeightedSums, round_idx: int) -> Parts:
+        """The new server state from the round's sums: the weighted mean, through the server optimizer."""
+        if MODEL not in sums:
+            return server_state
+        mean = sums.get(MODEL, server_state[MODEL])
+        return server_optimizer_step(server_state, mean, self.ctx.server_hparams(), round_idx)
+
+    def aggregate(self, server_state: Parts, updates: list[Update], round_idx: int) -> Parts:
+        """All of a round's uploads at once. The default streams them through accumulate/reduce; a method that
+        needs every upload together (KD ensembles, synthesis) overrides this and the engine gathers for it."""
+        if not updates:
+            return server_state
+        weights = self.aggregation_weights([u.client_id for u in updates])
+        total = sum(weights.values())
+        if total <= 0:
+            raise ValueError("aggregation weights sum to zero (every sampled client has no data)")
+        sums = WeightedSums()
+        for u in updates:
+            self.accumulate(sums, u, weights[u.client_id] / total)
+            sums.count += 1
+        return self.reduce(server_state, sums, round_idx)
+
+    # ------------------------------------------------------------------ client side
+    def load_client(self, down: Parts, private: Parts | None) -> None:
+        self.ctx.load(down.get(MODEL, {}))
+        if private and private.get(MODEL):
+            self.ctx.load(private[MODEL])
+
+    def client_update(self, client_id: int, down: Parts, private: Parts | None, round_idx: int) -> Update:
+        self.load_client(down, private)
+        metrics = self.local_train(client_id, round_idx, **self.local_hooks(client_id, down, private))
+        return Update(client_id, upload={MODEL: self.ctx.snapshot(self.global_keys)},
+                      num_samples=len(self.ctx.train_data(client_id)),
+                      private={MODEL: self.ctx.snapshot(self.private_keys)}, metrics=metrics)
+
+    def local_hooks(self, client_id: int, down: Parts, private: Parts | None) -> dict:
+        """Extra arguments for the local training loop (e.g. a proximal `regularizer`); none for FedAvg."""
+        return {}
+
+    def local_train(self, client_id: int, round_idx: int, **kwargs) -> dict:
+        """The engine's training loop on this client's data (see :meth:`MethodContext.train`)."""
+        return self.ctx.train(client_id, round_idx, **kwargs)
+
+    # ------------------------------------------------------------------ evaluation
+    def load_global(self, server_state: Parts) -> nn.Module | None:
+        """Put the global model in `self.model` and return it; None if the method has no global model.
+        (The engine has already loaded the initial private values, e.g. a frozen backbone's own BN statistics.)"""
+        if not self.has_global_model:
+            return None
+        self.ctx.load({k: server_state[MODEL][k] for k in self.global_keys})
+        return self.model
+
+    def load_personal(self, client_id: int, server_state: Parts, private: Parts | None, round_idx: int) -> nn.Module:
+        self.load_client(self.download(server_state, client_id), private or self.init_private_state(client_id))
+        return self.model
+
+    def extra_metrics(self, round_idx: int, server_state: Parts) -> dict:
+        """More scalar metrics at each evaluation (e.g. PerAda's accuracy on corrupted test sets); none by default."""
+        return {}
+
+    def new_client_keys(self) -> list[str]:
+        """What a new client (never seen in training) tunes; default: everything trainable."""
+        return self.global_keys + self.private_keys
+
+    def personalize_new_client(self, client_id: int, server_state: Parts, data, round_idx: int) -> nn.Module:
+        """Default new-client protocol: start from the global state and fine-tune on the client's train split."""
+        self.load_client(self.download(server_state, client_id), self.init_private_state(client_id))
+        epochs = self.ctx.args.new_client_epochs
+        if epochs > 0:
+            self.local_train(client_id, round_idx, params=self.trainable_parameters(self.new_client_keys()),
+                             epochs=epochs, tag="new-client", data=data)
+        return self.model
+
+    # ------------------------------------------------------------------ state beyond the parts (rarely needed)
+    def state_dict(self) -> dict:
+        """JSON-able method state that is not tensors (kept in checkpoints and Simulation.state_dict)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def server_optimizer_step(server_state: Parts, mean: TensorDict, hp: ServerHParams, round_idx: int) -> Parts:
+    """FedOpt's server step on the model part (see :class:`ServerHParams`); the momentum buffer is the server
+    state's part ``"server_opt"``. server_lr = 1 and momentum = 0 return the mean itself (FedAvg, bit for bit)."""
+    if hp.server_lr == 1.0 and hp.server_momentum == 0.0 and hp.server_lr_decay == 1.0:
+        return {**server_state, MODEL: {**server_state[MODEL], **mean}}
+    lr = hp.server_lr * hp.server_lr_decay ** (round_idx - 1)
+    x, new, buf = server_state[MODEL], dict(server_state[MODEL]), dict(server_state.get("server_opt", {}))
+    for k, m in mean.items():
+        if not torch.is_floating_point(m):
+            new[k] = m
+            continue
+        d = x[k].double() - m.double()                      # pseudo-gradient
+        if hp.server_momentum:
+            d = hp.server_momentum * buf[k].double() + d if k in buf else d
+            buf[k] = d.to(x[k].dtype)
+        new[k] = (x[k].double() - lr * d).to(x[k].dtype)
+    out = {**server_state, MODEL: new}
+    if buf:
+        out["server_opt"] = buf
+    return out
+
+
+def weighted_average(states: list[TensorDict], weights: list[float]) -> TensorDict:
+    """FedAvg's weighted mean of same-keyed tensor dicts. Integer buffers take the max (e.g. BN step counters)."""
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("aggregation weights sum to zero (every sampled client has no data)")
+    sums = WeightedSums()
+    for s, w in zip(states, weights):
+        sums.add("x", s, w / total)
+    return sums.get("x", states[0])
+
+
+REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    if name not in REGISTRY:
+        import importlib
+        importlib.import_module("hfpfl.algorithms")  # plug-in discovery: the built-in methods register on import
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        import difflib
+        close = difflib.get_close_matches(name, REGISTRY, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown method {name!r}.{hint} Available methods: {', '.join(sorted(REGISTRY))}") from None
+

@@ -1,0 +1,255 @@
+"""The one training loop every method (and the model zoo's pretraining) uses, evaluation, and optimizer helpers.
+
+This module sits below both the FL engine (:mod:`hfpfl.federated`) and the models (:mod:`hfpfl.models`): it knows
+nothing about clients or rounds. Methods customise the loop through small hooks instead of copying it:
+
+- ``loss_fn(model, batch) -> loss``        (default: the HF model's own loss from the batch's ``labels``)
+- ``regularizer(model) -> loss``           (FedProx / Ditto / PerAda proximal terms, ...)
+- ``before_step(model) -> None``           (gradient corrections, e.g. SCAFFOLD's control variates)
+- ``scheduler`` / ``after_step(step)``      (learning-rate schedules; checkpoint selection, e.g. server-side KD)
+- several optimizers: ``optimizer=[opt_a, opt_b]`` with ``loss_fn=[fn_a, fn_b]`` runs the stages one after the
+  other inside every local step (FRAug's generator stage, then its classifier stage).
+
+Batches are dicts of tensors (``pixel_values`` + ``labels`` for image classification; ``input_ids``,
+``attention_mask``, ``pixel_values`` and soft answer targets for VQA); a :class:`Metric` says how to score them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+LABEL_KEYS = ("labels",)
+
+
+class TensorData:
+    """A split as in-memory tensors, one per column, batched together (fast batching, no per-row Arrow decoding).
+
+    ``TensorData(pixel_values, labels)`` for the classic image-classification split; ``TensorData.of(**columns)``
+    for any dict of same-length tensors (VQA: input_ids, attention_mask, pixel_values, labels). ``extras`` are more
+    per-sample columns (e.g. teacher logits for distillation). Images may be stored as uint8 (``stored_dtype``) and
+    are converted per batch, which keeps 10,000 clients' data small."""
+
+    def __init__(self, pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                 extras: dict[str, torch.Tensor] | None = None):
+        cols = {}
+        if pixel_values is not None:
+            cols["pixel_values"] = pixel_values
+        if labels is not None:
+            cols["labels"] = labels
+        cols.update(extras or {})
+        if not cols:
+            raise ValueError("TensorData needs at least one column")
+        n = {len(v) for v in cols.values()}
+        if len(n) != 1:
+            raise ValueError(f"TensorData columns differ in length: { {k: len(v) for k, v in cols.items()} }")
+        self.columns: dict[str, torch.Tensor] = cols
+
+    @classmethod
+    def of(cls, **columns: torch.Tensor) -> "TensorData":
+        return cls(extras=columns)
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        return self.columns["pixel_values"]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.columns["labels"]
+
+    @property
+    def extras(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.columns.items() if k not in ("pixel_values", "labels")}
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def select(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v[idx] for k, v in self.columns.items()}
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.columns.values())
+
+    @classmethod
+    def from_dataset(cls, ds, columns: Sequence[str] | None = None) -> "TensorData":
+        """All (or the named) tensor columns of a ``datasets.Dataset`` in model-input format."""
+        if len(ds) == 0:
+            raise ValueError("a client split is empty; use fewer clients, a larger alpha or min_partition_size")
+        columns = list(columns) if columns is not None else [c for c in ("pixel_values", "labels")
+                                                               if c in ds.column_names] or list(ds.column_names)
+        cols = ds.with_format("torch", columns=columns)[:]
+        out = {}
+        for k in columns:
+            v = cols[k]
+            if k == "pixel_values":
+                v = v.float()
+            elif k == "labels" and not torch.is_floating_point(v):
+                v = v.long()
+            out[k] = v.contiguous()
+        return cls(extras=out)
+
+
+def iterate_batches(data: TensorData, batch_size: int, *, shuffle: bool, generator: torch.Generator | None = None,
+                    drop_singleton: bool = True) -> Iterator[dict]:
+    """Yield dict batches. A trailing batch of one is merged away: BatchNorm cannot train on it."""
+    n = len(data)
+    order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+    starts = list(range(0, n, batch_size))
+    if drop_singleton and len(starts) > 1 and n - starts[-1] == 1:
+        starts.pop()  # the last sample joins the previous batch
+    for i, s in enumerate(starts):
+        e = starts[i + 1] if i + 1 < len(starts) else n
+        yield data.select(order[s:e])
+
+
+def model_inputs(batch: dict) -> dict:
+    """The batch minus its targets: what the model's forward takes."""
+    return {k: v for k, v in batch.items() if k not in LABEL_KEYS and not k.startswith("teacher_")}
+
+
+def default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The HF model's own loss (cross-entropy for classifiers; BCE on soft targets for ViLT VQA)."""
+    return model(**model_inputs(batch), labels=batch["labels"]).loss
+
+
+# ---------------------------------------------------------------------------------------------- optimizers
+def make_optimizer(params: Iterable, name: str, lr: float, momentum: float = 0.0,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """An optimizer over a parameter list or over parameter groups (dicts with ``params`` and per-group options,
+    e.g. FedPCE's embedding / MLP / base learning rates)."""
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in params]
+        groups = [g for g in groups if g["params"]]
+    else:
+        groups = [{"params": [p for p in params if p.requires_grad]}]
+        groups = groups if groups[0]["params"] else []
+    if not groups:
+        raise ValueError("nothing to train: the parameter list is empty (are all parameters frozen?)")
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of: sgd, adam, adamw")
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """An optimizer's per-parameter state as a flat tensor dict keyed ``<param name>.<field>`` (Adam's ``step``,
+    ``exp_avg``, ...; SGD's ``momentum_buffer``): storable per client and in safetensors checkpoints.
+    ``names`` maps ``id(param)`` to the parameter's name."""
+    out = {}
+    for p, st in optimizer.state.items():
+        for field, v in st.items():
+            if v is None:
+                continue
+            t = v if torch.is_tensor(v) else torch.tensor(v)
+            out[f"{names[id(p)]}.{field}"] = t.detach().to("cpu", copy=True)
+    return out
+
+
+@torch.no_grad()
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                         names: dict[int, str]) -> None:
+    """Inverse of :func:`optimizer_state_tensors` (state for parameters it does not name stays fresh)."""
+    if not tensors:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            prefix = names[id(p)] + "."
+            st = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+            if st:
+                optimizer.state[p] = {f: (v.to(p.device) if f != "step" else v.clone()) for f, v in st.items()}
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: int,
+                epochs: int = 1, max_steps: int | None = None, generator: torch.Generator | None = None,
+                device: torch.device | str = "cpu",
+                loss_fn: Callable[[nn.Module, dict], torch.Tensor] | Sequence[Callable] = default_loss,
+                regularizer: Callable[[nn.Module], torch.Tensor] | None = None,
+                before_step: Callable[[nn.Module], None] | None = None,
+                backward: Callable[[torch.Tensor], None] | None = None,
+                scheduler=None, after_step: Callable[[int], None] | None = None) -> dict:
+    """Run local steps; `epochs` passes over the data, or exactly `max_steps` steps if given.
+
+    With several optimizers (a list, with one loss function each), every step runs the stages in order on the
+    same batch; ``train_loss`` is the last stage's loss. ``regularizer`` and ``before_step`` act on every stage."""
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    loss_fns = list(loss_fn) if isinstance(loss_fn, (list, tuple)) else [loss_fn]
+    if len(optimizers) != len(loss_fns):
+        raise ValueError(f"{len(optimizers)} optimizers need as many loss functions, got {len(loss_fns)}")
+    model.train()
+    steps, loss_sum = 0, 0.0
+    while True:
+        for batch in iterate_batches(data, batch_size, shuffle=True, generator=generator):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            for opt, fn in zip(optimizers, loss_fns):
+                opt.zero_grad(set_to_none=True)
+                loss = fn(model, batch)
+                task_loss = loss.detach()
+                if regularizer is not None:
+                    loss = loss + regularizer(model)
+                (backward or torch.Tensor.backward)(loss)
+                if before_step is not None:
+                    before_step(model)
+                opt.step()
+            if scheduler is not None:
+                scheduler.step()
+            steps += 1
+            loss_sum += float(task_loss)
+            if after_step is not None:
+                after_step(steps)
+            if max_steps is not None and steps >= max_steps:
+                return {"train_loss": loss_sum / steps, "steps": steps}
+        epochs -= 1
+        if max_steps is None and epochs <= 0:
+            return {"train_loss": loss_sum / max(steps, 1), "steps": steps}
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+class Metric:
+    """How a task scores a model on a split: ``update(logits, batch)`` per batch, ``compute()`` at the end.
+    The default is classification accuracy and mean cross-entropy (``accuracy``, ``loss``)."""
+
+    def reset(self) -> None:
+        self.correct, self.loss_sum, self.n = 0.0, 0.0, 0
+
+    def update(self, logits: torch.Tensor, batch: dict) -> None:
+        labels = batch["labels"]
+        self.loss_sum += float(nn.functional.cross_entropy(logits, labels, reduction="sum"))
+        self.correct += float((logits.argmax(-1) == labels).sum())
+        self.n += len(labels)
+
+    def compute(self) -> dict:
+        return {"accuracy": self.correct / max(self.n, 1), "loss": self.loss_sum / max(self.n, 1), "num_samples": self.n}
+
+
+class SoftTargetAccuracy(Metric):
+    """VQA accuracy: the soft target score (min(#annotators / 3, 1)) of the predicted answer; loss is BCE with
+    logits summed over answers (ViLT's training loss)."""
+
+    def update(self, logits, batch):
+        targets = batch["labels"].float()
+        pred = logits.argmax(-1)
+        self.correct += float(targets.gather(1, pred[:, None]).sum())
+        self.loss_sum += float(nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none")
+                               .sum(-1).sum())
+        self.n += len(targets)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TensorData, *, batch_size: int = 256, device="cpu",
+             metric: Metric | None = None) -> dict:
+    """Score a model on a split with ``metric`` (default: accuracy and mean cross-entropy)."""
+    was_training = model.training
+    model.eval()
+    metric = metric or Metric()
+    metric.reset()
+    for batch in iterate_batches(data, batch_size, shuffle=False, drop_singleton=False):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        metric.update(model(**model_inputs(batch)).logits, batch)
+    model.train(was_training)
+    return metric.compute()
