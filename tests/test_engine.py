@@ -154,8 +154,9 @@ def test_resume_after_kill_gives_same_results(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_same_final_metrics(tmp_path):
-    args = ["--method", "fedbn", "--num_rounds", "2", "--num_new_clients", "1"]
+@pytest.mark.parametrize("method", ["fedbn", "feddf"])  # streaming (all-reduced sums) and gather (server work once)
+def test_two_processes_give_the_same_final_metrics(tmp_path, method):
+    args = ["--method", method, "--num_rounds", "2", "--num_new_clients", "1"]
     one = _recipe(args, tmp_path / "one")
     assert one.wait() == 0, one.stdout.read()
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

