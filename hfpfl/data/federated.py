@@ -65,6 +65,51 @@ class DataArguments:
                           "'noise:5'; same as appending '+noise+rotation' to --dataset."},
     )
 
+    def __post_init__(self):
+        import math
+
+        from .partition import PARTITIONS
+
+        def fail(name, allowed, fix=""):
+            raise ValueError(f"--{name} must be {allowed}, got {getattr(self, name)!r}{fix}")
+
+        if self.partition not in PARTITIONS:
+            import difflib
+            close = difflib.get_close_matches(str(self.partition), PARTITIONS, n=1)
+            fail("partition", f"one of {', '.join(PARTITIONS)}", f" (did you mean {close[0]!r}?)" if close else "")
+        if self.num_clients < 1:
+            fail("num_clients", ">= 1")
+        if self.num_new_clients < 0:
+            fail("num_new_clients", ">= 0")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            fail("alpha", "a finite number > 0 (small = skewed labels, large = near-IID)",
+                 "; for IID clients use --partition iid" if self.alpha == math.inf else "")
+        if self.min_partition_size < 0:
+            fail("min_partition_size", ">= 0")
+        if self.classes_per_client < 1:
+            fail("classes_per_client", ">= 1")
+        if self.num_shards_per_client < 1:
+            fail("num_shards_per_client", ">= 1")
+        if self.quantity_mode not in ("dirichlet", "linear", "exponential"):
+            fail("quantity_mode", "dirichlet, linear or exponential")
+        if self.num_concepts < 1:
+            fail("num_concepts", ">= 1")
+        if self.max_per_domain is not None and self.max_per_domain < 1:
+            fail("max_per_domain", ">= 1 (or None = all)")
+        if self.samples_per_client is not None and self.samples_per_client < 2:
+            fail("samples_per_client", ">= 2 (or None = no cap): each client needs a train and a test sample")
+        if not 0 < self.test_fraction < 1:
+            fail("test_fraction", "in (0, 1): every client needs a test split for its personal accuracy")
+        if not 0 <= self.val_fraction < 1:
+            fail("val_fraction", "in [0, 1)")
+        if self.test_fraction + self.val_fraction >= 1:
+            raise ValueError(f"--test_fraction + --val_fraction must be < 1 (no training data left), got "
+                             f"{self.test_fraction} + {self.val_fraction}")
+        if self.image_size < 4:
+            fail("image_size", ">= 4 (pixels per side)")
+        if self.num_channels not in (1, 3):
+            fail("num_channels", "1 (grey) or 3 (RGB)")
+
     def source_name(self) -> str:
         """The effective ``load_source`` name (dataset plus degradations)."""
         name = self.dataset
@@ -74,7 +119,7 @@ class DataArguments:
                 if not tok:
                     continue
                 if tok.split(":")[0] not in DEGRADATIONS:
-                    raise ValueError(f"unknown degradation {tok!r}; expected some of {DEGRADATIONS}")
+                    raise ValueError(f"--degradations: unknown degradation {tok!r}; expected some of {DEGRADATIONS}")
                 name += "+" + tok
         return name
 

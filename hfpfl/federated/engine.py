@@ -34,6 +34,9 @@ class Simulation:
 
     def __init__(self, run_args, data_args=None, method_config=None, *, fed_data=None,
                  accelerator: Accelerator | None = None):
+        if not run_args.output_dir:  # default: outputs/<method>-<timestamp>, the same on every process
+            from ..runtime import resolve_output_dir
+            run_args = dataclasses.replace(run_args, output_dir=resolve_output_dir(None, run_args.method))
         self.args = run_args
         self.data_args = data_args
         torch.set_num_threads(max(1, run_args.num_threads))
@@ -50,6 +53,8 @@ class Simulation:
         self.num_clients = len(fed_data.clients)
         if self.num_clients == 0:
             raise ValueError("the federated dataset has no clients")
+        from ..config import check_run_against_data
+        check_run_against_data(run_args, fed_data)
 
         algo_cls = get_algorithm(run_args.method)
         self.algorithm = algo_cls(self, method_config if method_config is not None else algo_cls.Config())
@@ -70,21 +75,10 @@ class Simulation:
 
     # ------------------------------------------------------------------ setup helpers
     def _prepare_output_dir(self) -> None:
-        out = self.output_dir
-        if self.args.resume_from_checkpoint:
-            return
-        finished = (out / "results.json").exists()
-        has_ckpt = bool(ckpt.list_complete(out))
-        if (finished or has_ckpt) and not self.args.overwrite_output_dir:
-            what = "a finished run (results.json)" if finished else "checkpoints of an unfinished run"
-            raise FileExistsError(f"output_dir {str(out)!r} already holds {what}; pass --resume_from_checkpoint "
-                                  f"latest to continue it, --overwrite_output_dir to replace it, or another --output_dir")
-        if self.accelerator.is_main_process:
-            if self.args.overwrite_output_dir:
-                shutil.rmtree(ckpt.checkpoint_root(out), ignore_errors=True)
-                for name in ("results.json", "metrics.jsonl"):
-                    (out / name).unlink(missing_ok=True)
-            out.mkdir(parents=True, exist_ok=True)
+        from ..runtime import prepare_output_dir  # the one output-folder rule of every entry point
+        prepare_output_dir(self.output_dir, overwrite=self.args.overwrite_output_dir,
+                           resume=bool(self.args.resume_from_checkpoint),
+                           main_process=self.accelerator.is_main_process)
         barrier(self.accelerator)
 
     def build_default_model(self) -> nn.Module:
@@ -92,7 +86,11 @@ class Simulation:
         from ..models.pretrained import default_repo_id
         if self.args.model == default_repo_id("tiny-resnet", "digits"):  # the adapter recipes' default backbone:
             from ..models.pretrained import ensure_pretrained             # pretrain + publish it on first use
-            ensure_pretrained(self.args.model)
+            from ..runtime import preserved_rng
+            with preserved_rng():  # pretraining here must not shift this run's random streams
+                ensure_pretrained(self.args.model)
+        from ..config import warn_random_backbone
+        warn_random_backbone(self.args)
         model = build_classifier(self.args.model, num_labels=self.data.num_labels, image_size=self.data.image_size,
                                  num_channels=self.data.num_channels)
         if self.args.adapter == "lora":
@@ -297,12 +295,14 @@ class Simulation:
             server_state = self.algorithm.init_server_state()
         if acc.is_main_process:
             tracking.write_config(self.output_dir, run=args, data=self.data_args, method=self.algorithm.config)
+        tracking.log_run_header(self)
         if acc.log_with:
             acc.init_trackers("hfpfl", config={k: v for k, v in dataclasses.asdict(args).items()
                                                 if isinstance(v, (int, float, str, bool))})
         bar = tqdm(range(first_round, args.num_rounds + 1), desc=f"{args.method} rounds", initial=first_round - 1,
-                   total=args.num_rounds, disable=not (args.progress and acc.is_local_main_process))
+                   total=args.num_rounds, disable=not (tracking.show_progress_bars(args.progress) and acc.is_local_main_process))
         for r in bar:
+            round_start = time.perf_counter()
             server_state, metrics = self.run_round(r, server_state)
             last = r == args.num_rounds
             if r % args.eval_every == 0 or last:
@@ -313,6 +313,7 @@ class Simulation:
                     final_eval = ev
                 bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k.endswith("accuracy") and isinstance(v, float)})
             self.history.append(metrics)
+            tracking.log_round(self, metrics, time.perf_counter() - round_start)
             if acc.log_with:
                 acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=r)
             elapsed = self._elapsed_before + time.perf_counter() - start
@@ -326,8 +327,7 @@ class Simulation:
         results = self._results(final_eval, self._elapsed_before + time.perf_counter() - start)
         if acc.is_main_process:
             tracking.write_results(self.output_dir, results)
-            tracking.plot_curves(self.output_dir, self.history, title=f"{args.method} on {self._dataset_name()}")
-            tracking.plot_client_bars(self.output_dir, final_eval.get("per_client", {}), title=args.method)
+            tracking.plot_run(self, final_eval)
         if acc.log_with:
             acc.end_training()
         return results
