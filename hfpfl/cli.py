@@ -21,8 +21,12 @@ def _setup_logging() -> None:
 def format_table(results: dict) -> str:
     final = results["final"]
     comm = results["communication"]
-    lines = [f"{results['method']} on {results['dataset']} ({results['partition']}), {results['num_clients']} clients, "
-             f"{results['num_rounds']} rounds, seed {results['seed']}"]
+    adapter = results.get("adapter")
+    what = results["method"] + (f" with {adapter} adapters on {results.get('model')}" if adapter and adapter != "none"
+                                else "")
+    rounds = results["num_rounds"]
+    lines = [f"{what} on {results['dataset']} ({results['partition']}), {results['num_clients']} clients, "
+             f"{rounds} round{'s' if rounds != 1 else ''}, seed {results['seed']}"]
     for k, v in final.items():
         lines.append(f"  {k:<28} {v:.4f}")
     for d, v in results.get("per_domain_accuracy", {}).items():

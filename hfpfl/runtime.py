@@ -32,12 +32,19 @@ RUN_DIRS = ("checkpoints",)
 
 
 # ------------------------------------------------------------------------------------------------ output folders
+def _state():
+    """accelerate's process state, created the way ``Accelerator()`` creates it (``ACCELERATE_USE_CPU=1`` launches
+    on CPU need ``cpu=True``, or the processes would not see each other)."""
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+
+
 def default_output_dir(name: str, root: str = "outputs") -> str:
     """``outputs/<name>-<timestamp>``, the same on every process of a multi-process launch."""
     path = None
-    from accelerate import PartialState
-
-    state = PartialState()
+    state = _state()
     if state.is_main_process:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = os.path.join(root, f"{name}-{stamp}")
@@ -135,8 +142,7 @@ def cleanup_on_failure(output_dir: str | os.PathLike | None):
         if isinstance(e, KeyboardInterrupt):
             raise
         if not existed and out.is_dir() and not has_checkpoints(out) and not (out / "results.json").exists():
-            from accelerate import PartialState
-            if PartialState().is_main_process:
+            if _state().is_main_process:
                 shutil.rmtree(out, ignore_errors=True)
         raise
 

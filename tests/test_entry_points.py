@@ -1,5 +1,6 @@
 """Every entry point answers --help, and a user error exits with a one-line message (no traceback)."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -180,3 +181,19 @@ def test_every_printed_fix_command_parses():
         for flag in (w for w in words if w.startswith("--")):
             assert flag in out.stdout, (cmd, flag)
     assert "--overwrite_output_dir" not in commands[-1]
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_default_output_dir(tmp_path):
+    """The README's 2-process command without --output_dir: both processes agree on outputs/fedavg-<timestamp>."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    env = {**ENV, "ACCELERATE_USE_CPU": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([*launcher, str(ROOT / "recipes" / "fedavg.py"), *SMALL, "--num_rounds", "1"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = list((tmp_path / "outputs").iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("fedavg-"), runs
+    assert json.loads((runs[0] / "results.json").read_text())["world_size"] == 2
+    assert out.stdout.count("hfpfl run: fedavg") == 1  # the header and round lines come from the main process only
