@@ -12,13 +12,21 @@ def _setup_logging() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     for noisy in ("httpx", "urllib3", "filelock", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not sys.stderr.isatty():  # a redirected log gets plain lines, not progress-bar redraws
+        import datasets
+        datasets.disable_progress_bars()
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def format_table(results: dict) -> str:
     final = results["final"]
     comm = results["communication"]
-    lines = [f"{results['method']} on {results['dataset']} ({results['partition']}), {results['num_clients']} clients, "
-             f"{results['num_rounds']} rounds, seed {results['seed']}"]
+    adapter = results.get("adapter")
+    what = results["method"] + (f" with {adapter} adapters on {results.get('model')}" if adapter and adapter != "none"
+                                else "")
+    rounds = results["num_rounds"]
+    lines = [f"{what} on {results['dataset']} ({results['partition']}), {results['num_clients']} clients, "
+             f"{rounds} round{'s' if rounds != 1 else ''}, seed {results['seed']}"]
     for k, v in final.items():
         lines.append(f"  {k:<28} {v:.4f}")
     for d, v in results.get("per_domain_accuracy", {}).items():
@@ -28,25 +36,52 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run_recipe(method: str | None = None, argv: list[str] | None = None, defaults: dict | None = None) -> dict | None:
-    """Parse flags (+ --config YAML), run one simulation, print the result table. User errors exit with code 2.
-    ``defaults`` are the recipe's own option defaults (below YAML and flags)."""
+def user_error_line(e: BaseException) -> str:
+    """The one line a user error prints: the first line of its message (the option named, the fix said)."""
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+    text = str(msg).strip() or type(e).__name__
+    return "error: " + " ".join(text.splitlines()[:1]) + (" (...)" if len(text.splitlines()) > 1 else "")
+
+
+def fail(e: BaseException) -> None:
+    print(user_error_line(e), file=sys.stderr, flush=True)
+    raise SystemExit(2) from None
+
+
+def run_recipe(method: str | None = None, argv: list[str] | None = None, defaults: dict | None = None,
+               name: str | None = None) -> dict | None:
+    """Parse flags (+ --config YAML), run one simulation, print the result table. User errors exit with code 2 and
+    one line; SIGINT/SIGTERM leave the last round checkpoint and print the command that resumes.
+    ``defaults`` are the recipe's own option defaults (below YAML and flags); ``name`` names the default output
+    folder ``outputs/<name>-<timestamp>`` (default: the method)."""
+    import dataclasses
+
     from .config import parse_run_args
+    from .runtime import Interrupted, cleanup_on_failure, interruptible, interrupted_message, resolve_output_dir
 
     _setup_logging()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     prog = os.path.basename(sys.argv[0]) if argv is None else "hfpfl"
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    run = None
     try:
-        run, data, method_cfg = parse_run_args(argv, method=method, prog=prog,
-                                               description=f"hfpfl: federated simulation ({method or 'any method'})",
-                                               defaults=defaults)
-        from .federated.engine import Simulation
-        sim = Simulation(run, data, method_cfg)
-        results = sim.run()
-    except USER_ERRORS as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {msg}", file=sys.stderr)
-        raise SystemExit(2) from None
+        with interruptible():
+            try:
+                run, data, method_cfg = parse_run_args(args_list, method=method, prog=prog,
+                                                       description=f"hfpfl: federated simulation "
+                                                                   f"({method or 'any method'})", defaults=defaults)
+                run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, name or run.method))
+                with cleanup_on_failure(run.output_dir):
+                    from .federated.engine import Simulation
+                    sim = Simulation(run, data, method_cfg)
+                    results = sim.run()
+            except USER_ERRORS as e:
+                fail(e)
+    except KeyboardInterrupt as e:
+        code = 128 + (e.signum if isinstance(e, Interrupted) else 2)
+        print(interrupted_message(args_list, run.output_dir if run else None,
+                                  script=None if argv is None else "hfpfl run"), file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
     if sim.accelerator.is_main_process:
         print(format_table(results))
         print(f"results: {os.path.join(run.output_dir, 'results.json')}")

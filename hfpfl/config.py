@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +30,8 @@ class RunArguments:
                 "residual (PerAda residual adapters, ResNet) | parallel (parallel 1x1 adapters, ResNet). Only adapters, "
                 "their BatchNorms and the head train and travel."})
     lora_r: int = field(default=4, metadata={"help": "LoRA rank when --adapter lora."})
-    output_dir: str = field(default="outputs/run", metadata={"help": "Where config, checkpoints, results.json and plots go."})
+    output_dir: str | None = field(default=None, metadata={
+        "help": "Where config, checkpoints, results.json and plots go (default: outputs/<recipe>-<timestamp>)."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow reusing an output_dir that holds a finished run."})
     seed: int = field(default=0, metadata={"help": "Seed for model init, data partition, client sampling and local training."})
     num_rounds: int = field(default=10, metadata={"help": "Communication rounds."})
@@ -57,51 +60,206 @@ class RunArguments:
         "help": "Resume: 'latest' or a path to a round checkpoint directory."})
     num_threads: int = field(default=1, metadata={"help": "torch intra-op threads per process (1 is fastest on small boxes)."})
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | all."})
-    progress: bool = field(default=True, metadata={"help": "Show tqdm progress bars."})
+    progress: bool = field(default=True, metadata={"help": "Show tqdm progress bars (only when stderr is a terminal; "
+                                                           "the plain per-round lines are always printed)."})
+    random_backbone_ok: bool = field(default=False, metadata={
+        "help": "Silence the warning for --adapter on a randomly initialised (not pretrained) frozen backbone."})
 
     def __post_init__(self):
-        checks = [
-            (self.num_rounds >= 1, "num_rounds must be >= 1"),
-            (0 < self.client_fraction <= 1, "client_fraction must be in (0, 1]"),
-            (self.clients_per_round is None or self.clients_per_round >= 1, "clients_per_round must be >= 1"),
-            (self.local_epochs >= 1, "local_epochs must be >= 1"),
-            (self.local_steps is None or self.local_steps >= 1, "local_steps must be >= 1"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.lr > 0, "lr must be > 0"),
-            (self.eval_every >= 1, "eval_every must be >= 1"),
-            (self.adapter in ADAPTERS, f"adapter must be one of {', '.join(ADAPTERS)}, got {self.adapter!r}"),
-            (self.lora_r >= 1, "lora_r must be >= 1"),
-            (self.optimizer in ("sgd", "adam", "adamw"), f"optimizer must be sgd, adam or adamw, got {self.optimizer!r}"),
-            (self.dropout is None or 0 <= self.dropout < 1, "dropout must be in [0, 1)"),
-            (self.server_lr > 0, "server_lr must be > 0"),
-            (0 <= self.server_momentum < 1, "server_momentum must be in [0, 1)"),
-            (0 < self.server_lr_decay <= 1, "server_lr_decay must be in (0, 1]"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        check_options(self, [
+            ("num_rounds", self.num_rounds >= 1, ">= 1"),
+            ("seed", 0 <= self.seed < 2**32, "in [0, 2**32)"),
+            ("client_fraction", 0 < self.client_fraction <= 1, "in (0, 1]"),
+            ("clients_per_round", self.clients_per_round is None or self.clients_per_round >= 1, ">= 1 (or None)"),
+            ("local_epochs", self.local_epochs >= 1, ">= 1"),
+            ("local_steps", self.local_steps is None or self.local_steps >= 1, ">= 1 (or None)"),
+            ("batch_size", self.batch_size >= 1, ">= 1"),
+            ("lr", self.lr > 0 and math.isfinite(self.lr), "> 0 and finite"),
+            ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("eval_every", self.eval_every >= 1, ">= 1"),
+            ("eval_batch_size", self.eval_batch_size >= 1, ">= 1"),
+            ("new_client_epochs", self.new_client_epochs >= 0, ">= 0"),
+            ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)"),
+            ("keep_checkpoints", self.keep_checkpoints >= 1, ">= 1"),
+            ("num_threads", self.num_threads >= 1, ">= 1"),
+            ("adapter", self.adapter in ADAPTERS, f"one of {', '.join(ADAPTERS)}"),
+            ("lora_r", self.lora_r >= 1, ">= 1"),
+            ("optimizer", self.optimizer in ("sgd", "adam", "adamw"), "one of sgd, adam, adamw"),
+            ("report_to", self.report_to in ("none", "tensorboard", "all", "wandb", "mlflow", "comet_ml"),
+             "none, tensorboard or all"),
+            ("dropout", self.dropout is None or 0 <= self.dropout < 1, "in [0, 1) (or None)"),
+            ("server_lr", self.server_lr > 0 and math.isfinite(self.server_lr), "> 0 and finite"),
+            ("server_momentum", 0 <= self.server_momentum < 1, "in [0, 1)"),
+            ("server_lr_decay", 0 < self.server_lr_decay <= 1, "in (0, 1]"),
+        ])
+
+
+def check_options(obj, checks) -> None:
+    """Raise one ValueError that names the first failing option as its flag, the value given and what is allowed."""
+    for name, ok, allowed in checks:
+        if not ok:
+            raise ValueError(f"--{name} must be {allowed}, got {getattr(obj, name)!r}")
 
 
 def _fields(dc) -> set[str]:
     return {f.name for f in dataclasses.fields(dc)}
 
 
-def load_config_file(path: str | Path, dataclass_types) -> dict:
-    """Read a YAML/JSON config and reject keys no dataclass knows (with a suggestion)."""
+# Keys a saved config.yaml may hold that are where/how a run was stored, not what it computes.
+LOCATION_KEYS = ("output_dir", "overwrite_output_dir", "resume_from_checkpoint")
+SECTION_NAMES = ("run", "data", "method", "recipe")
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A YAML/JSON config file as one flat ``{option: value}`` mapping. Also accepts the sectioned layout
+    (``run:``/``data:``/``method:`` mappings) older hfpfl versions wrote to ``config.yaml``. Every problem is a
+    one-line ValueError/FileNotFoundError naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--config {str(path)!r} is a directory; pass a YAML/JSON file of option: value lines")
     if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+        raise FileNotFoundError(f"--config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"--config {str(path)!r} is not valid YAML{at}: {problem}; write one 'option: value' per "
+                         f"line") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--config {str(path)!r} is not a text file; pass a YAML/JSON file") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ValueError(f"config file {str(path)!r} must be a mapping of option: value")
-    known = set().union(*(_fields(dc) for dc in dataclass_types))
-    for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
+        raise ValueError(f"--config {str(path)!r} must be a mapping of option: value (one per line), got a "
+                         f"{type(data).__name__}")
+    if data and set(data) <= set(SECTION_NAMES) and all(isinstance(v, dict) for v in data.values()):
+        flat: dict = {}
+        for values in data.values():
+            flat.update({k: v for k, v in values.items() if k not in flat or k != "method"})
+        data = flat
+    for k, v in data.items():
+        if not isinstance(k, str):
+            raise ValueError(f"--config {str(path)!r}: option names must be text, got {k!r}")
+    return data
+
+
+def _field_types(dc) -> dict[str, tuple[set, bool]]:
+    """name -> (allowed base types, None allowed)."""
+    hints = typing.get_type_hints(dc)
+    out = {}
+    for f in dataclasses.fields(dc):
+        tp = hints.get(f.name, f.type)
+        args = typing.get_args(tp) or (tp,)
+        out[f.name] = ({a for a in args if a is not type(None)}, type(None) in args)
+    return out
+
+
+def _check_value(path, key: str, value, allowed: set, nullable: bool):
+    """Type-check (and lightly coerce) one config file value; a wrong type is a one-line error naming the key."""
+    if value is None:
+        if nullable:
+            return None
+        raise ValueError(f"config key {key!r} in {str(path)!r} cannot be null; remove the line to use the default")
+    if isinstance(value, str) and value.strip().lower() in ("none", "null") and nullable:
+        return None
+    if bool in allowed:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ValueError(f"config key {key!r} in {str(path)!r} must be true or false, got {value!r}")
+    if int in allowed and float not in allowed:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ValueError(f"config key {key!r} in {str(path)!r} must be an integer, got {value!r}")
+    if float in allowed:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"config key {key!r} in {str(path)!r} must be a number, got {value!r}")
+    if str in allowed:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"config key {key!r} in {str(path)!r} must be text, got {value!r}")
+    return value
+
+
+def load_config_file(path: str | Path, dataclass_types) -> dict:
+    """Read a YAML/JSON config, reject keys no dataclass knows (with a suggestion) and values of the wrong type."""
+    data = read_config_file(path)
+    types: dict = {}
+    for dc in dataclass_types:
+        types.update(_field_types(dc))
+    out = {}
+    for key, value in data.items():
+        if key not in types:
+            close = difflib.get_close_matches(key, list(types), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"unknown config key {key!r} in {str(path)!r}.{hint} "
                              f"Run with --help to list every option.")
-    return data
+        out[key] = _check_value(path, key, value, *types[key])
+    return out
+
+
+class _UserError(ValueError):
+    pass
+
+
+def make_parser(dataclass_types, prog: str | None = None, description: str | None = None):
+    """An ``HfArgumentParser`` whose errors are one-line ValueErrors (not argparse's usage + exit) and whose optional
+    options accept ``None`` on the command line (``--max_per_domain None``, as their help says)."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(dataclass_types, prog=prog, description=description)
+
+    def error(message):
+        raise _UserError(f"{message}; run with --help to list every option")
+
+    parser.error = error
+    nullable = set()
+    for dc in dataclass_types:
+        nullable |= {name for name, (_, ok) in _field_types(dc).items() if ok}
+    for action in parser._actions:
+        if action.dest in nullable and callable(action.type):
+            action.type = _none_or(action.type)
+    return parser
+
+
+def _none_or(convert):
+    def parse(text):
+        if isinstance(text, str) and text.strip().lower() in ("none", "null"):
+            return None
+        return convert(text)
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse names the type in its error message
+    return parse
+
+
+def check_model_name(model: str) -> None:
+    """A near-miss of a built-in model name (and no such local folder) gets a 'did you mean'."""
+    import os
+
+    if "/" in model or os.path.exists(model):
+        return
+    from .models.builders import TINY_CLASSIFIERS, TINY_VQA_MODELS
+    builtins = sorted(set(TINY_CLASSIFIERS) | set(TINY_VQA_MODELS))
+    if model in builtins:
+        return
+    close = difflib.get_close_matches(model, builtins, n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"--model {model!r} is not a built-in model ({', '.join(builtins)}), a local folder or a Hub id "
+                     f"(owner/name).{hint}")
 
 
 def parse_run_args(argv: list[str] | None = None, method: str | None = None, prog: str | None = None,
@@ -109,9 +267,7 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
     """Parse RunArguments, DataArguments and the chosen method's config. Returns (run, data, method_config).
 
     ``defaults``: a recipe's own defaults (e.g. ``{"adapter": "residual"}``); precedence: dataclass defaults <
-    recipe defaults < YAML file < command-line flags."""
-    from transformers import HfArgumentParser
-
+    recipe defaults < YAML file < command-line flags. Every user error is a one-line ValueError naming the option."""
     from .algorithms import get_algorithm
     from .data import DataArguments
 
@@ -122,19 +278,28 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
     known, _ = pre.parse_known_args(argv)
     file_values: dict = {}
     method_name = known.method or method
+    raw = read_config_file(known.config) if known.config else {}
     if known.config:
-        raw = yaml.safe_load(Path(known.config).read_text()) if Path(known.config).is_file() else {}
-        method_name = known.method or (raw or {}).get("method") or method
+        file_method = raw.get("method")
+        if file_method is not None and not isinstance(file_method, str):
+            raise ValueError(f"config key 'method' in {known.config!r} must be a method name, got {file_method!r}")
+        method_name = known.method or file_method or method
     method_name = method_name or "fedavg"
     algo_cls = get_algorithm(method_name)
     types = [RunArguments, DataArguments, algo_cls.Config]
     if known.config:
         file_values = load_config_file(known.config, types)
-    parser = HfArgumentParser(types, prog=prog, description=description)
-    parser.add_argument("--config", default=None, help="YAML/JSON file of options; command-line flags override it.")
+    parser = make_parser(types, prog=prog, description=description)
+    parser.add_argument("--config", default=None, help="YAML/JSON file of options; command-line flags override it. "
+                                                       "A run's saved config.yaml is one.")
     parser.set_defaults(**{**(defaults or {}), **file_values, "method": method_name})
-    run, data, method_cfg, _extra, remaining = parser.parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True)
+    try:
+        run, data, method_cfg, _extra, remaining = parser.parse_args_into_dataclasses(
+            args=argv, return_remaining_strings=True)
+    except _UserError:
+        raise
+    except TypeError as e:  # a dataclass rejected a value of the wrong type
+        raise ValueError(f"invalid option value: {e}") from None
     if remaining:
         flags = [a for a in remaining if a.startswith("--")] or remaining
         known_flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
@@ -142,4 +307,48 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
         hint = f" Did you mean {close[0]}?" if close else ""
         raise ValueError(f"unknown option {flags[0]!r} for method {method_name!r}.{hint} "
                          f"Run with --help (and --method {method_name}) to list every option.")
+    check_model_name(run.model)
     return run, data, method_cfg
+
+
+def config_for_file(*configs) -> dict:
+    """The flat ``{option: value}`` mapping a run writes to ``config.yaml``: a valid ``--config`` input that
+    reproduces the run (location options -- output_dir, overwrite, resume -- are left out: pass --output_dir)."""
+    flat: dict = {}
+    for c in configs:
+        if c is None:
+            continue
+        values = dataclasses.asdict(c) if dataclasses.is_dataclass(c) else dict(c)
+        for k, v in values.items():
+            if k in LOCATION_KEYS:
+                continue
+            if k in flat and flat[k] != v:
+                raise ValueError(f"option {k!r} appears twice with different values ({flat[k]!r}, {v!r})")
+            flat[k] = v
+    return flat
+
+
+def check_run_against_data(run, fed) -> None:
+    """Checks that need the built federated dataset (the number of clients)."""
+    n = len(fed.clients)
+    if run.clients_per_round is not None and run.clients_per_round > n:
+        raise ValueError(f"--clients_per_round {run.clients_per_round} is more than the {n} training clients; pass "
+                         f"--clients_per_round {n} or less (or raise --num_clients)")
+
+
+def warn_random_backbone(run) -> bool:
+    """Adapters on a frozen, randomly initialised backbone train on noise features: say so loudly (once per run),
+    unless --random_backbone_ok. Returns True when it warned."""
+    import logging
+
+    if run.adapter == "none" or getattr(run, "random_backbone_ok", False):
+        return False
+    from .models.builders import TINY_CLASSIFIERS, TINY_VQA_MODELS
+    if run.model not in TINY_CLASSIFIERS and run.model not in TINY_VQA_MODELS:
+        return False
+    logging.getLogger("hfpfl").warning(
+        "WARNING: --adapter %s freezes --model %s, a RANDOMLY INITIALISED backbone: the adapters learn on noise "
+        "features and adapter comparisons are meaningless. Use a pretrained backbone (e.g. --model "
+        "hfpfl/tiny-resnet-digits, published by recipes/pretrain.py) or pass --random_backbone_ok true if you mean it.",
+        run.adapter, run.model)
+    return True

@@ -194,6 +194,8 @@ def _commit(storage: Path, revision: str, files: dict[str, Path]) -> Path:
         except (OSError, NotImplementedError):  # no symlinks (some Windows setups): copy like huggingface_hub does
             shutil.copyfile(blobs / digest, dst)
     _atomic_write_text(storage / "refs" / revision, commit)
+    if not (storage / LOCAL_MARKER).is_file():
+        _atomic_write_text(storage / LOCAL_MARKER, "published to the local cache by hfpfl.hub\n")
     return snapshot
 
 
@@ -270,6 +272,22 @@ def list_revisions(repo_id: str, repo_type: str = "model", cache_dir: str | os.P
         return []
     names = [p.relative_to(refs).as_posix() for p in refs.rglob("*") if p.is_file() and not p.name.startswith(".")]
     return sorted(names, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)])
+
+
+LOCAL_MARKER = ".hfpfl-local"
+
+
+def published_locally(repo_id: str, repo_type: str = "model", cache_dir: str | os.PathLike | None = None) -> bool:
+    """True for a repo hfpfl published into the local cache (it exists nowhere else): it resolves locally, without
+    the ~20 network retries huggingface_hub spends on a repo the Hub does not have, whether or not HF_HUB_OFFLINE
+    is set. Marked by :func:`push_folder_to_cache` / :func:`push_state_dict`; ``hfpfl/*`` ids count as local."""
+    try:
+        storage = repo_cache_path(repo_id, repo_type, cache_dir)
+    except ValueError:
+        return False
+    if not (storage / "refs").is_dir():
+        return False
+    return repo_id.startswith("hfpfl/") or (storage / LOCAL_MARKER).is_file()
 
 
 def _fix_hint(repo_id: str) -> str:
@@ -403,7 +421,7 @@ def resolve_pretrained(
             kw["revision"] = revision
         if cache_dir is not None:
             kw["cache_dir"] = str(cache_dir)
-        if is_offline():
+        if is_offline() or published_locally(name_or_path, repo_type, cache_dir):
             snapshot = require_cached(name_or_path, repo_type, revision or "main", cache_dir)
             _verify_folder(snapshot)
             kw["local_files_only"] = True

@@ -44,7 +44,7 @@ DEFAULTS = {
     # classifier recipe shared by every variant (random-init tiny ResNet: the pretrained tiny backbone
     # hfpfl/tiny-resnet-digits was trained on labelled digits of these very domains)
     "method": "fedbip", "model": "tiny-resnet", "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "batch_size": 32,
-    "checkpoint_every": 0, "output_dir": "outputs/fedbip",
+    "checkpoint_every": 0,  # output_dir default: outputs/fedbip-<timestamp> (hfpfl.runtime)
     # FedBiP, scaled down for 2 CPU cores (paper: 50 concept epochs, 50 classifier epochs, 50 PNDM steps)
     "concept_epochs": 20, "classifier_epochs": 20, "num_inference_steps": 10,
     # the tiny LDM was pretrained on captions "a photo of the digit seven": a Table-5-style per-dataset template
@@ -202,6 +202,10 @@ def main(argv=None):
         from hfpfl.federated.engine import Simulation
 
         run, data, cfg, rec = parse(argv)
+        from hfpfl.runtime import check_output_dir, resolve_output_dir  # the one output-folder rule
+        run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, "fedbip"))
+        if rec.compare:  # a finished comparison (results.json) is reused only with --overwrite_output_dir
+            check_output_dir(run.output_dir, overwrite=run.overwrite_output_dir, resume=False)
         torch.set_num_threads(max(1, run.num_threads))
         fed = few_shot(build_federated_dataset(data, seed=run.seed), rec.shots_per_class, run.seed)
         print(fed.summary(), flush=True)

@@ -7,8 +7,8 @@
 """
 from hfpfl.cli import run_recipe
 
-DEFAULTS = {"adapter": "residual", "model": "hfpfl/tiny-resnet-digits", "momentum": 0.0, "num_rounds": 5,
-            "output_dir": "outputs/perada"}  # PerAda code: plain SGD, no momentum
+DEFAULTS = {"adapter": "residual", "model": "hfpfl/tiny-resnet-digits", "momentum": 0.0, "num_rounds": 5}
+# PerAda code: plain SGD, no momentum
 
 if __name__ == "__main__":
-    run_recipe(method="perada", defaults=DEFAULTS)
+    run_recipe(method="perada", defaults=DEFAULTS, name="perada")  # outputs/perada-<timestamp>

@@ -43,6 +43,11 @@ class PartitionScriptArguments:
         default=None, metadata={"help": "Optional repo id: publish dataset/ to the local Hub cache (repo_type=dataset)."}
     )
     num_threads: int = field(default=1, metadata={"help": "torch threads."})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Replace a federated dataset already saved in --output_dir (files this script did not write are kept)."})
+
+
+SCRIPT_FILES = ("summary.txt", "label_distribution.png", "partition_args.json")
 
 
 def plot_label_heatmap(fed, path: str) -> None:
@@ -70,37 +75,94 @@ def plot_label_heatmap(fed, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from transformers import HfArgumentParser
+def parse(argv: list[str]):
+    """(DataArguments, PartitionScriptArguments) from flags and/or ``--config file.yaml`` (flags override it).
+    Every user error is a one-line ValueError that names the option."""
+    import argparse
 
+    from hfpfl.config import load_config_file, make_parser
+    from hfpfl.data import DataArguments
+
+    types = (DataArguments, PartitionScriptArguments)
+    parser = make_parser(types, prog="scripts/partition.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=None, help="YAML/JSON file of options; command-line flags override it.")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        values = load_config_file(known.config, types)
+        parser.set_defaults(**values)
+        for action in parser._actions:  # a required option given in the file is no longer required on the line
+            if action.dest in values:
+                action.required = False
+    data_args, args, _extra, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if remaining:
+        import difflib
+        known_flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(remaining[0].split("=")[0], known_flags, n=1)
+        raise ValueError(f"unknown option {remaining[0]!r}.{' Did you mean ' + close[0] + '?' if close else ''} "
+                         f"Run with --help to list every option.")
+    return data_args, args
+
+
+def check_output_dir(output_dir: str, overwrite: bool) -> None:
+    """The output-folder rule of every hfpfl entry point, for a saved federated dataset."""
+    from pathlib import Path
+
+    from hfpfl.runtime import check_output_dir as check
+
+    check(output_dir, overwrite=False, resume=True)  # a file, an uncreatable path
+    ds = Path(output_dir) / "dataset"
+    if ds.exists() and not overwrite:
+        raise FileExistsError(f"--output_dir {output_dir!r} already holds a federated dataset (dataset/); pass "
+                              f"--overwrite_output_dir to replace it, or another --output_dir")
+    if ds.exists() and not (ds / "federated.json").is_file() and any(ds.iterdir()) and not \
+            (ds / "dataset_dict.json").is_file():
+        raise FileExistsError(f"--output_dir {output_dir!r} holds a dataset/ folder this script did not write; pass "
+                              f"another --output_dir")
+
+
+def main(argv: list[str] | None = None) -> int:
     import datasets
 
-    from hfpfl.data import DataArguments, build_federated_dataset
+    from hfpfl.cli import USER_ERRORS, fail
 
     datasets.disable_progress_bars()
-
-    parser = HfArgumentParser((DataArguments, PartitionScriptArguments), description=__doc__.split("\n\n")[0])
     argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) == 2 and argv[0] == "--config":
-        path = argv[1]
-        data_args, args = (parser.parse_yaml_file(path) if path.endswith((".yaml", ".yml"))
-                           else parser.parse_json_file(path))
-    else:
-        data_args, args = parser.parse_args_into_dataclasses(args=argv)
+    try:
+        data_args, args = parse(argv)
+        check_output_dir(args.output_dir, args.overwrite_output_dir)
+        return run(data_args, args)
+    except USER_ERRORS as e:
+        fail(e)
+
+
+def run(data_args, args) -> int:
+    import shutil
 
     import torch
 
+    from hfpfl.data import build_federated_dataset
+
     torch.set_num_threads(args.num_threads)
-    os.makedirs(args.output_dir, exist_ok=True)
     t0 = time.time()
-    fed = build_federated_dataset(data_args, seed=args.seed)
+    fed = build_federated_dataset(data_args, seed=args.seed)  # before anything is written: bad input writes nothing
     build_s = time.time() - t0
     summary = fed.summary()
     print(summary)
     print(f"built in {build_s:.1f}s")
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output_dir {args.output_dir!r} cannot be created: {e.strerror or e}") from None
     dataset_dir = os.path.join(args.output_dir, "dataset")
     resolved = {"data": dataclasses.asdict(data_args), **dataclasses.asdict(args)}
-    fed.save_to_disk(dataset_dir, metadata=resolved)
+    tmp_dir = os.path.join(args.output_dir, ".dataset.tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    fed.save_to_disk(tmp_dir, metadata=resolved)  # written aside, moved into place when complete
+    if os.path.exists(dataset_dir):
+        shutil.rmtree(dataset_dir)
+    os.replace(tmp_dir, dataset_dir)
     with open(os.path.join(args.output_dir, "summary.txt"), "w") as f:
         f.write(summary + "\n")
     with open(os.path.join(args.output_dir, "partition_args.json"), "w") as f:

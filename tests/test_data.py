@@ -177,7 +177,7 @@ def test_uncached_hub_id_fails_fast_offline(monkeypatch):
     assert time.time() - t < 5
     msg = str(e.value)
     assert "hfpfl-no-such-user/no-such-dataset-xyz" in msg
-    assert "huggingface-cli download" in msg and "offline" in msg and "mnist" in msg
+    assert "hf download" in msg and "huggingface-cli" not in msg and "offline" in msg and "mnist" in msg
 
 
 # ------------------------------------------------------------------------------------------------ model inputs

@@ -65,6 +65,51 @@ class DataArguments:
                           "'noise:5'; same as appending '+noise+rotation' to --dataset."},
     )
 
+    def __post_init__(self):
+        import math
+
+        from .partition import PARTITIONS
+
+        def fail(name, allowed, fix=""):
+            raise ValueError(f"--{name} must be {allowed}, got {getattr(self, name)!r}{fix}")
+
+        if self.partition not in PARTITIONS:
+            import difflib
+            close = difflib.get_close_matches(str(self.partition), PARTITIONS, n=1)
+            fail("partition", f"one of {', '.join(PARTITIONS)}", f" (did you mean {close[0]!r}?)" if close else "")
+        if self.num_clients < 1:
+            fail("num_clients", ">= 1")
+        if self.num_new_clients < 0:
+            fail("num_new_clients", ">= 0")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            fail("alpha", "a finite number > 0 (small = skewed labels, large = near-IID)",
+                 "; for IID clients use --partition iid" if self.alpha == math.inf else "")
+        if self.min_partition_size < 0:
+            fail("min_partition_size", ">= 0")
+        if self.classes_per_client < 1:
+            fail("classes_per_client", ">= 1")
+        if self.num_shards_per_client < 1:
+            fail("num_shards_per_client", ">= 1")
+        if self.quantity_mode not in ("dirichlet", "linear", "exponential"):
+            fail("quantity_mode", "dirichlet, linear or exponential")
+        if self.num_concepts < 1:
+            fail("num_concepts", ">= 1")
+        if self.max_per_domain is not None and self.max_per_domain < 1:
+            fail("max_per_domain", ">= 1 (or None = all)")
+        if self.samples_per_client is not None and self.samples_per_client < 2:
+            fail("samples_per_client", ">= 2 (or None = no cap): each client needs a train and a test sample")
+        if not 0 < self.test_fraction < 1:
+            fail("test_fraction", "in (0, 1): every client needs a test split for its personal accuracy")
+        if not 0 <= self.val_fraction < 1:
+            fail("val_fraction", "in [0, 1)")
+        if self.test_fraction + self.val_fraction >= 1:
+            raise ValueError(f"--test_fraction + --val_fraction must be < 1 (no training data left), got "
+                             f"{self.test_fraction} + {self.val_fraction}")
+        if self.image_size < 4:
+            fail("image_size", ">= 4 (pixels per side)")
+        if self.num_channels not in (1, 3):
+            fail("num_channels", "1 (grey) or 3 (RGB)")
+
     def source_name(self) -> str:
         """The effective ``load_source`` name (dataset plus degradations)."""
         name = self.dataset
@@ -74,7 +119,7 @@ class DataArguments:
                 if not tok:
                     continue
                 if tok.split(":")[0] not in DEGRADATIONS:
-                    raise ValueError(f"unknown degradation {tok!r}; expected some of {DEGRADATIONS}")
+                    raise ValueError(f"--degradations: unknown degradation {tok!r}; expected some of {DEGRADATIONS}")
                 name += "+" + tok
         return name
 
@@ -139,7 +184,8 @@ class FederatedData:
         splits["global_test"] = self.global_test
         if self.public is not None:
             splits["public"] = self.public
-        datasets.DatasetDict({k: v.with_format(None) for k, v in splits.items()}).save_to_disk(path)
+        dd = datasets.DatasetDict({k: v.with_format(None) for k, v in splits.items()})
+        dd.save_to_disk(path)
         meta = {
             "clients": [c.client_id for c in self.clients],
             "new_clients": [c.client_id for c in self.new_clients],
@@ -148,19 +194,35 @@ class FederatedData:
             "label_names": self.label_names,
             "image_size": self.image_size,
             "num_channels": self.num_channels,
+            "splits": {k: _split_fingerprint(v) for k, v in dd.items()},
             **({"metadata": metadata} if metadata else {}),
         }
-        with open(os.path.join(path, "federated.json"), "w") as f:
+        tmp = os.path.join(path, "federated.json.tmp")
+        with open(tmp, "w") as f:
             json.dump(meta, f, indent=2)
+        os.replace(tmp, os.path.join(path, "federated.json"))  # written last: its presence marks a complete save
 
     @classmethod
     def load_from_disk(cls, path: str) -> "FederatedData":
+        """Reload a :meth:`save_to_disk` folder. ``federated.json`` is checked against the stored splits (client ids,
+        label feature, image shape, domains, split fingerprints): what disagrees is a one-line ValueError."""
         import json
         import os
 
-        with open(os.path.join(path, "federated.json")) as f:
-            meta = json.load(f)
+        meta_path = os.path.join(path, "federated.json")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"federated dataset folder {path!r} does not exist; create one with "
+                                    f"scripts/partition.py --output_dir <dir> (it is <dir>/dataset)")
+        if not os.path.isfile(meta_path):
+            raise ValueError(f"{path!r} is not a complete hfpfl federated dataset (no federated.json; an interrupted "
+                             f"save?); re-create it with scripts/partition.py")
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{meta_path!r} is not valid JSON ({e}); re-create it with scripts/partition.py") from None
         dd = datasets.load_from_disk(path)
+        check_federated_metadata(meta, dd, path)
 
         def client(i):
             val = dd.get(f"client_{i}_val")
@@ -201,6 +263,72 @@ class FederatedData:
                      f"labels={self.num_labels} image={self.num_channels}x{self.image_size}x{self.image_size}"
                      + (" (* = held-out new client)" if self.new_clients else ""))
         return "\n".join(lines)
+
+
+def _split_fingerprint(ds: Dataset) -> dict:
+    """Rows, datasets' own fingerprint and a hash of the labels: enough to notice a replaced or edited split."""
+    import hashlib
+
+    labels = np.asarray(ds.with_format(None)["labels"], dtype=np.int64) if "labels" in ds.column_names else np.zeros(0)
+    return {"num_rows": len(ds), "fingerprint": ds._fingerprint,
+            "labels_sha1": hashlib.sha1(labels.tobytes()).hexdigest()}
+
+
+def check_federated_metadata(meta: dict, dd, path: str) -> None:
+    """``federated.json`` must agree with the splits stored beside it; the first disagreement is a ValueError that
+    says what differs (a hand-edited num_labels, image_size, domain name or client list is caught here)."""
+    fix = "; re-create the folder with scripts/partition.py instead of editing federated.json"
+
+    def bad(msg):
+        raise ValueError(f"federated dataset {path!r}: {msg}{fix}")
+
+    required = ("clients", "new_clients", "domains", "num_labels", "label_names", "image_size", "num_channels")
+    missing = [k for k in required if k not in meta]
+    if missing:
+        bad(f"federated.json lacks {', '.join(missing)}")
+    ids = list(meta["clients"]) + list(meta["new_clients"])
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        bad(f"client ids must be integers, got {ids}")
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        bad(f"client ids listed more than once: {dup}")
+    stored = sorted(int(k.split("_")[1]) for k in dd if k.startswith("client_") and k.endswith("_train"))
+    if sorted(ids) != stored:
+        bad(f"federated.json lists clients {sorted(ids)} but the stored splits hold clients {stored}")
+    for i in ids:
+        if f"client_{i}_test" not in dd:
+            bad(f"client {i} has no stored test split")
+    if "global_test" not in dd:
+        bad("no stored global_test split")
+    first = dd[f"client_{ids[0]}_train"] if ids else dd["global_test"]
+    feat = first.features.get("labels")
+    names = list(getattr(feat, "names", []) or [])
+    if names and meta["num_labels"] != len(names):
+        bad(f"num_labels is {meta['num_labels']} but the stored label feature has {len(names)} classes")
+    if names and list(meta["label_names"]) != names:
+        bad(f"label_names {meta['label_names']} differ from the stored label names {names}")
+    if len(meta["label_names"]) != meta["num_labels"]:
+        bad(f"num_labels is {meta['num_labels']} but label_names has {len(meta['label_names'])} entries")
+    shape = getattr(first.features.get("pixel_values"), "shape", None)
+    want = (meta["num_channels"], meta["image_size"], meta["image_size"])
+    if shape is not None and tuple(shape) != want:
+        bad(f"image_size/num_channels say {want[0]}x{want[1]}x{want[2]} but stored images are "
+            f"{'x'.join(map(str, shape))}")
+    for i in ids:
+        dom = meta["domains"].get(str(i))
+        if dom is None:
+            continue
+        seen = set(dd[f"client_{i}_train"].unique("domain")) if "domain" in dd[f"client_{i}_train"].column_names \
+            else set()
+        if seen and seen != {dom}:
+            bad(f"client {i}'s domain is {dom!r} in federated.json but its stored samples are from {sorted(seen)}")
+    for name, fp in (meta.get("splits") or {}).items():
+        if name not in dd:
+            bad(f"split {name!r} recorded in federated.json is missing")
+        now = _split_fingerprint(dd[name])
+        if now["num_rows"] != fp.get("num_rows") or now["labels_sha1"] != fp.get("labels_sha1"):
+            bad(f"split {name!r} differs from the one saved ({now['num_rows']} rows now, {fp.get('num_rows')} saved; "
+                f"labels {'same' if now['labels_sha1'] == fp.get('labels_sha1') else 'changed'})")
 
 
 def _split(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset | None]:

@@ -353,7 +353,7 @@ def _arrays_to_dataset(images: np.ndarray, labels: np.ndarray, domain: str, labe
 
 
 # --------------------------------------------------------------------------------------------------- hub / local
-class SourceUnavailableError(RuntimeError):
+class SourceUnavailableError(RuntimeError, OSError):
     """A Hub dataset could not be loaded (typically: offline and not cached)."""
 
 
@@ -362,6 +362,18 @@ def _is_offline() -> bool:
 
     env = os.environ.get("HF_HUB_OFFLINE", "") or os.environ.get("HF_DATASETS_OFFLINE", "")
     return bool(datasets.config.HF_HUB_OFFLINE or hc.HF_HUB_OFFLINE or env.upper() in ("1", "ON", "YES", "TRUE"))
+
+
+def hub_dataset_fix(name: str, cache: str | None = None) -> str:
+    """The one-line message for a Hub dataset that cannot be loaded offline, with commands that work as printed
+    (``hf download`` of the pinned huggingface_hub; ``huggingface-cli`` no longer works)."""
+    local = f"data/{name.split('/')[-1]}"
+    return (
+        f"--dataset {name!r}: Hub dataset not available offline (HF_HUB_OFFLINE=1 and not in the local cache"
+        f"{' ' + str(cache) if cache else ''}). Fix: `hf download {name} --repo-type dataset --local-dir {local}` "
+        f"(with network access) then --dataset 'parquet:{local}/**/*.parquet'; or run once with network access "
+        f"(unset HF_HUB_OFFLINE); or use a built-in offline source: {', '.join(sorted(SOURCES))}."
+    )
 
 
 def _load_external(name: str) -> datasets.DatasetDict:
@@ -374,13 +386,7 @@ def _load_external(name: str) -> datasets.DatasetDict:
         path = name.split(":", 1)[1]
         return datasets.load_dataset("parquet", data_files=path)
     # Hub id
-    fix = (
-        f"Hub dataset {name!r} is not available offline (HF_HUB_OFFLINE=1 and not in the local cache "
-        f"{datasets.config.HF_DATASETS_CACHE}). Fix: run once with network access "
-        f"(unset HF_HUB_OFFLINE; python -c \"import datasets; datasets.load_dataset('{name}')\"), or "
-        f"`huggingface-cli download --repo-type dataset {name}` then load it with 'parquet:<downloaded files>', "
-        f"or use a built-in offline source: {sorted(SOURCES)}."
-    )
+    fix = hub_dataset_fix(name, datasets.config.HF_DATASETS_CACHE)
     if _is_offline():
         # Patch the module-level flags for the duration of the call: they are read at import time, so a process that
         # set HF_HUB_OFFLINE after importing datasets would otherwise spend ~20 s in retries.
@@ -392,14 +398,14 @@ def _load_external(name: str) -> datasets.DatasetDict:
         try:
             return datasets.load_dataset(name)
         except Exception as e:
-            raise SourceUnavailableError(f"{fix}\n(underlying error: {type(e).__name__}: {str(e)[:300]})") from e
+            raise SourceUnavailableError(f"{fix} (underlying error: {type(e).__name__}: {str(e)[:200]})") from e
         finally:
             datasets.config.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE = old
     try:
         return datasets.load_dataset(name)
     except Exception as e:
         raise SourceUnavailableError(
-            f"could not load Hub dataset {name!r}: {type(e).__name__}: {str(e)[:300]}\n{fix}"
+            f"could not load Hub dataset {name!r} ({type(e).__name__}: {str(e)[:200]}). {fix}"
         ) from e
 
 

@@ -46,6 +46,9 @@ class Simulation:
 
     def __init__(self, run_args, data_args=None, method_config=None, *, fed_data=None,
                  accelerator: Accelerator | None = None, keep_uploads: bool = False):
+        if not run_args.output_dir:  # default: outputs/<method>-<timestamp>, the same on every process
+            from ..runtime import resolve_output_dir
+            run_args = dataclasses.replace(run_args, output_dir=resolve_output_dir(None, run_args.method))
         self.args = run_args
         self.data_args = data_args
         self.keep_uploads = keep_uploads
@@ -63,6 +66,8 @@ class Simulation:
         self.num_clients = len(fed_data.clients)
         if self.num_clients == 0:
             raise ValueError("the federated dataset has no clients")
+        from ..config import check_run_against_data
+        check_run_against_data(run_args, fed_data)
 
         algo_cls = get_algorithm(run_args.method)
         self.ctx = MethodContext(self)
@@ -92,21 +97,10 @@ class Simulation:
 
     # ------------------------------------------------------------------ setup helpers
     def _prepare_output_dir(self) -> None:
-        out = self.output_dir
-        if self.args.resume_from_checkpoint:
-            return
-        finished = (out / "results.json").exists()
-        has_ckpt = bool(ckpt.list_complete(out))
-        if (finished or has_ckpt) and not self.args.overwrite_output_dir:
-            what = "a finished run (results.json)" if finished else "checkpoints of an unfinished run"
-            raise FileExistsError(f"output_dir {str(out)!r} already holds {what}; pass --resume_from_checkpoint "
-                                  f"latest to continue it, --overwrite_output_dir to replace it, or another --output_dir")
-        if self.accelerator.is_main_process:
-            if self.args.overwrite_output_dir:
-                shutil.rmtree(ckpt.checkpoint_root(out), ignore_errors=True)
-                for name in ("results.json", "metrics.jsonl"):
-                    (out / name).unlink(missing_ok=True)
-            out.mkdir(parents=True, exist_ok=True)
+        from ..runtime import prepare_output_dir  # the one output-folder rule of every entry point
+        prepare_output_dir(self.output_dir, overwrite=self.args.overwrite_output_dir,
+                           resume=bool(self.args.resume_from_checkpoint),
+                           main_process=self.accelerator.is_main_process)
         barrier(self.accelerator)
 
     def build_default_model(self) -> nn.Module:
@@ -114,7 +108,11 @@ class Simulation:
         from ..models.pretrained import default_repo_id
         if self.args.model == default_repo_id("tiny-resnet", "digits"):  # the adapter recipes' default backbone:
             from ..models.pretrained import ensure_pretrained             # pretrain + publish it on first use
-            ensure_pretrained(self.args.model)
+            from ..runtime import preserved_rng
+            with preserved_rng():  # pretraining here must not shift this run's random streams
+                ensure_pretrained(self.args.model)
+        from ..config import warn_random_backbone
+        warn_random_backbone(self.args)
         model = build_classifier(self.args.model, num_labels=self.data.num_labels, image_size=self.data.image_size,
                                  num_channels=self.data.num_channels)
         if self.args.adapter == "lora":
@@ -466,6 +464,7 @@ class Simulation:
         if acc.is_main_process and (not args.resume_from_checkpoint or not (self.output_dir / "config.yaml").exists()
                                     or (resumed_rounds is not None and args.num_rounds != _saved_rounds(self.output_dir))):
             tracking.write_config(self.output_dir, run=args, data=self.data_args, method=self.algorithm.config)
+        tracking.log_run_header(self)
         if acc.log_with:
             acc.init_trackers("hfpfl", config={k: v for k, v in dataclasses.asdict(args).items()
                                                 if isinstance(v, (int, float, str, bool))})
@@ -482,6 +481,7 @@ class Simulation:
         self._client_hp_overrides = client_hparams or {}
         if server_hparams:
             self._server_hp = dataclasses.replace(self._server_hp, **server_hparams)
+        round_start = time.perf_counter()
         try:
             self.server_state, metrics = self.run_round(r, self.server_state)
         finally:
@@ -495,6 +495,7 @@ class Simulation:
             if last:
                 self.final_eval = ev
         self.history.append(metrics)
+        tracking.log_round(self, metrics, time.perf_counter() - round_start)
         if acc.log_with:
             acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=r)
         if args.checkpoint_every and (r % args.checkpoint_every == 0 or last):
@@ -507,7 +508,7 @@ class Simulation:
         self.setup()
         acc, args = self.accelerator, self.args
         bar = tqdm(range(self.round + 1, args.num_rounds + 1), desc=f"{args.method} rounds", initial=self.round,
-                   total=args.num_rounds, disable=not (args.progress and acc.is_local_main_process))
+                   total=args.num_rounds, disable=not (tracking.show_progress_bars(args.progress) and acc.is_local_main_process))
         for _ in bar:
             metrics = self.step()
             bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k.endswith("accuracy") and isinstance(v, float)})
@@ -521,8 +522,7 @@ class Simulation:
         results = self._results(self.final_eval, self._elapsed())
         if acc.is_main_process:
             tracking.write_results(self.output_dir, results)
-            tracking.plot_curves(self.output_dir, self.history, title=f"{args.method} on {self._dataset_name()}")
-            tracking.plot_client_bars(self.output_dir, self.final_eval.get("per_client", {}), title=args.method)
+            tracking.plot_run(self, self.final_eval)
         if acc.log_with:
             acc.end_training()
         return results
