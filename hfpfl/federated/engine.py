@@ -315,8 +315,12 @@ class Simulation:
                                          "non-finite after aggregation; lower --lr or --server_lr")
 
     # ------------------------------------------------------------------ evaluation
-    def _eval(self, model, data) -> dict:
-        return self.ctx.evaluate(model, data)
+    def _eval(self, model, data, where: str = "") -> dict:
+        res = self.ctx.evaluate(model, data)
+        if "loss" in res and not np.isfinite(res["loss"]):  # finite weights can still overflow the logits
+            raise NonFiniteError(f"training diverged by round {self.round}: {where} has a non-finite evaluation loss; "
+                                 f"lower --lr (now {self.args.lr}) or --server_lr")
+        return res
 
     def evaluate(self, round_idx: int, server_state: dict, final: bool = False) -> dict:
         algo, acc = self.algorithm, self.accelerator
@@ -324,14 +328,14 @@ class Simulation:
         self.ctx.load(self.initial_private)  # the global model never carries a client's private statistics
         model = algo.load_global(server_state)
         if model is not None:
-            out["global_accuracy"] = self._eval(model, self.global_test_data())["accuracy"]
+            out["global_accuracy"] = self._eval(model, self.global_test_data(), "the global model")["accuracy"]
         rows = []
         for cid in owned(range(self.num_clients), acc):
             torch.manual_seed(self.seed_for(round_idx, cid, "eval"))
             private = self.store.get(cid)
             self.ctx.load((private or {}).get(MODEL) or self.initial_private)
             model = algo.load_personal(cid, server_state, private, round_idx)
-            res = self._eval(model, self.test_data(cid))
+            res = self._eval(model, self.test_data(cid), f"client {cid}'s model")
             rows.append((cid, res["accuracy"], res["num_samples"]))
         rows = sorted(all_gather(rows, acc))
         if rows:
