@@ -7,7 +7,7 @@
 """
 from hfpfl.cli import run_recipe
 
-DEFAULTS = {"adapter": "residual", "model": "hfpfl/tiny-resnet-digits", "momentum": 0.0, "num_rounds": 5,
+DEFAULTS = {"adapter": "residual", "model": "hfpfl/tiny-resnet-ood", "momentum": 0.0, "num_rounds": 5,
             "output_dir": "outputs/perada"}  # PerAda code: plain SGD, no momentum
 
 if __name__ == "__main__":
