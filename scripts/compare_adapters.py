@@ -156,7 +156,7 @@ def report(out: str) -> str:
                 ("personal_accuracy_corrupted", "personal accuracy, per-client Gaussian-noise tests (severity 1+id%5)",
                  "PerAda 48.53 > Ditto 44.32 (best baseline) (CIFAR-10-C)")):
                 lines += [f"\n#### PerAda vs baselines, {title} -- {model} + residual adapters",
-                          f"paper (Tab. 1): {paper}", "", "| method | ours (mean ± std, 3 seeds) |", "|---|---|"]
+                          f"paper (Tab. 1): {paper}", "", "| method | ours (mean ± std over seeds) |", "|---|---|"]
                 stats = {n: agg("perada", backbone, n, key) for n in have}
                 for n in have:
                     lines.append(f"| {n} | {_fmt(*stats[n])} |")
