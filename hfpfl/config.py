@@ -349,6 +349,6 @@ def warn_random_backbone(run) -> bool:
     logging.getLogger("hfpfl").warning(
         "WARNING: --adapter %s freezes --model %s, a RANDOMLY INITIALISED backbone: the adapters learn on noise "
         "features and adapter comparisons are meaningless. Use a pretrained backbone (e.g. --model "
-        "hfpfl/tiny-resnet-digits, published by recipes/pretrain.py) or pass --random_backbone_ok true if you mean it.",
+        "hfpfl/tiny-resnet-ood, the out-of-domain stand-in published on first use) or pass --random_backbone_ok true if you mean it.",
         run.adapter, run.model)
     return True

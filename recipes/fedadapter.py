@@ -8,7 +8,7 @@ The FL algorithm is --method fedavg (default) | fedprox | fednova; --adapter non
 """
 from hfpfl.cli import run_recipe
 
-DEFAULTS = {"adapter": "parallel", "model": "hfpfl/tiny-resnet-digits", "num_rounds": 5}
+DEFAULTS = {"adapter": "parallel", "model": "hfpfl/tiny-resnet-ood", "num_rounds": 5}
 
 if __name__ == "__main__":
     run_recipe(method="fedavg", defaults=DEFAULTS, name="fedadapter")  # outputs/fedadapter-<timestamp>

@@ -1,13 +1,14 @@
-"""PerAda: personal residual adapters + a global adapter distilled on unlabeled public data (specs/perada.md).
+"""PerAda: personal residual adapters + a global adapter distilled on unlabelled out-of-domain data (specs/perada.md).
 
-    python recipes/perada.py                                   # embedded Digits, pretrained tiny ResNet from the Hub cache
+    python recipes/perada.py                                   # embedded Digits, out-of-domain tiny ResNet stand-in
     python recipes/perada.py --config recipes/configs/perada_dirichlet.yaml --use_kd false   # PerAda w/o KD
-    python recipes/perada.py --eval_corrupted noise:3 --push_adapters_to_hub_cache me/perada-global
+    python recipes/perada.py --eval_corrupted noise:client --push_adapters_to_hub_cache me/perada-global
+    python recipes/perada.py --model hfpfl/tiny-vit-ood --adapter lora       # PerAda on the tiny ViT stand-in
     accelerate launch recipes/perada.py --help                 # every option, PerAda's own included
 """
 from hfpfl.cli import run_recipe
 
-DEFAULTS = {"adapter": "residual", "model": "hfpfl/tiny-resnet-digits", "momentum": 0.0, "num_rounds": 5}
+DEFAULTS = {"adapter": "residual", "model": "hfpfl/tiny-resnet-ood", "momentum": 0.0, "num_rounds": 5}
 # PerAda code: plain SGD, no momentum
 
 if __name__ == "__main__":

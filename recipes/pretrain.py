@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Pretrain a tiny backbone offline and publish it to the local Hub cache.
 
-    python recipes/pretrain.py                              # tiny-resnet on digits:public -> hfpfl/tiny-resnet-digits
-    python recipes/pretrain.py --model tiny-vit --epochs 10 # -> hfpfl/tiny-vit-digits
+    python recipes/pretrain.py                              # tiny-resnet on the out-of-domain pool -> hfpfl/tiny-resnet-ood
+    python recipes/pretrain.py --model tiny-vit --lr 2e-3   # -> hfpfl/tiny-vit-ood
+    python recipes/pretrain.py --dataset digits             # in-domain ablation -> hfpfl/tiny-resnet-digits-indomain
     python recipes/pretrain.py --output_dir runs/pretrain --force
     python recipes/pretrain.py config.yaml                  # flags from a YAML/JSON file (HfArgumentParser)
 
-Then, anywhere (also under HF_HUB_OFFLINE=1): ``build_classifier("hfpfl/tiny-resnet-digits", num_labels=10)``.
+Then, anywhere (also under HF_HUB_OFFLINE=1): ``build_classifier("hfpfl/tiny-resnet-ood", num_labels=10)``.
 Idempotent: a repo already cached with the same training config is not retrained (use --force).
 """
 
@@ -34,7 +35,7 @@ def main(argv=None):
     info = load_pretrain_info(repo_id, args.revision, args.cache_dir) or {}
     m = info.get("metrics", {})
     print(
-        f"{repo_id}@{args.revision}: public-pool held-out accuracy {m.get('val_accuracy', float('nan')):.4f} "
+        f"{repo_id}@{args.revision}: pool held-out accuracy {m.get('val_accuracy', float('nan')):.4f} "
         f"(train {m.get('train_accuracy', float('nan')):.4f}), {m.get('steps')} steps, "
         f"{m.get('ms_per_step')} ms/step, {m.get('total_seconds')} s"
     )

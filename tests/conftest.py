@@ -41,9 +41,27 @@ def run_sim(small_digits, tmp_path):
     return _run
 
 
-@pytest.fixture(scope="session")
-def pretrained_backbone():
-    """The tiny ResNet pretrained on the public pool, published to the local Hub cache (trained once if missing)."""
-    from hfpfl.models.pretrained import default_repo_id, ensure_pretrained
+#: a quick budget for the stand-in backbones in tests (same pool and architecture as the real ones, fewer steps)
+QUICK_STANDIN = dict(pool_size=930, epochs=1, batch_size=32)
 
-    return ensure_pretrained(default_repo_id("tiny-resnet", "digits"))
+
+@pytest.fixture(scope="session")
+def _standin_hub_cache(tmp_path_factory):
+    """A temporary Hub cache holding the out-of-domain tiny ResNet stand-in, pretrained once per session with a quick
+    budget (the engine reuses a cached stand-in of the same pool/architecture whatever its budget)."""
+    from hfpfl import hub
+    from hfpfl.models.pretrained import ensure_standin
+
+    cache = tmp_path_factory.mktemp("hf-hub-cache")
+    with hub.use_hub_cache(cache):
+        ensure_standin("hfpfl/tiny-resnet-ood", **QUICK_STANDIN)
+    return cache
+
+
+@pytest.fixture
+def pretrained_backbone(_standin_hub_cache):
+    """``hfpfl/tiny-resnet-ood``, loadable by repo id for the duration of the test (temporary Hub cache)."""
+    from hfpfl import hub
+
+    with hub.use_hub_cache(_standin_hub_cache):
+        yield "hfpfl/tiny-resnet-ood"

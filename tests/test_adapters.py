@@ -4,17 +4,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import get_peft_model
 from peft.utils import PeftType
 from safetensors.torch import load_file
 from transformers import ResNetConfig, ResNetForImageClassification, ViTConfig, ViTForImageClassification
 
 from hfpfl.models.adapters import (
+    ConvAdapterModel,
     ParallelAdapterConfig,
-    ParallelAdapterModel,
     ResidualAdapterConfig,
     ResidualAdapterLayer,
-    ResidualAdapterModel,
+    get_adapter_model,
     adapter_state_dict,
     count_parameters,
     eval_frozen_norms,
@@ -75,17 +75,19 @@ STEM = "resnet.embedder.embedder"
 BN_KEYS = ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
 
 
-def test_registered_as_peft_methods():
-    assert PeftType.RADAPTER == "RADAPTER" and "PADAPTER" in list(PeftType)
-    model = get_peft_model(tiny_resnet(), ResidualAdapterConfig())
-    assert isinstance(model, PeftModel) and isinstance(model.base_model, ResidualAdapterModel)
-    model = get_peft_model(tiny_resnet(), ParallelAdapterConfig())
-    assert isinstance(model.base_model, ParallelAdapterModel)
+def test_peft_is_not_patched():
+    # building both kinds leaves peft's method registry as peft ships it (no extra PeftType members)
+    before = set(PeftType.__members__)
+    model = get_adapter_model(tiny_resnet(), ResidualAdapterConfig())
+    assert isinstance(model, ConvAdapterModel) and model.kind == "residual"
+    assert get_adapter_model(tiny_resnet(), ParallelAdapterConfig()).kind == "parallel"
+    assert set(PeftType.__members__) == before
+    assert not {"RADAPTER", "PADAPTER"} & set(PeftType.__members__)
 
 
 def test_residual_frozen_and_trainable_set():
-    model = get_peft_model(tiny_resnet(), ResidualAdapterConfig())
-    inner = "base_model.model."
+    model = get_adapter_model(tiny_resnet(), ResidualAdapterConfig())
+    inner = "base_model."
     expected = set()
     for u in BLOCK_UNITS:
         expected.add(f"{inner}{u}.radapter_conv.default.weight")
@@ -101,7 +103,7 @@ def test_residual_frozen_and_trainable_set():
     assert all(not is_adapter_key(n) and "modules_to_save" not in n for n in frozen)
     assert any("shortcut.convolution" in n for n in frozen) and any("shortcut.normalization" in n for n in frozen)
     # the shortcut is not wrapped
-    assert not isinstance(model.base_model.model.resnet.encoder.stages[1].layers[0].shortcut, ResidualAdapterLayer)
+    assert not isinstance(model.base_model.resnet.encoder.stages[1].layers[0].shortcut, ResidualAdapterLayer)
     # after training, the frozen weights are bit-identical and the trainable ones moved
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     train_steps(model)
@@ -119,7 +121,7 @@ def test_residual_adapter_is_identity_at_init():
     x = pixels()
     with torch.no_grad():
         ref = base(pixel_values=x).logits
-    model = get_peft_model(tiny_resnet(), ResidualAdapterConfig())
+    model = get_adapter_model(tiny_resnet(), ResidualAdapterConfig())
     model.eval()
     with torch.no_grad():
         out = model(pixel_values=x).logits
@@ -129,7 +131,7 @@ def test_residual_adapter_is_identity_at_init():
     assert (out - ref).norm() / ref.norm() < 1e-2
     assert not torch.equal(out, ref)  # the adapter is really in the path
     # per unit, train mode (dropout on): ||A(h) - h|| / ||h|| < 1e-2
-    layer = model.base_model.model.resnet.encoder.stages[0].layers[0].layer[0]
+    layer = model.base_model.resnet.encoder.stages[0].layers[0].layer[0]
     layer.train()
     h = torch.randn(4, 8, 5, 5)
     delta = layer._adapter_delta("default", h, None)
@@ -164,7 +166,7 @@ def test_parallel_resnet26_payload_ratio():
 
 
 def test_merge_parallel_equals_unmerged():
-    model = get_peft_model(tiny_resnet(), ParallelAdapterConfig(init="he"))
+    model = get_adapter_model(tiny_resnet(), ParallelAdapterConfig(init="he"))
     train_steps(model, steps=2, lr=0.05)
     x = pixels(seed=3)
     with torch.no_grad():
@@ -182,7 +184,7 @@ def test_merge_parallel_equals_unmerged():
 
 
 def test_merge_residual_equals_unmerged_in_eval():
-    model = get_peft_model(tiny_resnet(), ResidualAdapterConfig(init_std=0.1))
+    model = get_adapter_model(tiny_resnet(), ResidualAdapterConfig(init_std=0.1))
     train_steps(model, steps=2, lr=0.05)
     x = pixels(seed=4)
     with torch.no_grad():
@@ -195,26 +197,26 @@ def test_merge_residual_equals_unmerged_in_eval():
 @pytest.mark.parametrize("kind", ["residual", "parallel"])
 def test_save_load_round_trip(tmp_path, kind):
     cfg = ResidualAdapterConfig() if kind == "residual" else ParallelAdapterConfig(init="normal", init_std=0.05)
-    model = get_peft_model(tiny_resnet(), cfg)
+    model = get_adapter_model(tiny_resnet(), cfg)
     train_steps(model)
     x = pixels(seed=5)
     with torch.no_grad():
         ref = model(pixel_values=x).logits
     model.save_pretrained(tmp_path)
-    assert sorted(os.listdir(tmp_path)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
-    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "hfpfl_adapter_config.json", "hfpfl_adapter_model.safetensors"]
+    saved = load_file(tmp_path / "hfpfl_adapter_model.safetensors")
     assert set(saved) == travel_keys(model)
     assert all(is_adapter_key(k) or is_head_key(k) for k in saved)
     assert not any(k.endswith("convolution.weight") for k in saved)
-    for loader in (lambda b: PeftModel.from_pretrained(b, tmp_path), lambda b: load_adapter(b, str(tmp_path))):
+    for loader in (lambda b: ConvAdapterModel.from_pretrained(b, tmp_path), lambda b: load_adapter(b, str(tmp_path))):
         loaded = loader(tiny_resnet()).eval()
         with torch.no_grad():
             assert torch.equal(loaded(pixel_values=x).logits, ref)
 
 
 def test_travel_keys_exact_and_slots_interchangeable():
-    model = get_peft_model(tiny_resnet(), ResidualAdapterConfig())
-    p = "base_model.model."
+    model = get_adapter_model(tiny_resnet(), ResidualAdapterConfig())
+    p = "base_model."
     expected = {f"{p}{u}.radapter_conv.weight" for u in BLOCK_UNITS}
     expected |= {f"{p}{u}.{m}.{k}" for u in BLOCK_UNITS for m in ("radapter_bn", "radapter_norm") for k in BN_KEYS}
     expected |= {f"{p}{STEM}.radapter_norm.{k}" for k in BN_KEYS}
@@ -240,26 +242,26 @@ def test_travel_keys_exact_and_slots_interchangeable():
 
 
 def test_eval_frozen_norms():
-    model = get_peft_model(tiny_resnet(), ResidualAdapterConfig(frozen_norms_eval=False))
+    model = get_adapter_model(tiny_resnet(), ResidualAdapterConfig(frozen_norms_eval=False))
     model.train()
-    sc = model.base_model.model.resnet.encoder.stages[1].layers[0].shortcut.normalization
+    sc = model.base_model.resnet.encoder.stages[1].layers[0].shortcut.normalization
     assert sc.training  # PerAda-code behaviour on request
     eval_frozen_norms(model)
     assert not sc.training
-    model = get_peft_model(tiny_resnet(), ResidualAdapterConfig())
+    model = get_adapter_model(tiny_resnet(), ResidualAdapterConfig())
     model.train()  # default: frozen BNs stay in eval automatically
-    sc = model.base_model.model.resnet.encoder.stages[1].layers[0].shortcut.normalization
-    unit = model.base_model.model.resnet.encoder.stages[1].layers[0].layer[0]
+    sc = model.base_model.resnet.encoder.stages[1].layers[0].shortcut.normalization
+    unit = model.base_model.resnet.encoder.stages[1].layers[0].layer[0]
     assert not sc.training and unit.radapter_norm["default"].training and unit.radapter_bn["default"].training
 
 
 def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match=r"nonexistent.*Available conv units.*resnet\.embedder\.embedder"):
-        get_peft_model(tiny_resnet(), ResidualAdapterConfig(target_modules=["nonexistent"]))
+        get_adapter_model(tiny_resnet(), ResidualAdapterConfig(target_modules=["nonexistent"]))
     with pytest.raises(ValueError, match="not conv units"):
-        get_peft_model(tiny_resnet(), ResidualAdapterConfig(target_modules=["pooler"]))
+        get_adapter_model(tiny_resnet(), ResidualAdapterConfig(target_modules=["pooler"]))
     with pytest.raises(ValueError, match="1x1|odd square"):
-        get_peft_model(tiny_resnet(), ParallelAdapterConfig(target_modules=["resnet.encoder.stages.1.layers.0.shortcut"]))
+        get_adapter_model(tiny_resnet(), ParallelAdapterConfig(target_modules=["resnet.encoder.stages.1.layers.0.shortcut"]))
     with pytest.raises(ValueError, match="dropout"):
         ResidualAdapterConfig(dropout=1.5)
     with pytest.raises(ValueError, match="init_std"):
@@ -272,10 +274,10 @@ def test_bad_inputs(tmp_path):
         with pytest.raises(ValueError, match="rank"):
             vit_lora_config(r=bad)
     # adapter saved for one base model, loaded onto another
-    model = get_peft_model(tiny_resnet(), ResidualAdapterConfig())
+    model = get_adapter_model(tiny_resnet(), ResidualAdapterConfig())
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="base model"):
-        PeftModel.from_pretrained(tiny_resnet(hidden_sizes=(8, 24)), tmp_path)
+        ConvAdapterModel.from_pretrained(tiny_resnet(hidden_sizes=(8, 24)), tmp_path)
     with pytest.raises(ValueError, match="base model|does not fit"):
         load_adapter(tiny_resnet(num_labels=5), str(tmp_path))
     # state dict with wrong shapes / keys
@@ -306,11 +308,11 @@ def test_vit_lora_trains_only_lora_and_head():
 def test_parallel_default_skips_1x1_convs_of_bottleneck_resnets():
     torch.manual_seed(0)
     cfg = ResNetConfig(embedding_size=8, hidden_sizes=[16, 32], depths=[1, 1], layer_type="bottleneck", num_labels=3)
-    model = get_peft_model(ResNetForImageClassification(cfg), ParallelAdapterConfig())
+    model = get_adapter_model(ResNetForImageClassification(cfg), ParallelAdapterConfig())
     adapted = {n.split(".padapter_conv")[0] for n in trainable_keys(model) if "padapter_conv" in n}
-    assert adapted == {"base_model.model.resnet.embedder.embedder",
-                       "base_model.model.resnet.encoder.stages.0.layers.0.layer.1",
-                       "base_model.model.resnet.encoder.stages.1.layers.0.layer.1"}
+    assert adapted == {"base_model.resnet.embedder.embedder",
+                       "base_model.resnet.encoder.stages.0.layers.0.layer.1",
+                       "base_model.resnet.encoder.stages.1.layers.0.layer.1"}
     x = torch.randn(2, 3, 16, 16)
     model.eval()
     with torch.no_grad():

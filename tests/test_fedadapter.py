@@ -10,8 +10,8 @@ from hfpfl.algorithms.fednova import NORM, normalizer
 from hfpfl.models.adapters import travel_keys
 from hfpfl.models.pretrained import default_repo_id
 
-pytestmark = pytest.mark.usefixtures("pretrained_backbone")  # published to the Hub cache once
-BACKBONE = default_repo_id("tiny-resnet", "digits")
+pytestmark = pytest.mark.usefixtures("pretrained_backbone")  # temporary Hub cache holding the stand-in
+BACKBONE = default_repo_id("tiny-resnet")  # the out-of-domain stand-in (conftest: temporary Hub cache)
 
 
 def _name_free(key):
@@ -36,8 +36,8 @@ def test_baselines_run_on_frozen_backbone_and_send_only_adapters(run_sim, adapte
             assert sent == tk, method
         # the backbone stayed bit-identical: every frozen key equals the pretrained checkpoint
         for k in sim.keys_by_role["frozen"]:
-            plain = k.replace("base_model.model.", "").replace(".base_layer", "").replace(".original_module", "")
-            if plain in pretrained:
+            plain = k.removeprefix("base_model.").replace(".base_layer", "").replace(".original_module", "")
+            if plain in pretrained and not plain.startswith("classifier"):  # the 10-class head is a fresh init
                 assert torch.equal(sim.model_state[k], pretrained[plain]), (method, k)
         assert 0 <= res["final"]["personal_accuracy"] <= 1
 

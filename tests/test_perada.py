@@ -10,8 +10,8 @@ from hfpfl.federated.state import load_into
 from hfpfl.models.adapters import travel_keys
 from hfpfl.models.pretrained import default_repo_id
 
-pytestmark = pytest.mark.usefixtures("pretrained_backbone")  # published to the Hub cache once
-BACKBONE = default_repo_id("tiny-resnet", "digits")  # published to the local Hub cache on first use
+pytestmark = pytest.mark.usefixtures("pretrained_backbone")  # temporary Hub cache holding the stand-in
+BACKBONE = default_repo_id("tiny-resnet")  # the out-of-domain stand-in (conftest: temporary Hub cache)
 
 
 @pytest.fixture
@@ -148,21 +148,21 @@ def test_corrupted_test_metric(perada):
 
 
 def test_global_adapter_per_round_in_hub_cache(perada, tmp_path):
-    from peft import PeftModel
-
     from hfpfl import hub
     from hfpfl.models import build_classifier
+    from hfpfl.models.adapters import ConvAdapterModel
 
     sim, _ = perada(PerAdaConfig(kd_steps=2, push_adapters_to_hub_cache="me/perada-global"), run=False, num_rounds=2)
     bases = [build_classifier(BACKBONE, num_labels=10) for _ in range(2)]
     with hub.use_hub_cache(tmp_path / "cache"):
         sim.run()
         assert hub.list_revisions("me/perada-global") == ["main", "round-1", "round-2"]
-        pm = PeftModel.from_pretrained(bases[0], "me/perada-global", revision="round-2")
+        # the documented call for residual/parallel adapters (README, beside the load line)
+        pm = ConvAdapterModel.from_pretrained(bases[0], "me/perada-global", revision="round-2")
         sd = pm.state_dict()
         for k in sim.algorithm.global_keys:
             assert torch.equal(sd[k], sim.server_state["model"][k]), k
-        r1 = PeftModel.from_pretrained(bases[1], "me/perada-global", revision="round-1").state_dict()
+        r1 = ConvAdapterModel.from_pretrained(bases[1], "me/perada-global", revision="round-1").state_dict()
         assert any(not torch.equal(r1[k], sim.server_state["model"][k]) for k in sim.algorithm.global_keys)
         with pytest.raises(hub.RevisionNotCachedError, match="round-9"):
             hub.require_cached("me/perada-global", revision="round-9")

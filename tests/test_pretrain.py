@@ -17,7 +17,7 @@ from hfpfl import hub  # noqa: E402
 from hfpfl.models import build_classifier  # noqa: E402
 from hfpfl.models import pretrained as pt  # noqa: E402
 
-QUICK = dict(max_per_domain=80, max_steps=4, batch_size=8, epochs=1, val_fraction=0.2)
+QUICK = dict(pool_size=186, max_steps=4, batch_size=8, epochs=1, val_fraction=0.2)  # out-of-domain pool (default)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,10 +36,16 @@ def test_pretrain_publish_load_and_idempotent(cache, tmp_path, monkeypatch):
     assert {"config.json", "model.safetensors", "hfpfl_pretrain.json", "results.json"} <= {p.name for p in out.iterdir()}
     saved = load_file(str(out / "model.safetensors"))
 
-    m = build_classifier(repo, num_labels=10)  # by repo id, offline, like a real checkpoint
-    sd = m.state_dict()
+    from hfpfl.data.ood import CLASS_NAMES
+
+    full = build_classifier(repo, num_labels=len(CLASS_NAMES))  # by repo id, offline, like a real checkpoint
+    sd = full.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in saved.items())
+    assert full.config.id2label[3] == CLASS_NAMES[3]
+    m = build_classifier(repo, num_labels=10)  # a client's 10 classes: new head, same backbone
     assert m.config.id2label[3] == "3"
+    card = (out / "README.md").read_text()
+    assert "out-of-domain" in card and "no digit" in card
     m5 = build_classifier(repo, num_labels=5)  # new head, same backbone
     assert torch.equal(m5.state_dict()["resnet.embedder.embedder.convolution.weight"],
                        saved["resnet.embedder.embedder.convolution.weight"])
@@ -78,7 +84,7 @@ def test_cli(cache, tmp_path, monkeypatch, capsys):
     argv += [f"--{k}={v}" for k, v in QUICK.items()]
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(ROOT / "recipes" / "pretrain.py"), run_name="__main__")
-    assert "hfpfl/cli@main: public-pool held-out accuracy" in capsys.readouterr().out
+    assert "hfpfl/cli@main: pool held-out accuracy" in capsys.readouterr().out
     assert hub.list_revisions("hfpfl/cli", cache_dir=cache) == ["main"]
     monkeypatch.setattr(sys, "argv", ["pretrain.py", "--help"])
     with pytest.raises(SystemExit):

@@ -1,7 +1,9 @@
-"""Server-side ensemble distillation on unlabeled public data (PerAda's Line 21, FedDF), one function for both.
+"""Server-side ensemble distillation on unlabelled data (PerAda's Line 21, FedDF), one function for both.
 
 Student = the averaged global state; teacher = the *uniform mean of the logits* of the participating clients'
-uploaded states on ``sim.data.public`` (labels never read). Loss = KL(softmax(teacher/T) || softmax(student/T)),
+uploaded states on an unlabelled pool (labels never read): by default the out-of-domain pool of
+:mod:`hfpfl.data.ood` (``kd_pool='ood'``, the paper's CIFAR-100-for-CIFAR-10), or the dataset's in-domain public
+split (``kd_pool='public'``). Loss = KL(softmax(teacher/T) || softmax(student/T)),
 ``batchmean``, no T^2 factor and no CE term (PerAda code, spec 2.3/6.6); Adam(kd_lr) cosine-annealed to 0 over
 ``kd_steps`` (spec 6.7). Everything runs through the engine's one model instance: each teacher state is loaded in
 turn (teachers in eval mode, spec 6.10 default), so teacher logits are computed once per round over the pool.
@@ -32,17 +34,23 @@ logger = logging.getLogger("hfpfl")
 @dataclass
 class KDConfig:
     use_kd: bool = field(default=True, metadata={
-        "help": "Refine the averaged global model by ensemble distillation on the unlabeled public pool "
+        "help": "Refine the averaged global model by ensemble distillation on the unlabelled pool (--kd_pool) "
                 "(False = plain averaging, e.g. 'PerAda w/o KD')."})
     kd_steps: int = field(default=50, metadata={"help": "Server distillation steps R per round (paper: 500/100/50)."})
     kd_lr: float = field(default=1e-3, metadata={"help": "Server Adam learning rate (cosine-annealed to 0 over R)."})
-    kd_batch_size: int = field(default=128, metadata={"help": "Distillation batch size on the public pool."})
+    kd_batch_size: int = field(default=128, metadata={"help": "Distillation batch size."})
     kd_temperature: float = field(default=1.0, metadata={
         "help": "Softmax temperature T of the KL loss (PerAda code default 1; no T^2 factor)."})
     kd_rounds: int | None = field(default=None, metadata={
         "help": "Distil only in rounds 1..kd_rounds (PerAda code: kd_max_round=30 of 200); None = every round."})
+    kd_pool: str = field(default="ood", metadata={
+        "help": "Unlabelled distillation data: 'ood' (default: hfpfl.data.ood split 'kd' -- letters, symbols, "
+                "shapes, textures, photo crops; no client class or image, the CIFAR-100-for-CIFAR-10 analogue of "
+                "the paper) or 'public' (the dataset's own held-out public split: in-domain, paper Fig. 4's "
+                "'CIFAR-10 val' ablation).", "choices": ["ood", "public"]})
+    kd_pool_size: int = field(default=2000, metadata={"help": "Samples of the 'ood' distillation pool."})
     kd_public_fraction: float = field(default=1.0, metadata={
-        "help": "Fraction of the public pool used as distillation data (paper Fig. 4 ablation)."})
+        "help": "Fraction of the distillation pool used (paper Fig. 4 ablation)."})
     kd_val_fraction: float = field(default=0.0, metadata={
         "help": "Hold out this labelled fraction of the public pool for KD checkpoint selection (PerAda code); "
                 "0 = off (pure unlabeled KD as the paper describes)."})
@@ -57,6 +65,8 @@ class KDConfig:
                   (self.kd_temperature > 0, "kd_temperature must be > 0"),
                   (self.kd_rounds is None or self.kd_rounds >= 0, "kd_rounds must be >= 0"),
                   (0 < self.kd_public_fraction <= 1, "kd_public_fraction must be in (0, 1]"),
+                  (self.kd_pool in ("ood", "public"), f"kd_pool must be 'ood' or 'public', got {self.kd_pool!r}"),
+                  (self.kd_pool_size >= 2, "kd_pool_size must be >= 2"),
                   (0 <= self.kd_val_fraction < 1, "kd_val_fraction must be in [0, 1)"),
                   (self.kd_eval_every >= 1, "kd_eval_every must be >= 1")]
         for ok, msg in checks:
@@ -70,21 +80,44 @@ class KDConfig:
         return self.use_kd and self.kd_steps > 0 and (self.kd_rounds is None or round_idx <= self.kd_rounds)
 
 
+def ood_kd_pixels(n: int, image_size: int, num_channels: int) -> torch.Tensor:
+    """Model inputs of the first ``n`` samples of the out-of-domain distillation pool (labels dropped)."""
+    from ..data.ood import load_ood
+    from ..data.transforms import to_model_inputs
+
+    ds = to_model_inputs(load_ood("kd", n), image_size=image_size, num_channels=num_channels)
+    return TensorData.from_dataset(ds).pixel_values
+
+
 def public_pool(sim, config: KDConfig) -> tuple[torch.Tensor, TensorData | None]:
-    """(unlabeled KD pixels, labelled selection split or None) from ``sim.data.public``; cached on the simulation."""
+    """(unlabelled KD pixels, labelled selection split or None); cached on the simulation.
+
+    KD pixels come from ``config.kd_pool``: the out-of-domain pool (default) or the dataset's in-domain public split.
+    The optional selection split (``kd_val_fraction`` > 0, PerAda code) is always a labelled held-out part of the
+    dataset's public split: the server's validation data (PerAda: 5,000 held-out CIFAR-10 training images)."""
     cache = sim.__dict__.setdefault("_kd_pool", {})
-    key = (config.kd_public_fraction, config.kd_val_fraction)
+    key = (config.kd_pool, config.kd_pool_size, config.kd_public_fraction, config.kd_val_fraction)
     if key not in cache:
-        if sim.data.public is None or len(sim.data.public) == 0:
-            raise ValueError("ensemble distillation needs an unlabeled public pool (sim.data.public is empty); "
-                             "use a dataset with a 'public' split or set use_kd=False")
-        pub = TensorData.from_dataset(sim.data.public)
-        perm = torch.randperm(len(pub), generator=torch.Generator().manual_seed(sim.args.seed))
-        n_val = int(round(config.kd_val_fraction * len(pub)))
-        val_idx, kd_idx = perm[:n_val], perm[n_val:]
+        need_public = config.kd_pool == "public" or config.kd_val_fraction > 0
+        if need_public and (sim.data.public is None or len(sim.data.public) == 0):
+            raise ValueError("this distillation setting needs the dataset's public split (sim.data.public is empty); "
+                             "use kd_pool='ood' without kd_val_fraction, or set use_kd=False")
+        gen = torch.Generator().manual_seed(sim.args.seed)
+        val = None
+        pub_rest = None
+        if need_public:
+            pub = TensorData.from_dataset(sim.data.public)
+            perm = torch.randperm(len(pub), generator=gen)
+            n_val = int(round(config.kd_val_fraction * len(pub)))
+            val_idx, pub_rest = perm[:n_val], perm[n_val:]
+            val = TensorData(pub.pixel_values[val_idx], pub.labels[val_idx]) if n_val > 0 else None
+        if config.kd_pool == "public":
+            pixels = pub.pixel_values[pub_rest]
+        else:
+            pixels = ood_kd_pixels(config.kd_pool_size, sim.data.image_size, sim.data.num_channels)
+        kd_idx = torch.randperm(len(pixels), generator=gen)
         kd_idx = kd_idx[: max(2, int(round(config.kd_public_fraction * len(kd_idx))))]
-        val = TensorData(pub.pixel_values[val_idx], pub.labels[val_idx]) if n_val > 0 else None
-        cache[key] = (pub.pixel_values[kd_idx].contiguous(), val)  # KD pixels only: labels are never read
+        cache[key] = (pixels[kd_idx].contiguous(), val)  # KD pixels only: labels are never read
     return cache[key]
 
 
@@ -153,14 +186,15 @@ def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig
 
 
 def push_global_adapter(algo, state: dict, round_idx: int, repo_id: str) -> str:
-    """Save the global adapter in ``state`` (adapter slot ``default``) with ``PeftModel.save_pretrained`` and publish it
-    as revision ``round-<round_idx>`` (and ``main``) of ``repo_id`` in the local Hub cache. Main process only."""
-    from peft import PeftModel
-
+    """Save the global adapter in ``state`` (adapter slot ``default``) with the model's ``save_pretrained`` and publish
+    it as revision ``round-<round_idx>`` (and ``main``) of ``repo_id`` in the local Hub cache. Main process only.
+    LoRA: a plain peft folder (``PeftModel.from_pretrained(base, repo_id, revision=...)``); residual/parallel:
+    ``ConvAdapterModel.from_pretrained(base, repo_id, revision=...)``."""
     from .. import hub
+    from ..models.adapters import is_adapter_model
 
     sim = algo.sim
-    if not isinstance(sim.model, PeftModel):
+    if not is_adapter_model(sim.model):
         raise ValueError("push_adapters_to_hub_cache needs an adapter model (--adapter residual|parallel|lora)")
     if not sim.accelerator.is_main_process:
         return ""

@@ -1,7 +1,7 @@
 """PerAda (Xie et al., CVPR 2024): personalized adapters with a proximal pull to a global adapter, and a global
 adapter refined on the server by ensemble distillation on unlabeled public data. Spec: ``specs/perada.md``.
 
-One peft model, two adapter slots (``default`` = the global adapter w / local adapter w_i, ``personal`` = v_i), on a
+One adapter model (hfpfl's residual/parallel adapters, or peft LoRA), two adapter slots (``default`` = the global adapter w / local adapter w_i, ``personal`` = v_i), on a
 frozen pretrained backbone (``--adapter residual``: PerAda's residual adapters; ``parallel``/``lora`` also work).
 Each round a sampled client
   1. trains v_i (slot ``personal``, persistent, v_i^0 = w^0) on CE + prox(v_i, w^t) toward the received w^t;
@@ -49,7 +49,9 @@ class PerAdaConfig(KDConfig):
         "help": "Server averaging of the local adapters: uniform (1/K, PerAda code) or samples (n_i-weighted)."})
     eval_corrupted: str | None = field(default=None, metadata={
         "help": "Also report personal_accuracy_corrupted: personal models on a corrupted copy of each client's test "
-                "set, '<kind>[:severity]' with kind in noise|color|rotation (hfpfl.data.degrade), e.g. 'noise:3'."})
+                "set, '<kind>:<severity>' with kind in noise|color|rotation (hfpfl.data.degrade) and severity 1..5 "
+                "or 'client' (client-dependent severity 1 + id mod 5: PerAda's OOD protocol, recipe default "
+                "'noise:client')."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -63,19 +65,30 @@ class PerAdaConfig(KDConfig):
             parse_corruption(self.eval_corrupted)
 
 
-def parse_corruption(spec: str) -> tuple[str, int]:
+def parse_corruption(spec: str) -> tuple[str, int | None]:
+    """``'noise:3'`` -> ("noise", 3); ``'noise:client'`` -> ("noise", None) = client-dependent severity."""
     from ..data import DEGRADATIONS
 
     kind, _, sev = spec.partition(":")
     if kind not in DEGRADATIONS:
         raise ValueError(f"unknown corruption {kind!r} in {spec!r}; expected one of {DEGRADATIONS} (e.g. 'noise:3')")
+    if sev == "client":
+        return kind, None
     try:
         severity = int(sev) if sev else 3
     except ValueError:
-        raise ValueError(f"corruption severity must be an integer 1..5, got {sev!r} in {spec!r}") from None
+        raise ValueError(f"corruption severity must be an integer 1..5 or 'client', got {sev!r} in {spec!r}") from None
     if not 1 <= severity <= 5:
         raise ValueError(f"corruption severity must be in 1..5, got {severity}")
     return kind, severity
+
+
+def client_severity(client_id: int) -> int:
+    """PerAda's out-of-distribution protocol, per client: the client's test set corrupted at severity
+    1 + (client_id mod 5), so that across clients every CIFAR-10-C severity occurs. (The paper averages CIFAR-10-C
+    over 19 corruptions x 5 severities for every client; the issue asks for Gaussian noise with a client-dependent
+    severity, which we follow -- hfpfl.data.degrade 'noise' uses the ImageNet-C gaussian_noise levels.)"""
+    return 1 + int(client_id) % 5
 
 
 def _to_personal(key: str) -> str:
@@ -92,13 +105,13 @@ class PerAda(Algorithm):
 
     # ------------------------------------------------------------------ model: two adapter slots
     def build_model(self):
-        from peft import PeftModel
+        from ..models.adapters import is_adapter_model
 
         model = self.sim.build_default_model()
-        if not isinstance(model, PeftModel):
+        if not is_adapter_model(model):
             raise ValueError("PerAda trains adapters on a frozen pretrained backbone: pass --adapter residual "
                              "(PerAda's residual adapters; parallel and lora also work), e.g. with "
-                             "--model hfpfl/tiny-resnet-digits (recipes/perada.py sets both)")
+                             "--model hfpfl/tiny-resnet-ood (recipes/perada.py sets both)")
         model.add_adapter(PERSONAL_SLOT, copy.deepcopy(model.peft_config[GLOBAL_SLOT]))
         sd = model.state_dict()
         with torch.no_grad():  # v_i^0 = w^0 (spec 2.6 Init)
@@ -222,7 +235,7 @@ def corrupted_test_data(sim, client_id: int, kind: str, severity: int) -> Tensor
     return cache[key]
 
 
-def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, spec: str = "noise:3") -> dict:
+def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, spec: str = "noise:client") -> dict:
     """Mean per-client accuracy of the personal models (``algo.load_personal``) on corrupted client test sets.
     Works for any method (the compare script attaches it to FedAvg+FT as ``extra_metrics``)."""
     sim = algo.sim
@@ -231,8 +244,14 @@ def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, s
     for cid in owned(range(sim.num_clients), sim.accelerator):
         torch.manual_seed(sim.seed_for(round_idx, cid, "eval"))  # same personal model as the clean evaluation
         model = algo.load_personal(cid, server_state, sim.private_state(cid), round_idx)
-        res = evaluate(model, corrupted_test_data(sim, cid, kind, severity), batch_size=sim.args.eval_batch_size,
+        sev = client_severity(cid) if severity is None else severity
+        res = evaluate(model, corrupted_test_data(sim, cid, kind, sev), batch_size=sim.args.eval_batch_size,
                        device=sim.device)
         rows.append((cid, res["accuracy"]))
     rows = sorted(all_gather(rows, sim.accelerator))
-    return {"personal_accuracy_corrupted": float(np.mean([a for _, a in rows]))} if rows else {}
+    if not rows:
+        return {}
+    accs = [a for _, a in rows]
+    return {"personal_accuracy_corrupted": float(np.mean(accs)),
+            "personal_accuracy_corrupted_std": float(np.std(accs)),
+            "personal_accuracy_corrupted_per_client": {str(c): float(a) for c, a in rows}}

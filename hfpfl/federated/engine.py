@@ -104,26 +104,14 @@ class Simulation:
         barrier(self.accelerator)
 
     def build_default_model(self) -> nn.Module:
-        from ..models import build_classifier
-        from ..models.pretrained import default_repo_id
-        if self.args.model == default_repo_id("tiny-resnet", "digits"):  # the adapter recipes' default backbone:
-            from ..models.pretrained import ensure_pretrained             # pretrain + publish it on first use
-            from ..runtime import preserved_rng
-            with preserved_rng():  # pretraining here must not shift this run's random streams
-                ensure_pretrained(self.args.model)
         from ..config import warn_random_backbone
+        from ..models import build_run_model
+        from ..runtime import preserved_rng
         warn_random_backbone(self.args)
-        model = build_classifier(self.args.model, num_labels=self.data.num_labels, image_size=self.data.image_size,
-                                 num_channels=self.data.num_channels)
-        if self.args.adapter == "lora":
-            from ..models.lora import add_lora
-            model = add_lora(model, r=self.args.lora_r)
-        elif self.args.adapter in ("residual", "parallel"):  # frozen backbone; adapters + their BNs + head train
-            from peft import get_peft_model
-            from ..models.adapters import ParallelAdapterConfig, ResidualAdapterConfig
-            cfg = ResidualAdapterConfig() if self.args.adapter == "residual" else ParallelAdapterConfig()
-            model = get_peft_model(model, cfg)
-        return model
+        with preserved_rng():  # pretraining a stand-in on first use must not shift this run's random streams
+            return build_run_model(self.args.model, self.args.adapter, num_labels=self.data.num_labels,
+                                   image_size=self.data.image_size, num_channels=self.data.num_channels,
+                                   lora_r=self.args.lora_r)
 
     def _assign_roles(self) -> dict[str, list[str]]:
         """Default roles: trainable params -> global, frozen params -> frozen; a buffer follows its module

@@ -1,7 +1,6 @@
 """Model builders (tiny configs + real Hub checkpoints) and model utilities.
 
-Adapter injection lives in :mod:`hfpfl.models.adapters` (separate owner); pretrained tiny backbones in
-:mod:`hfpfl.models.pretrained`.
+Adapters live in :mod:`hfpfl.models.adapters`; pretrained tiny stand-in backbones in :mod:`hfpfl.models.pretrained`.
 """
 
 from .builders import (
@@ -35,7 +34,22 @@ __all__ = [
     "tiny_vit_config",
     "tiny_vqa_vocab",
     "ensure_pretrained",
+    "build_run_model",
 ]
+
+
+def build_run_model(model: str, adapter: str = "none", num_labels: int = 10, image_size: int = 28,
+                    num_channels: int = 3, lora_r: int = 4):
+    """The model a run trains: ``build_classifier(model, ...)`` -- a stand-in backbone id
+    (``hfpfl/tiny-resnet-ood``, ``hfpfl/tiny-vit-ood``) is pretrained and published on first use -- then
+    ``--adapter`` (none | lora | residual | parallel) freezes it and adds the adapter."""
+    from .adapters import make_adapter_model
+    from .pretrained import STANDINS, ensure_standin
+
+    if model in STANDINS:
+        ensure_standin(model)
+    base = build_classifier(model, num_labels=num_labels, image_size=image_size, num_channels=num_channels)
+    return make_adapter_model(base, adapter, lora_r=lora_r)
 
 
 def __getattr__(name):  # lazy: pretrained pulls in accelerate/datasets

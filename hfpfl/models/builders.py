@@ -144,7 +144,7 @@ def build_classifier(
 
     * ``tiny-resnet`` / ``tiny-vit`` / ``resnet-18`` / ``resnet-26``: built from a config, random init
       (``overrides`` are config fields).
-    * anything else: a Hub repo id (``microsoft/resnet-18``, ``hfpfl/tiny-resnet-digits``) or local directory, loaded
+    * anything else: a Hub repo id (``microsoft/resnet-18``, ``hfpfl/tiny-resnet-ood``) or local directory, loaded
       with ``AutoModelForImageClassification.from_pretrained(..., num_labels=num_labels,
       ignore_mismatched_sizes=True)``; ``overrides`` are passed to ``from_pretrained`` (``revision=``, ``cache_dir=``,
       ``torch_dtype=``, config fields...). ``image_size``/``num_channels`` are properties of a checkpoint and are

@@ -1,7 +1,14 @@
-"""Pretrained tiny backbones, offline: train a tiny HF model on a public pool no client holds, ``save_pretrained`` it
-and publish it to the local Hub cache, so that ``build_classifier("hfpfl/tiny-resnet-digits", ...)`` loads it exactly
-like a real checkpoint. ``recipes/pretrain.py`` is the command-line front end; methods call
-:func:`ensure_pretrained` on first use (idempotent: a cached repo trained with the same config is reused).
+"""Pretrained tiny backbones, offline ("honest stand-ins", DESIGN.md): train a tiny HF model on a pool no client
+holds, ``save_pretrained`` it and publish it to the local Hub cache with a model card, so that
+``build_classifier("hfpfl/tiny-resnet-ood", ...)`` loads it exactly like ``microsoft/resnet-18``.
+
+The stand-ins (:data:`STANDINS`) are pretrained on the *out-of-domain* pool of :mod:`hfpfl.data.ood` (letters,
+symbols, shapes, textures, photo crops and faces: no digit, no client photo), as ImageNet is to CIFAR. Pretraining
+on a dataset's own ``public`` split (``--dataset digits``) is still possible for ablations; such a repo is named
+``...-indomain`` because that backbone has already seen the clients' domains.
+
+``recipes/pretrain.py`` is the command-line front end; the engine calls :func:`ensure_standin` on first use of a
+stand-in id (idempotent: a cached repo trained with the same config is reused).
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ _WEIGHT_FIELDS = (
     "model", "dataset", "epochs", "lr", "weight_decay", "batch_size", "image_size", "num_channels",
     "max_per_domain", "val_fraction", "seed", "max_steps", "augment_shift",
 )
+# fields that say *what* a backbone is (architecture, pool, input format); the others are the training budget
+_IDENTITY_FIELDS = ("recipe_version", "model", "dataset", "image_size", "num_channels", "ood_version")
+OOD_DATASET = "ood"
 
 
 @dataclass
@@ -39,10 +49,13 @@ class PretrainArguments:
         metadata={"help": "Architecture to pretrain: a built-in config name.", "choices": ["tiny-resnet", "tiny-vit"]},
     )
     dataset: str = field(
-        default="digits",
-        metadata={"help": "hfpfl.data source whose 'public' split (held by no client) is the pretraining pool."},
+        default=OOD_DATASET,
+        metadata={"help": "Pretraining pool: 'ood' (default: hfpfl.data.ood, classes and images no client holds, "
+                          "as ImageNet is to CIFAR) or an hfpfl.data source whose 'public' split is used "
+                          "(in-domain: the repo is named ...-indomain)."},
     )
-    epochs: int = field(default=8, metadata={"help": "Passes over the public pool."})
+    pool_size: int = field(default=12_000, metadata={"help": "Samples of the 'ood' pool (class-balanced)."})
+    epochs: int = field(default=5, metadata={"help": "Passes over the pool."})
     lr: float = field(default=3e-3, metadata={"help": "Peak AdamW learning rate (cosine decay, 5%% warmup)."})
     weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay."})
     batch_size: int = field(default=32, metadata={"help": "Training batch size (last incomplete batch dropped)."})
@@ -57,8 +70,8 @@ class PretrainArguments:
     seed: int = field(default=0, metadata={"help": "Seed for data order, init and split: same seed, same weights."})
     repo_id: str | None = field(
         default=None,
-        metadata={"help": "Local Hub repo id to publish to (default: hfpfl/<model>-<dataset>, "
-                          "e.g. hfpfl/tiny-resnet-digits)."},
+        metadata={"help": "Local Hub repo id to publish to (default: hfpfl/<model>-ood, or "
+                          "hfpfl/<model>-<dataset>-indomain for a dataset's public split)."},
     )
     revision: str = field(default="main", metadata={"help": "Revision (branch name) to publish under."})
     cache_dir: str | None = field(
@@ -84,12 +97,38 @@ class PretrainArguments:
 
     def weight_config(self) -> dict:
         # recipe_version: bump when the training procedure changes, so stale cached weights are retrained
-        return {"recipe_version": 2, **{k: getattr(self, k) for k in _WEIGHT_FIELDS}}
+        cfg = {"recipe_version": 2, **{k: getattr(self, k) for k in _WEIGHT_FIELDS}}
+        if self.dataset == OOD_DATASET:
+            from ..data.ood import OOD_VERSION
+
+            cfg.update(pool_size=self.pool_size, ood_version=OOD_VERSION)
+        return cfg
 
 
-def default_repo_id(model: str, dataset: str) -> str:
+def default_repo_id(model: str, dataset: str = OOD_DATASET) -> str:
+    """``hfpfl/<model>-ood`` for the out-of-domain pool; ``hfpfl/<model>-<dataset>-indomain`` for a dataset's own
+    public split (a backbone that has seen the clients' domains says so in its name)."""
+    if dataset == OOD_DATASET:
+        return f"hfpfl/{model}-ood"
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", dataset).strip("-.") or "data"
-    return f"hfpfl/{model}-{slug}"
+    return f"hfpfl/{model}-{slug}-indomain"
+
+
+#: The stand-in backbones the engine pretrains and publishes on first use (repo id -> PretrainArguments fields).
+#: Budget: about a minute each on one CPU thread (measured numbers in their model cards).
+STANDINS: dict[str, dict] = {
+    default_repo_id("tiny-resnet"): dict(model="tiny-resnet", dataset=OOD_DATASET),
+    default_repo_id("tiny-vit"): dict(model="tiny-vit", dataset=OOD_DATASET, lr=2e-3),
+}
+
+
+def ensure_standin(repo_id: str, **overrides) -> str:
+    """Pretrain + publish the stand-in ``repo_id`` (a key of :data:`STANDINS`) unless the cache already holds it with
+    the same identity (architecture, pool, input format, recipe version): a cached stand-in trained with another
+    budget (e.g. a quick one in a test cache) is reused as is."""
+    if repo_id not in STANDINS:
+        raise KeyError(f"{repo_id!r} is not a stand-in backbone; known: {sorted(STANDINS)}")
+    return ensure_pretrained(repo_id, reuse_other_budget=True, **{**STANDINS[repo_id], **overrides})
 
 
 def load_pretrain_info(repo_id: str, revision: str = "main", cache_dir: str | None = None) -> dict | None:
@@ -106,7 +145,12 @@ def _data(args: PretrainArguments):
     from hfpfl.data.sources import load_source
     from hfpfl.data.transforms import to_model_inputs
 
-    ds = load_source(args.dataset, split="public", seed=args.seed, max_per_domain=args.max_per_domain)
+    if args.dataset == OOD_DATASET:
+        from hfpfl.data.ood import load_ood
+
+        ds = load_ood("pretrain", args.pool_size)
+    else:
+        ds = load_source(args.dataset, split="public", seed=args.seed, max_per_domain=args.max_per_domain)
     label_names = ds.features["label"].names if hasattr(ds.features["label"], "names") else None
     ds = to_model_inputs(ds, image_size=args.image_size, num_channels=args.num_channels)
     ds = ds.select_columns(["pixel_values", "labels"])
@@ -167,7 +211,7 @@ def train_backbone(args: PretrainArguments, output_dir: str | os.PathLike) -> di
         steps = min(steps, args.max_steps)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, max(1, int(0.05 * steps)), steps)
-    bar = tqdm(total=steps, desc=f"pretrain {args.model} on {args.dataset}:public",
+    bar = tqdm(total=steps, desc=f"pretrain {args.model} on {args.dataset}",
                disable=not accelerator.is_local_main_process)
     ema = {}
 
@@ -221,21 +265,44 @@ def _versions() -> dict:
 
 
 def _model_card(args: PretrainArguments, metrics: dict) -> str:
+    if args.dataset == OOD_DATASET:
+        from ..data.ood import describe
+
+        data = (f"the out-of-domain pool of `hfpfl.data.ood` ({args.pool_size} labelled samples of split "
+                f"`pretrain`): {describe()}. It shares no class and no image with any client of the built-in "
+                f"sources (digits: mnist, usps, mnistm, syn) -- the relation ImageNet has to CIFAR. Tested in "
+                f"`tests/test_standins.py`.")
+        tag = "out-of-domain"
+    else:
+        data = (f"the `public` split of `{args.dataset}`. **In-domain**: held by no client, but drawn from the clients' "
+                f"own domains, so this backbone has already seen their feature shift (use only for ablations).")
+        tag = "in-domain"
     return (
-        f"---\nlibrary_name: transformers\ntags: [hfpfl, image-classification]\n---\n# {args.repo_id}\n\n"
-        f"Tiny `{args.model}` pretrained by `recipes/pretrain.py` on the `public` split of `{args.dataset}` "
-        f"(held by no federated client), {metrics['steps']} steps, seed {args.seed}.\n\n"
-        f"Held-out public accuracy: {metrics['val_accuracy']:.4f}; train accuracy: {metrics['train_accuracy']:.4f}.\n"
+        f"---\nlibrary_name: transformers\ntags: [hfpfl, image-classification, stand-in, {tag}]\n---\n"
+        f"# {args.repo_id}\n\nA stand-in for an ImageNet-pretrained `{args.model}` checkpoint where the Hub is out of "
+        f"reach. Pretrained by `recipes/pretrain.py` (seed {args.seed}, {metrics['steps']} AdamW steps, batch "
+        f"{args.batch_size}, {args.image_size}x{args.image_size}x{args.num_channels} inputs in [-1, 1]) on "
+        f"{data}\n\nHeld-out pool accuracy: {metrics['val_accuracy']:.4f} ({metrics['num_val']} samples); train "
+        f"accuracy: {metrics['train_accuracy']:.4f}; {metrics['train_seconds']} s of training.\n\n"
+        f"Load it like any checkpoint: `AutoModelForImageClassification.from_pretrained(\"{args.repo_id}\", "
+        f"num_labels=10, ignore_mismatched_sizes=True)` (a new head for your classes).\n"
     )
 
 
-def ensure_pretrained(repo_id: str | None = None, **kwargs) -> str:
+def _same_identity(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in _IDENTITY_FIELDS)
+
+
+def ensure_pretrained(repo_id: str | None = None, reuse_other_budget: bool = False, **kwargs) -> str:
     """Return ``repo_id`` of a tiny pretrained backbone in the local Hub cache, training and publishing it first if it
     is missing or was trained with a different config (or ``force=True``). ``kwargs`` are
     :class:`PretrainArguments` fields. Under ``accelerate launch`` the main process trains and the others wait, then
     find it cached.
 
-    >>> model = build_classifier(ensure_pretrained("hfpfl/tiny-resnet-digits"), num_labels=10)
+    >>> model = build_classifier(ensure_pretrained("hfpfl/tiny-resnet-ood"), num_labels=10)
+
+    ``reuse_other_budget``: also reuse a cached repo trained on the same pool/architecture with other budget fields
+    (epochs, steps, lr...).
     """
     from accelerate import PartialState
 
@@ -245,6 +312,10 @@ def ensure_pretrained(repo_id: str | None = None, **kwargs) -> str:
         if info is not None and not args.force:
             if info.get("config") == args.weight_config():
                 logger.info("%s@%s already pretrained with this config; reusing", args.repo_id, args.revision)
+                return args.repo_id
+            if reuse_other_budget and _same_identity(info.get("config", {}), args.weight_config()):
+                logger.info("%s@%s already pretrained (same pool and architecture, another budget); reusing",
+                            args.repo_id, args.revision)
                 return args.repo_id
             logger.warning("%s@%s was pretrained with another config %s; retraining with %s",
                            args.repo_id, args.revision, info.get("config"), args.weight_config())
