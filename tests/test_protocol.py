@@ -145,9 +145,11 @@ def test_two_optimizers_alternate_inside_each_step():
 
 
 def test_server_optimizer_matches_fedopt_by_hand(run_sim):
-    """FedAvgM: d = x - mean; m = beta m + d; x <- x - lr * decay^(r-1) * m, over three rounds."""
+    """FedAvgM: d = x - mean; m = beta m + d; x <- x - lr * decay^(r-1) * m, over three rounds, on the parameters;
+    BatchNorm statistics take the plain mean."""
     sim, _ = run_sim("fedavg", run=False, num_rounds=3, server_lr=0.5, server_momentum=0.9, server_lr_decay=0.8)
-    x = {k: v.double() for k, v in sim.algorithm.init_server_state()[MODEL].items() if v.is_floating_point()}
+    params = {n for n, _ in sim.model.named_parameters()}
+    x = {k: v.double() for k, v in sim.algorithm.init_server_state()[MODEL].items() if k in params}
     buf = {}
     for r in (1, 2, 3):
         sim.step()
@@ -157,6 +159,8 @@ def test_server_optimizer_matches_fedopt_by_hand(run_sim):
             d = x[k] - mean[k].double()
             buf[k] = 0.9 * buf[k] + d if k in buf else d
             x[k] = x[k] - 0.5 * 0.8 ** (r - 1) * buf[k]
+        stats = [k for k in mean if "running_" in k]
+        assert stats and all(torch.equal(sim.server_state[MODEL][k], mean[k]) for k in stats)
     for k, v in x.items():
         assert torch.allclose(sim.server_state[MODEL][k].double(), v, atol=1e-5), k
     assert "server_opt" in sim.server_state
@@ -257,7 +261,7 @@ def test_state_lives_on_the_cpu(run_sim):
 
 
 @pytest.mark.parametrize("method,kw", [("fedprox", {}), ("scaffold", {"momentum": 0.0}),
-                                       ("test_adam_keeps_state", {}), ("fedavg", {"server_momentum": 0.9})])
+                                       ("test_adam_keeps_state", {}), ("fedavg", {"server_momentum": 0.5, "server_lr": 0.7})])
 def test_export_import_continues_bit_for_bit(run_sim, method, kw):
     """5 rounds straight == 2 rounds, state_dict(), load into a fresh Simulation, 3 more rounds."""
     straight, res = run_sim(method, num_rounds=5, clients_per_round=3, output_dir=f"{method}-a", **kw)

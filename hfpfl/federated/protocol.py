@@ -442,7 +442,8 @@ class Algorithm:
         if MODEL not in sums:
             return server_state
         mean = sums.get(MODEL, server_state[MODEL])
-        return server_optimizer_step(server_state, mean, self.ctx.server_hparams(), round_idx)
+        params = {n for n, _ in self.model.named_parameters()}
+        return server_optimizer_step(server_state, mean, self.ctx.server_hparams(), round_idx, params)
 
     def aggregate(self, server_state: Parts, updates: list[Update], round_idx: int) -> Parts:
         """All of a round's uploads at once. The default streams them through accumulate/reduce; a method that
@@ -519,15 +520,18 @@ class Algorithm:
         pass
 
 
-def server_optimizer_step(server_state: Parts, mean: TensorDict, hp: ServerHParams, round_idx: int) -> Parts:
-    """FedOpt's server step on the model part (see :class:`ServerHParams`); the momentum buffer is the server
-    state's part ``"server_opt"``. server_lr = 1 and momentum = 0 return the mean itself (FedAvg, bit for bit)."""
+def server_optimizer_step(server_state: Parts, mean: TensorDict, hp: ServerHParams, round_idx: int,
+                          param_keys=None) -> Parts:
+    """FedOpt's server step on the model part's parameters (see :class:`ServerHParams`); the momentum buffer is the
+    server state's part ``"server_opt"``. Buffers (BatchNorm statistics, counters) and integer tensors take the mean:
+    a pseudo-gradient step with momentum on a running variance can make it negative. server_lr = 1 and
+    momentum = 0 return the mean itself (FedAvg, bit for bit)."""
     if hp.server_lr == 1.0 and hp.server_momentum == 0.0 and hp.server_lr_decay == 1.0:
         return {**server_state, MODEL: {**server_state[MODEL], **mean}}
     lr = hp.server_lr * hp.server_lr_decay ** (round_idx - 1)
     x, new, buf = server_state[MODEL], dict(server_state[MODEL]), dict(server_state.get("server_opt", {}))
     for k, m in mean.items():
-        if not torch.is_floating_point(m):
+        if not torch.is_floating_point(m) or (param_keys is not None and k not in param_keys):
             new[k] = m
             continue
         d = x[k].double() - m.double()                      # pseudo-gradient
