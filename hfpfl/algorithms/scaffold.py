@@ -4,22 +4,16 @@ Server state: the model x (part ``"model"``) and the global control c (part ``"c
 (private part ``"control"``). Local step: g <- g - c_i + c. After K local SGD steps with learning rate eta:
 c_i+ = c_i - c + (x - y_i) / (K eta). Upload (delta y_i, delta c_i) as parts ``"delta_y"`` and ``"delta_c"``;
 server: x += eta_g * mean(delta y), c += |S|/N * mean(delta c) (uniform means, as in the paper's Algorithm 1).
+eta_g is the engine's server learning rate, ``--server_lr`` (1 = the paper's default).
 
 Option II's formula is derived for plain SGD: momentum, Adam and weight decay change the step that c_i+ assumes,
 so they are rejected (use option I or FedDyn-style corrections for those; not implemented).
 """
-from dataclasses import dataclass, field
-
 import torch
 
 from .base import MODEL, Algorithm, Update, register
 
 CONTROL, DELTA_Y, DELTA_C = "control", "delta_y", "delta_c"
-
-
-@dataclass
-class ScaffoldConfig:
-    server_lr: float = field(default=1.0, metadata={"help": "SCAFFOLD global step size eta_g."})
 
 
 def check_plain_sgd(hp) -> None:
@@ -32,7 +26,6 @@ def check_plain_sgd(hp) -> None:
 @register
 class Scaffold(Algorithm):
     name = "scaffold"
-    Config = ScaffoldConfig
 
     def __init__(self, ctx, config):
         super().__init__(ctx, config)
@@ -89,7 +82,8 @@ class Scaffold(Algorithm):
         dc = sums.get(DELTA_C, server_state[CONTROL])
         # the sums are already means (coef = 1/|S|); |S| = the number of uploads folded in
         n, m = self.ctx.num_clients, sums.count
-        x = {k: server_state[MODEL][k] + self.config.server_lr * dy[k] if torch.is_floating_point(dy[k]) else dy[k]
+        eta_g = self.ctx.server_hparams().server_lr
+        x = {k: server_state[MODEL][k] + eta_g * dy[k] if torch.is_floating_point(dy[k]) else dy[k]
              for k in dy}
         c = {k: server_state[CONTROL][k] + (m / n) * dc[k] for k in dc}
         return {**server_state, MODEL: {**server_state[MODEL], **x}, CONTROL: c}
