@@ -254,7 +254,7 @@ class Tuner:
         mean = float(np.mean(scores))
         m.hist.append(mean)
         m.curve.append((r, mean))
-        m.trajectory.append({"round": int(sim.round), "alpha": ss.to_values(m.alpha, self.space.server),
+        m.trajectory.append({"round": r, "alpha": ss.to_values(m.alpha, self.space.server),
                              "beta0": ss.to_values(m.beta0, self.space.client), "score": mean})
         if self.t.tuner == "fedpop" and self.t.fedpop_l and not m.diverged:
             self.fedpop_l(m, scores, r)
