@@ -65,8 +65,10 @@ def main(argv=None):
         b = res["best_member"]
         print(f"{res['tuner']} over {res['method']}: budget {res['budget']['rounds_used']}/{res['budget']['R_t']} rounds,"
               f" tried {res['tried']['alpha']} alpha / {res['tried']['beta']} beta vectors")
-        print(f"best member m{b['member']}: val loss {b['val_loss']:.4f}  global acc {b['global_accuracy']:.4f}  "
-              f"fine-tuned acc {b['finetuned_accuracy']:.4f}")
+        def f(x):
+            return "n/a" if x is None else f"{x:.4f}"
+        print(f"best member m{b['member']}: val loss {f(b['val_loss'])}  global acc {f(b['global_accuracy'])}  "
+              f"personal acc {f(b['personal_accuracy'])}  fine-tuned acc {f(b['finetuned_accuracy'])}")
         print(f"  alpha {b['alpha']}\n  beta0 {b['beta0']}")
         print(f"results: {os.path.join(out, 'results.json')}")
     return res

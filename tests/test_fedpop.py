@@ -337,3 +337,30 @@ def test_resume_after_a_kill_gives_identical_results(make_tuner):
         assert a["curve"] == b["curve"] and a["val_loss"] == b["val_loss"] and a["alpha"] == b["alpha"]
     assert full["best_member"]["member"] == again["best_member"]["member"]
     assert full["events"] == again["events"]
+
+
+# ------------------------------------------------------------------------------------------------ any method
+@pytest.mark.parametrize("method", ["fedprox", "ditto"])
+def test_exploit_copies_private_client_state_of_any_method(make_tuner, method):
+    tuner = make_tuner(method=method, out=method, population_size=2, rounds_per_member=2, generation_rounds=1,
+                       space=SAFE_SPACE)
+    copies = []
+    orig_g = tuner.fedpop_g
+
+    def spy_g(r):
+        events = orig_g(r)
+        for e in events:
+            dst = next(m for m in tuner.members if m.idx == e["dst"]).sim
+            src = next(m for m in tuner.members if m.idx == e["src"]).sim
+            a, b = dst.store.flatten(), src.store.flatten()
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            assert all(torch.equal(dst.server_state[p][k], src.server_state[p][k])
+                       for p in src.server_state for k in src.server_state[p])
+            copies.append((r, len(a)))
+        return events
+
+    tuner.fedpop_g = spy_g
+    res = tuner.run()
+    assert copies and res["method"] == method and res["budget"]["rounds_used"] == 4
+    if method == "ditto":
+        assert all(n > 0 for _, n in copies)  # personal models travelled with the exploit

@@ -151,7 +151,11 @@ class Tuner:
         self.T_g = targs.generation_rounds or max(1, round(0.1 * self.R_c))
         self.budget = targs.population_size * self.R_c
         torch.set_num_threads(max(1, run_args.num_threads))
-        self.accelerator = accelerator or Accelerator()
+        self.accelerator = accelerator or Accelerator()       # members' engines (no trackers of their own)
+        log_with = None if run_args.report_to == "none" else run_args.report_to
+        # the population's live view (--report_to tensorboard): per-member score and hyperparameters per round
+        self.tracker = Accelerator(log_with=log_with, project_dir=str(self.out)) if log_with else None
+        self._trackers_started = False
         if fed_data is None:
             from ..data import build_federated_dataset
             fed_data = build_federated_dataset(data_args, seed=run_args.seed)
@@ -256,6 +260,14 @@ class Tuner:
         m.curve.append((r, mean))
         m.trajectory.append({"round": r, "alpha": ss.to_values(m.alpha, self.space.server),
                              "beta0": ss.to_values(m.beta0, self.space.client), "score": mean})
+        if self.tracker is not None:
+            if not self._trackers_started:
+                self.tracker.init_trackers(f"{self.t.tuner}-{self.run_args.method}")
+                self._trackers_started = True
+            t = m.trajectory[-1]
+            self.tracker.log({f"m{m.idx}/val_loss": mean,
+                              **{f"m{m.idx}/alpha.{k}": v for k, v in t["alpha"].items()},
+                              **{f"m{m.idx}/beta0.{k}": float(v) for k, v in t["beta0"].items()}}, step=r)
         if self.t.tuner == "fedpop" and self.t.fedpop_l and not m.diverged:
             self.fedpop_l(m, scores, r)
         if self.t.tuner == "fedex" and not m.diverged:
@@ -503,6 +515,8 @@ class Tuner:
             (self.out / "search_space.yaml").write_text(__import__("yaml").safe_dump(self.space.to_dict()))
             atomic_write_text(self.out / "results.json", json.dumps(results, indent=2, default=str))
             plot_population(self.out, self.members, self.events, title=f"{self.t.tuner} on {self.run_args.method}")
+        if self.tracker is not None and self._trackers_started:
+            self.tracker.end_training()
         return results
 
 
