@@ -225,7 +225,7 @@ def test_rtnet_signs(beta, check):
     elif check == "mmd_down":
         assert d1[0] < d0[0] and d1[1] < d0[1]    # +beta MMD on both paths: stay close to the local distribution
     else:
-        assert float(loss1) < float(loss0)
+        assert float(loss1.detach()) < float(loss0.detach())
 
 
 def test_classifier_loss_decreases_after_one_step():
