@@ -130,8 +130,9 @@ def main():
 
     (out_root / "comparison.json").write_text(json.dumps({"summary": summary, "claims": claims,
                                                           "ordering_ours": ours, "ordering_paper": paper,
-                                                          "settings": COMMON + extra + ["--num_rounds",
-                                                                                        str(a.num_rounds)]},
+                                                          "settings": ({"from_runs": a.from_runs} if a.from_runs
+                                                                       else COMMON + extra + ["--num_rounds",
+                                                                                              str(a.num_rounds)])},
                                                          indent=2))
     domains = sorted(next(iter(summary.values()))["per_domain"])
     print(f"\n{'variant':<18} {'ours: mean ± std':>17} {'paper':>6} " + " ".join(f"{d:>8}" for d in domains)
