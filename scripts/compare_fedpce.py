@@ -77,9 +77,19 @@ def main():
     p.add_argument("--max_per_domain", type=int, default=3000)
     p.add_argument("--image_size", type=int, default=16)
     p.add_argument("--output_dir", default="outputs/compare_fedpce")
+    p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="Only summarize: merge the rows.json of earlier runs (e.g. one process per seed).")
     a = p.parse_args()
     torch.set_num_threads(1)
     os.makedirs(a.output_dir, exist_ok=True)
+    if a.merge:
+        rows = {m: [] for m in a.methods}
+        for d in a.merge:
+            with open(os.path.join(d, "rows.json")) as f:
+                got = json.load(f)
+            for m in a.methods:
+                rows[m].extend(got.get(m, []))
+        return summarize(rows, a)
     rows = {m: [] for m in a.methods}
     t0 = time.time()
     for seed in a.seeds:
@@ -91,13 +101,16 @@ def main():
                   + " ".join(f"{k}={v:.3f}" for k, v in rows[m][-1].items() if isinstance(v, float)), flush=True)
             with open(os.path.join(a.output_dir, "rows.json"), "w") as f:
                 json.dump(rows, f, indent=1)
+    summarize(rows, a)
 
+
+def summarize(rows, a):
     def ms(m, k):
         v = [r[k] for r in rows[m] if k in r]
         return (np.mean(v), np.std(v)) if v else (float("nan"), float("nan"))
 
     cols = ["col", "new_noise", "new_color", "new_rotation", "new_all", "new_2", "new_8", "new_32"]
-    print(f"\nmean +- std over seeds {a.seeds} (accuracy; new_* = held-out new clients after adaptation)")
+    print(f"\nmean +- std over {len(rows[a.methods[0]])} seeds (accuracy; new_* = held-out new clients after adaptation)")
     print(f"{'method':<12}" + "".join(f"{c:>16}" for c in cols))
     for m in a.methods:
         print(f"{m:<12}" + "".join("{:>16}".format("%.3f+-%.3f" % ms(m, c)) for c in cols))
@@ -136,7 +149,7 @@ def main():
                     idx = [j for j, n in enumerate(names) if n.startswith(kind)]
                     ax.scatter(Z[idx, 0], Z[idx, 1], c=col, s=[20 * int(names[j].split("-")[1]) for j in idx],
                                label=kind)
-                ax.set_title(f"FedPCE embeddings, PCA (seed {a.seeds[0]})")
+                ax.set_title("FedPCE embeddings, PCA (first run)")
                 ax.legend()
                 fig.savefig(os.path.join(a.output_dir, "embeddings_pca.png"), dpi=120, bbox_inches="tight")
         claims.append(("B5 embeddings group by degradation: silhouette > 0 in 2-D PCA", float(np.mean(sils)) > 0,
