@@ -111,3 +111,67 @@ def with_new_client_budget(fed: FederatedData, per_class: int | None, seed: int 
     return FederatedData(clients=fed.clients, new_clients=new, global_test=fed.global_test, public=fed.public,
                          num_labels=fed.num_labels, label_names=fed.label_names, image_size=fed.image_size,
                          num_channels=fed.num_channels)
+
+
+def pflbed(domains=("mnist", "usps", "mnistm", "syn"), clients_per_domain: int = 4, new_per_domain: int = 2,
+           alpha: float = 0.3, max_per_domain: int | None = 600, image_size: int = 28, num_channels: int = 3,
+           seed: int = 0) -> FederatedData:
+    """FedBasis' PFLBED protocol (paper 004 section 5, spec B2.9/B3.4) on Digits domains: per domain, the source's
+    train split is divided 75/25 (stratified) into participated / unparticipated pools, each Dirichlet(alpha)-split
+    by class over its clients (Hsu et al. 2019); every client of a domain is tested on that domain's whole,
+    shared test split. Score with :func:`label_weighted_accuracy` (re-weighted by the client's training labels)."""
+    collab, new = [], []
+    k = 0
+    rng = np.random.default_rng([seed, 19])
+    label_feat, tests = None, []
+    for d in domains:
+        raw = load_source(d, "train", seed=seed, max_per_domain=max_per_domain)
+        label_feat = raw.features["label"]
+        test = _finish(to_model_inputs(load_source(d, "test", seed=seed, max_per_domain=max_per_domain), image_size,
+                                       num_channels).with_format(None))
+        tests.append(test)
+        y = np.asarray(raw["label"])
+        part, unpart = [], []
+        for c in np.unique(y):
+            idx = rng.permutation(np.flatnonzero(y == c))
+            cut = int(round(0.75 * len(idx)))
+            part.extend(idx[:cut]), unpart.extend(idx[cut:])
+        for pool, m, dest in ((np.array(part), clients_per_domain, collab), (np.array(unpart), new_per_domain, new)):
+            if m == 0:
+                continue
+            owners = [[] for _ in range(m)]
+            for c in np.unique(y[pool]):
+                idx = rng.permutation(pool[y[pool] == c])
+                q = rng.dirichlet(alpha * np.ones(m))
+                for o, chunk in enumerate(np.split(idx, (np.cumsum(q)[:-1] * len(idx)).astype(int))):
+                    owners[o].extend(chunk.tolist())
+            for o in owners:
+                if len(o) < 2:          # keep every client trainable (tiny pools at CPU scale)
+                    o.extend(rng.choice(pool, 2, replace=False).tolist())
+                cd = to_model_inputs(raw.select(np.sort(o)), image_size, num_channels).with_format(None)
+                dest.append(ClientData(client_id=k, train=_finish(cd), test=test, domain=d))
+                k += 1
+    from datasets import concatenate_datasets
+    gtest = concatenate_datasets(tests)
+    return _assemble(collab, new, gtest, label_feat, image_size, num_channels)
+
+
+def label_weighted_accuracy(model, client: ClientData, num_labels: int, batch_size: int = 256) -> float:
+    """PFLBED's metric: accuracy on the shared domain test set with sample i weighted by P_client(y_i), the
+    client's training label distribution (spec B2.9)."""
+    import torch
+    p = np.bincount(np.asarray(client.train.with_format(None)["labels"]), minlength=num_labels).astype(np.float64)
+    p /= p.sum()
+    x = client.test.with_format("torch")
+    num = den = 0.0
+    model.eval()
+    with torch.no_grad():
+        for s in range(0, len(x), batch_size):
+            b = x[s:s + batch_size]
+            dev = next(model.parameters()).device
+            pred = model(pixel_values=b["pixel_values"].to(dev)).logits.argmax(-1).cpu().numpy()
+            yy = b["labels"].numpy()
+            w = p[yy]
+            num += float((w * (pred == yy)).sum())
+            den += float(w.sum())
+    return num / den if den else float("nan")
