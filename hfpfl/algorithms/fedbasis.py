@@ -76,7 +76,10 @@ class FedBasis(Algorithm):
         return PRIVATE if default == GLOBAL and key.startswith("coef.") else default
 
     def warm_rounds(self) -> int:
-        return int(math.floor(self.config.warm_fraction * self.ctx.args.num_rounds))
+        """At least one warm-start round (when there are >= 2 rounds and warm_fraction > 0): bases that start
+        identical get identical gradients and uniform alphas forever, so the k-means split is what separates them."""
+        r = int(math.floor(self.config.warm_fraction * self.ctx.args.num_rounds))
+        return max(r, 1) if self.config.warm_fraction > 0 and self.ctx.args.num_rounds >= 2 else r
 
     def _keys(self, prefix):
         return [k for k in self.global_keys if k.startswith(prefix)]
