@@ -1,0 +1,177 @@
+"""Benchmarks for new-client personalization (FedPCE, FedBasis), built on the hfpfl.data API.
+
+* :func:`degradation_benchmark` — FedPCE's CIFAR protocol on a Digits source: the pool is split uniformly into
+  clients, one group per degradation (Gaussian noise, colour jitter, rotation), each client with its own severity
+  (client-dependent noise variance / jitter strength / rotation range), and **held-out new clients in every group**.
+* :func:`leave_one_domain_out` — Digits domains (mnist, usps, mnistm, syn) as groups, several clients per domain;
+  every client of one domain is a new client (today's partitioner cannot express this).
+* :func:`with_new_client_budget` — the new clients' training splits cut to k images per class (few-shot axis:
+  2, 8, 32, all); test splits unchanged.
+
+Differences from the paper, said once: the degradations are applied once per image (fixed draws, seeded) rather than
+resampled at every load, and severities are the 5 levels of :mod:`hfpfl.data.transforms`, cycled over a group's
+clients (the paper: linspace(0.005, 1, M) noise variances on CIFAR).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .federated import ClientData, FederatedData, _finish, _split
+from .sources import load_source
+from .transforms import DEGRADATIONS, degrade, to_model_inputs
+
+
+def _client(i, ds, domain, image_size, num_channels, test_fraction, seed):
+    cd = to_model_inputs(ds, image_size, num_channels).with_format(None)
+    train, test = _split(cd, test_fraction, seed * 100003 + i)
+    return ClientData(client_id=i, train=_finish(train), test=_finish(test), domain=domain)
+
+
+def _assemble(collab, new, global_test, label_feat, image_size, num_channels, public=None) -> FederatedData:
+    clients = collab + new
+    for i, c in enumerate(clients):      # ids: collaborative 0..N-1, new clients continue (the engine's convention)
+        c.client_id = i
+    return FederatedData(clients=collab, new_clients=new, global_test=global_test, public=public,
+                         num_labels=label_feat.num_classes, label_names=list(label_feat.names),
+                         image_size=image_size, num_channels=num_channels)
+
+
+def degradation_benchmark(source: str = "mnist", groups=("noise", "color", "rotation"), clients_per_group: int = 4,
+                          new_per_group: int = 1, max_per_domain: int | None = 600, image_size: int = 28,
+                          num_channels: int = 3, test_fraction: float = 0.25, seed: int = 0) -> FederatedData:
+    """Clients in degradation groups with held-out new clients per group (see the module docstring).
+
+    Each group gets ``clients_per_group + new_per_group`` clients; client j of a group has severity
+    ``1 + j % 5``; which of them are held out is drawn with ``seed`` (stratified: ``new_per_group`` per group).
+    ``ClientData.domain`` is ``"<kind>-<severity>"``."""
+    groups = tuple(groups)
+    for g in groups:
+        if g not in DEGRADATIONS:
+            raise ValueError(f"unknown degradation {g!r}; expected some of {DEGRADATIONS}")
+    if clients_per_group < 1 or new_per_group < 0:
+        raise ValueError("clients_per_group must be >= 1 and new_per_group >= 0")
+    raw = load_source(source, "train", seed=seed, max_per_domain=max_per_domain)
+    per_group = clients_per_group + new_per_group
+    n = len(groups) * per_group
+    rng = np.random.default_rng([seed, 11])
+    chunks = np.array_split(rng.permutation(len(raw)), n)
+    if min(len(c) for c in chunks) < 4:
+        raise ValueError(f"{len(raw)} images cannot make {n} clients: raise max_per_domain")
+    collab, new = [], []
+    for gi, kind in enumerate(groups):
+        held = set(rng.choice(per_group, size=new_per_group, replace=False).tolist()) if new_per_group else set()
+        for j in range(per_group):
+            k = gi * per_group + j
+            sev = 1 + j % 5
+            ds = degrade(raw.select(np.sort(chunks[k])), kind, sev, seed=seed * 1000 + k)
+            c = _client(k, ds, f"{kind}-{sev}", image_size, num_channels, test_fraction, seed)
+            (new if j in held else collab).append(c)
+    test = to_model_inputs(load_source(source, "test", seed=seed, max_per_domain=max_per_domain), image_size,
+                           num_channels)
+    return _assemble(collab, new, test, raw.features["label"], image_size, num_channels)
+
+
+def leave_one_domain_out(held_out: str = "syn", domains=("mnist", "usps", "mnistm", "syn"),
+                         clients_per_domain: int = 3, max_per_domain: int | None = 600, image_size: int = 28,
+                         num_channels: int = 3, test_fraction: float = 0.25, seed: int = 0) -> FederatedData:
+    """Each domain split uniformly into ``clients_per_domain`` clients; the clients of ``held_out`` are all new."""
+    if held_out not in domains:
+        raise ValueError(f"held_out {held_out!r} is not among the domains {list(domains)}")
+    collab, new, tests, label_feat = [], [], [], None
+    k = 0
+    rng = np.random.default_rng([seed, 13])
+    for d in domains:
+        raw = load_source(d, "train", seed=seed, max_per_domain=max_per_domain)
+        label_feat = raw.features["label"]
+        for idx in np.array_split(rng.permutation(len(raw)), clients_per_domain):
+            c = _client(k, raw.select(np.sort(idx)), d, image_size, num_channels, test_fraction, seed)
+            (new if d == held_out else collab).append(c)
+            k += 1
+        if d != held_out:
+            tests.append(load_source(d, "test", seed=seed, max_per_domain=max_per_domain))
+    from datasets import concatenate_datasets
+    test = to_model_inputs(concatenate_datasets(tests), image_size, num_channels)
+    return _assemble(collab, new, test, label_feat, image_size, num_channels)
+
+
+def with_new_client_budget(fed: FederatedData, per_class: int | None, seed: int = 0) -> FederatedData:
+    """A copy of ``fed`` whose new clients keep at most ``per_class`` training images of each class (None: all).
+    The subset for budget k contains the subset for every smaller budget (nested), so budgets compare fairly."""
+    if per_class is None:
+        return fed
+    if per_class < 1:
+        raise ValueError(f"per_class must be >= 1, got {per_class}")
+    new = []
+    for c in fed.new_clients:
+        y = np.asarray(c.train.with_format(None)["labels"])
+        order = np.random.default_rng([seed, 17, c.client_id]).permutation(len(y))
+        keep = np.sort(np.concatenate([order[y[order] == label][:per_class] for label in np.unique(y)]))
+        new.append(ClientData(client_id=c.client_id, train=c.train.select(keep), test=c.test, val=c.val,
+                              domain=c.domain))
+    return FederatedData(clients=fed.clients, new_clients=new, global_test=fed.global_test, public=fed.public,
+                         num_labels=fed.num_labels, label_names=fed.label_names, image_size=fed.image_size,
+                         num_channels=fed.num_channels)
+
+
+def pflbed(domains=("mnist", "usps", "mnistm", "syn"), clients_per_domain: int = 4, new_per_domain: int = 2,
+           alpha: float = 0.3, max_per_domain: int | None = 600, image_size: int = 28, num_channels: int = 3,
+           seed: int = 0) -> FederatedData:
+    """FedBasis' PFLBED protocol (paper 004 section 5, spec B2.9/B3.4) on Digits domains: per domain, the source's
+    train split is divided 75/25 (stratified) into participated / unparticipated pools, each Dirichlet(alpha)-split
+    by class over its clients (Hsu et al. 2019); every client of a domain is tested on that domain's whole,
+    shared test split. Score with :func:`label_weighted_accuracy` (re-weighted by the client's training labels)."""
+    collab, new = [], []
+    k = 0
+    rng = np.random.default_rng([seed, 19])
+    label_feat, tests = None, []
+    for d in domains:
+        raw = load_source(d, "train", seed=seed, max_per_domain=max_per_domain)
+        label_feat = raw.features["label"]
+        test = _finish(to_model_inputs(load_source(d, "test", seed=seed, max_per_domain=max_per_domain), image_size,
+                                       num_channels).with_format(None))
+        tests.append(test)
+        y = np.asarray(raw["label"])
+        part, unpart = [], []
+        for c in np.unique(y):
+            idx = rng.permutation(np.flatnonzero(y == c))
+            cut = int(round(0.75 * len(idx)))
+            part.extend(idx[:cut]), unpart.extend(idx[cut:])
+        for pool, m, dest in ((np.array(part), clients_per_domain, collab), (np.array(unpart), new_per_domain, new)):
+            if m == 0:
+                continue
+            owners = [[] for _ in range(m)]
+            for c in np.unique(y[pool]):
+                idx = rng.permutation(pool[y[pool] == c])
+                q = rng.dirichlet(alpha * np.ones(m))
+                for o, chunk in enumerate(np.split(idx, (np.cumsum(q)[:-1] * len(idx)).astype(int))):
+                    owners[o].extend(chunk.tolist())
+            for o in owners:
+                if len(o) < 2:          # keep every client trainable (tiny pools at CPU scale)
+                    o.extend(rng.choice(pool, 2, replace=False).tolist())
+                cd = to_model_inputs(raw.select(np.sort(o)), image_size, num_channels).with_format(None)
+                dest.append(ClientData(client_id=k, train=_finish(cd), test=test, domain=d))
+                k += 1
+    from datasets import concatenate_datasets
+    gtest = concatenate_datasets(tests)
+    return _assemble(collab, new, gtest, label_feat, image_size, num_channels)
+
+
+def label_weighted_accuracy(model, client: ClientData, num_labels: int, batch_size: int = 256) -> float:
+    """PFLBED's metric: accuracy on the shared domain test set with sample i weighted by P_client(y_i), the
+    client's training label distribution (spec B2.9)."""
+    import torch
+    p = np.bincount(np.asarray(client.train.with_format(None)["labels"]), minlength=num_labels).astype(np.float64)
+    p /= p.sum()
+    x = client.test.with_format("torch")
+    num = den = 0.0
+    model.eval()
+    with torch.no_grad():
+        for s in range(0, len(x), batch_size):
+            b = x[s:s + batch_size]
+            dev = next(model.parameters()).device
+            pred = model(pixel_values=b["pixel_values"].to(dev)).logits.argmax(-1).cpu().numpy()
+            yy = b["labels"].numpy()
+            w = p[yy]
+            num += float((w * (pred == yy)).sum())
+            den += float(w.sum())
+    return num / den if den else float("nan")

@@ -1,0 +1,163 @@
+"""FedPCE (spec fedpce.md 7.1): full-width parameter counts (meta device), conditioning by hand on a tiny model,
+payload keys and exact bytes (embeddings never travel), embedding init rule, per-client Adam state kept, and
+new-client adaptation training exactly the E numbers with every global tensor bitwise unchanged."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hfpfl.algorithms import get_algorithm
+from hfpfl.algorithms.base import MODEL, OPTIM, PRIVATE
+from hfpfl.models.cond_norm_resnet import EMBEDDING_KEY, CondNorm, CondNormResNetConfig, \
+    CondNormResNetForImageClassification
+
+TINY = dict(widths="4,4,8,8", depths="1,1,1,1", embedding_dim=4, mlp_hidden=3, new_client_steps=3)
+
+
+def _meta(**kw):
+    with torch.device("meta"):
+        return CondNormResNetForImageClassification(CondNormResNetConfig(num_labels=10, **kw))
+
+
+def test_full_width_parameter_counts():
+    pce, base = _meta(conditional=True), _meta(conditional=False)
+    norms = base.norm_layers()
+    assert len(norms) == 21 and [m.channels for _, m in norms] == [64] * 5 + [128] * 5 + [256] * 5 + [512] * 6
+    assert sum(p.numel() for p in base.parameters()) == 11_174_986
+    assert sum(p.numel() for n, p in base.named_parameters() if n.startswith(tuple(n + "." for n, _ in norms))) \
+        == 10_624                                                              # FedBN local
+    assert base.classifier.weight.numel() + base.classifier.bias.numel() == 5_130   # FedPer local
+    shared = sum(p.numel() for n, p in pce.named_parameters() if n != EMBEDDING_KEY)
+    assert shared == 11_899_274 and pce.client_embedding.numel() == 32           # spec 7.1 #4: 32 private on top
+    assert sum(p.numel() for n, p in pce.named_parameters() if ".mlp." in n) == 734_912
+    with torch.device("meta"):
+        p62 = CondNormResNetForImageClassification(CondNormResNetConfig(num_labels=100,
+                                                                        hidden_sizes=[62, 124, 248, 496]))
+    assert sum(p.numel() for n, p in p62.named_parameters() if n != EMBEDDING_KEY) == 11_235_762   # FedPCE(62)
+
+
+def test_conditional_norm_by_hand_and_save_pretrained_roundtrip(tmp_path):
+    torch.manual_seed(0)
+    cfg = CondNormResNetConfig(num_labels=3, hidden_sizes=[4, 4, 8, 8], depths=[1, 1, 1, 1], embedding_dim=4,
+                               mlp_hidden=3)
+    layer = CondNorm(5, cfg)
+    x, v = torch.randn(2, 5, 3, 3), torch.randn(4)
+    out = layer.mlp[2](torch.relu(layer.mlp[0](v)))
+    beta, gamma = out[:5], 1 + out[5:]
+    mu, var = x.mean((2, 3), keepdim=True), x.var((2, 3), unbiased=False, keepdim=True)
+    ref = (x - mu) / torch.sqrt(var + 1e-5) * gamma.view(1, 5, 1, 1) + beta.view(1, 5, 1, 1)
+    assert torch.allclose(layer(x, v), ref, atol=1e-5)
+    h = torch.randn(2, 5)                                   # head norm: per-sample over the features
+    ref_h = (h - h.mean(1, keepdim=True)) / torch.sqrt(h.var(1, unbiased=False, keepdim=True) + 1e-5) * gamma + beta
+    assert torch.allclose(layer(h, v), ref_h, atol=1e-5)
+    # zeroed last MLP layers: the network is an affine-free IN ResNet, whatever v is (spec 7.1 #8)
+    model = CondNormResNetForImageClassification(cfg).eval()
+    px = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        model.client_embedding.copy_(torch.randn(4))
+        a = model(pixel_values=px).logits
+        model.client_embedding.copy_(torch.randn(4))
+        assert not torch.allclose(a, model(pixel_values=px).logits)   # conditioning works
+        for _, m in model.norm_layers():
+            m.mlp[2].weight.zero_(), m.mlp[2].bias.zero_()
+        b = model(pixel_values=px).logits
+        model.client_embedding.copy_(torch.randn(4))
+        assert torch.allclose(b, model(pixel_values=px).logits)
+    from transformers import AutoModelForImageClassification
+    model.save_pretrained(tmp_path / "m")
+    again = AutoModelForImageClassification.from_pretrained(tmp_path / "m")
+    assert type(again) is CondNormResNetForImageClassification
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+@pytest.fixture
+def pce_sim(run_sim):
+    def _make(method="fedpce", **kw):
+        cfg = get_algorithm(method).Config(**{**TINY, **kw})
+        return run_sim(method, method_config=cfg, run=False, optimizer="adam", lr=1e-3, weight_decay=1e-4,
+                       local_steps=2, output_dir=method)[0]
+    return _make
+
+
+def test_embeddings_never_travel_and_payload_bytes(pce_sim):
+    sim = pce_sim("fedpce", embedding_dim=2)       # E = 2 < 4 clients: clients 2, 3 start at 0 (spec 7.1 #9)
+    algo = sim.algorithm
+    assert sim.keys_by_role[PRIVATE] == [EMBEDDING_KEY]
+    assert torch.equal(algo.init_private_state(0)[MODEL][EMBEDDING_KEY], torch.tensor([1.0, 0.0]))
+    assert torch.equal(algo.init_private_state(1)[MODEL][EMBEDDING_KEY], torch.tensor([0.0, 1.0]))
+    assert torch.equal(algo.init_private_state(3)[MODEL][EMBEDDING_KEY], torch.zeros(2))
+    server = sim.algorithm.init_server_state()
+    sim.step()
+    shared = {n: p for n, p in sim.model.named_parameters() if n != EMBEDDING_KEY}
+    expect = sum(p.numel() * p.element_size() for p in shared.values())
+    embs = []
+    for u in sim.last_updates:
+        assert set(u.upload) == {MODEL} and set(u.upload[MODEL]) == set(shared)       # no embedding travels
+        assert sum(t.numel() * t.element_size() for t in u.upload[MODEL].values()) == expect
+        priv = sim.store.get(u.client_id)
+        assert set(priv[MODEL]) == {EMBEDDING_KEY} and priv[OPTIM]                   # Adam moments kept per client
+        embs.append(priv[MODEL][EMBEDDING_KEY])
+        assert u.upload[MODEL] and any(not torch.equal(u.upload[MODEL][k], server[MODEL][k]) for k in shared)
+    assert not torch.equal(embs[2], torch.zeros(2))        # zero-initialised embeddings still receive gradients
+    assert len({tuple(e.tolist()) for e in embs}) == 4      # embeddings stay distinct
+    # unweighted mean (1/N) of the uploads, whatever the client sizes
+    mean = {k: torch.stack([u.upload[MODEL][k].double() for u in sim.last_updates]).mean(0) for k in shared}
+    assert all(torch.allclose(sim.server_state[MODEL][k].double(), mean[k], atol=1e-6) for k in shared)
+    # the Adam state continues: a client's second-round step counter is 2 local steps further
+    sim.step()
+    st = sim.store.get(0)[OPTIM]
+    steps = [v for k, v in st.items() if k.endswith(".step")]
+    assert steps and all(float(s) == 4.0 for s in steps)
+
+
+def test_new_client_trains_exactly_the_embedding(pce_sim):
+    sim = pce_sim("fedpce")
+    sim.step()
+    algo, cid = sim.algorithm, sim.num_clients
+    before = {k: v.clone() for k, v in sim.server_state[MODEL].items()}
+    seen = []
+    orig = sim.ctx.train
+
+    def spy(*a, **kw):
+        seen.append([(n, p.numel()) for n, p in sim.model.named_parameters() if p.requires_grad])
+        return orig(*a, **kw)
+
+    sim.ctx.train = spy
+    model = algo.personalize_new_client(cid, sim.server_state, sim.train_data(cid), 1)
+    assert seen == [[(EMBEDDING_KEY, 4)]]                      # only v_{N+1} (E numbers) has requires_grad
+    state = model.state_dict()
+    assert all(torch.equal(state[k].cpu(), before[k]) for k in before)   # every global tensor bitwise unchanged
+    assert not torch.equal(state[EMBEDDING_KEY], torch.zeros(4))        # started at 0, moved
+    assert all(p.requires_grad for n, p in model.named_parameters())   # trainability restored afterwards
+
+
+@pytest.mark.parametrize("method,local,adapts", [("pce_fedbn", "norm", True), ("pce_fedper", "classifier.", True),
+                                                 ("pce_fedavg", None, False)])
+def test_baselines_split_and_new_client_protocol(pce_sim, method, local, adapts):
+    sim = pce_sim(method)
+    priv = sim.keys_by_role[PRIVATE]
+    if local is None:
+        assert priv == []
+    else:
+        assert priv and all((local in k) if local == "norm" else k.startswith(local) for k in priv)
+        assert not any(k in sim.keys_by_role["global"] for k in priv)
+    sim.step()
+    cid = sim.num_clients
+    before = {k: v.clone() for k, v in sim.server_state[MODEL].items()}
+    model = sim.algorithm.personalize_new_client(cid, sim.server_state, sim.train_data(cid), 1)
+    state = model.state_dict()
+    assert all(torch.equal(state[k].cpu(), before[k]) for k in before)  # globals frozen in every variant
+    changed = [k for k in priv if not torch.equal(state[k].cpu(), sim.initial_private[k])]
+    assert bool(changed) == adapts
+
+
+def test_run_results_and_budget_benchmark(pce_sim):
+    from hfpfl.data.benchmarks import with_new_client_budget
+    sim = pce_sim("fedpce")
+    sim.args = sim.args.__class__(**{**sim.args.__dict__, "num_rounds": 1})
+    res = sim.run()
+    assert "new_client_accuracy" in res and res["communication"]["by_part"]
+    fed = with_new_client_budget(sim.data, 2, seed=0)
+    c = fed.new_clients[0]
+    counts = np.bincount(np.asarray(c.train.with_format(None)["labels"]), minlength=10)
+    assert counts.max() <= 2 and len(c.test) == len(sim.data.new_clients[0].test)
