@@ -49,11 +49,14 @@ def fail(e: BaseException) -> None:
 
 
 def run_recipe(method: str | None = None, argv: list[str] | None = None, defaults: dict | None = None,
-               name: str | None = None) -> dict | None:
+               name: str | None = None, data_fn=None, after=None, script: str | None = None,
+               description: str | None = None) -> dict | None:
     """Parse flags (+ --config YAML), run one simulation, print the result table. User errors exit with code 2 and
     one line; SIGINT/SIGTERM leave the last round checkpoint and print the command that resumes.
     ``defaults`` are the recipe's own option defaults (below YAML and flags); ``name`` names the default output
-    folder ``outputs/<name>-<timestamp>`` (default: the method)."""
+    folder ``outputs/<name>-<timestamp>`` (default: the method). A recipe with its own benchmark passes
+    ``data_fn(run, data) -> FederatedData`` and ``after(sim, results)`` (extra plots, main process only);
+    ``script`` names the recipe in messages when ``argv`` is given explicitly."""
     import dataclasses
 
     from .config import parse_run_args
@@ -61,26 +64,29 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
 
     _setup_logging()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    prog = os.path.basename(sys.argv[0]) if argv is None else "hfpfl"
+    prog = script or (os.path.basename(sys.argv[0]) if argv is None else "hfpfl")
     args_list = list(sys.argv[1:] if argv is None else argv)
     run = None
     try:
         with interruptible():
             try:
-                run, data, method_cfg = parse_run_args(args_list, method=method, prog=prog,
-                                                       description=f"hfpfl: federated simulation "
-                                                                   f"({method or 'any method'})", defaults=defaults)
+                run, data, method_cfg = parse_run_args(
+                    args_list, method=method, prog=prog, defaults=defaults,
+                    description=description or f"hfpfl: federated simulation ({method or 'any method'})")
                 run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, name or run.method))
                 with cleanup_on_failure(run.output_dir):
                     from .federated.engine import Simulation
-                    sim = Simulation(run, data, method_cfg)
+                    sim = Simulation(run, data, method_cfg, fed_data=data_fn(run, data) if data_fn else None)
                     results = sim.run()
+                    if after is not None and sim.accelerator.is_main_process:
+                        after(sim, results)
             except USER_ERRORS as e:
                 fail(e)
     except KeyboardInterrupt as e:
         code = 128 + (e.signum if isinstance(e, Interrupted) else 2)
         print(interrupted_message(args_list, run.output_dir if run else None,
-                                  script=None if argv is None else "hfpfl run"), file=sys.stderr, flush=True)
+                                  script=script or (None if argv is None else "hfpfl run")), file=sys.stderr,
+              flush=True)
         raise SystemExit(code) from None
     if sim.accelerator.is_main_process:
         print(format_table(results))

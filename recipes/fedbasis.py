@@ -9,34 +9,22 @@ concentration (default 0.3). results.json holds per-client and new-client accura
 (unweighted; scripts/compare_fedbasis.py reports PFLBED's label-re-weighted accuracy), bytes per client and part,
 and the diagnostics basis_cosine / basis_update_cosine / alpha_entropy in the final metrics.
 """
-import sys
+from hfpfl.cli import run_recipe
 
-from hfpfl.cli import USER_ERRORS, format_table
-from hfpfl.config import parse_run_args
+DEFAULTS = dict(num_clients=3, num_new_clients=2, alpha=0.3, max_per_domain=600, image_size=16, num_rounds=10,
+                local_steps=5, batch_size=16, lr=0.01, momentum=0.9, weight_decay=1e-4)
 
-DEFAULTS = dict(method="fedbasis", num_clients=3, num_new_clients=2, alpha=0.3, max_per_domain=600, image_size=16,
-                num_rounds=10, local_steps=5, batch_size=16, lr=0.01, momentum=0.9, weight_decay=1e-4,
-                output_dir="outputs/fedbasis")
+
+def pflbed_data(run, data):
+    from hfpfl.data.benchmarks import pflbed
+    return pflbed(clients_per_domain=data.num_clients, new_per_domain=data.num_new_clients, alpha=data.alpha,
+                  max_per_domain=data.max_per_domain, image_size=data.image_size, num_channels=data.num_channels,
+                  seed=run.seed)
 
 
 def main(argv=None):
-    try:
-        run, data, cfg = parse_run_args(sys.argv[1:] if argv is None else argv, method="fedbasis",
-                                        prog="recipes/fedbasis.py", description=__doc__, defaults=DEFAULTS)
-        from hfpfl.data.benchmarks import pflbed
-        from hfpfl.federated.engine import Simulation
-        fed = pflbed(clients_per_domain=data.num_clients, new_per_domain=data.num_new_clients, alpha=data.alpha,
-                     max_per_domain=data.max_per_domain, image_size=data.image_size,
-                     num_channels=data.num_channels, seed=run.seed)
-        sim = Simulation(run, data, cfg, fed_data=fed)
-        results = sim.run()
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if sim.accelerator.is_main_process:
-        print(format_table(results))
-        print(f"results: {run.output_dir}/results.json")
-    return results
+    return run_recipe(method="fedbasis", argv=argv, defaults=DEFAULTS, data_fn=pflbed_data, description=__doc__,
+                      script=None if argv is None else "recipes/fedbasis.py")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,11 @@ resolved config and plots go to --output_dir; fedpce also writes embeddings_pca.
 import argparse
 import sys
 
-from hfpfl.cli import USER_ERRORS, format_table
-from hfpfl.config import parse_run_args
+from hfpfl.cli import run_recipe
 
-DEFAULTS = dict(method="fedpce", dataset="mnist", degradations="noise,color,rotation", num_clients=12,
-                num_new_clients=3, max_per_domain=3000, image_size=16, num_rounds=12, local_steps=10, batch_size=32,
-                optimizer="adam", lr=1e-3, weight_decay=1e-4, output_dir="outputs/fedpce")
+DEFAULTS = dict(dataset="mnist", degradations="noise,color,rotation", num_clients=12, num_new_clients=3,
+                max_per_domain=3000, image_size=16, num_rounds=12, local_steps=10, batch_size=32, optimizer="adam",
+                lr=1e-3, weight_decay=1e-4)
 
 
 def build_data(data, seed, benchmark, budget, held_out):
@@ -46,21 +45,10 @@ def main(argv=None):
     pre.add_argument("--new_client_budget", type=int, default=None)
     pre.add_argument("--held_out_domain", default="syn")
     known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run, data, cfg = parse_run_args(rest, method="fedpce", prog="recipes/fedpce.py", description=__doc__, defaults=DEFAULTS)
-        from hfpfl.federated.engine import Simulation
-        fed = build_data(data, run.seed, known.benchmark, known.new_client_budget, known.held_out_domain)
-        sim = Simulation(run, data, cfg, fed_data=fed)
-        results = sim.run()
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if sim.accelerator.is_main_process:
-        if run.method == "fedpce":
-            plot_embeddings(sim, fed)
-        print(format_table(results))
-        print(f"results: {run.output_dir}/results.json")
-    return results
+    return run_recipe(method="fedpce", argv=rest, defaults=DEFAULTS, script="recipes/fedpce.py", description=__doc__,
+                      data_fn=lambda run, data: build_data(data, run.seed, known.benchmark, known.new_client_budget,
+                                                           known.held_out_domain),
+                      after=lambda sim, results: plot_embeddings(sim, sim.data) if sim.args.method == "fedpce" else None)
 
 
 def plot_embeddings(sim, fed):
