@@ -33,7 +33,8 @@ from pathlib import Path
 logger = logging.getLogger("hfpfl")
 
 DEFAULTS = {
-    # data: feature-space heterogeneity on domains the tiny LDM never saw, few shots
+    # data: feature-space heterogeneity, few shots; the LDM saw each domain's *public* split among many styles, under
+    # generic captions only (within reach, not renderable from words: the SD-vs-DomainNet relation)
     "dataset": "digits-nomnist", "partition": "feature_shift", "num_clients": 3, "max_per_domain": 400,
     "test_fraction": 0.5, "image_size": 32,
     # classifier recipe shared by every variant (random-init tiny ResNet: the pretrained tiny backbone
@@ -42,7 +43,7 @@ DEFAULTS = {
     "checkpoint_every": 0, "output_dir": "outputs/fedbip",
     # FedBiP, scaled down for 2 CPU cores (paper: 50 concept epochs, 50 classifier epochs, 50 PNDM steps)
     "concept_epochs": 20, "classifier_epochs": 20, "num_inference_steps": 10,
-    # the tiny LDM was pretrained on captions "a photo of the digit seven": a Table-5-style per-dataset template
+    # the tiny LDM was pretrained on captions "a [style word] photo of the digit seven": a Table-5-style template
     "prompt_template": "a [S] photo of the digit [V]",
 }
 

@@ -79,8 +79,10 @@ def _textures() -> tuple[np.ndarray, ...]:
     return tuple(out)
 
 
-def _crop(rng, size: int = 28) -> np.ndarray:
+def _crop(rng, size: int = 28, color_only: bool = False) -> np.ndarray:
     tex = _textures()
+    if color_only:  # the colour photos (grey textures are stored as 3 equal channels)
+        tex = [t for t in tex if not (np.array_equal(t[..., 0], t[..., 1]) and np.array_equal(t[..., 1], t[..., 2]))]
     p = tex[rng.integers(len(tex))]
     top, left = rng.integers(0, p.shape[0] - size), rng.integers(0, p.shape[1] - size)
     return p[top : top + size, left : left + size].astype(np.float32) / 255.0
@@ -140,7 +142,7 @@ def render_style(mask: np.ndarray, style: str, modifiers: tuple[str, ...], rng) 
         _, bg = _color_pair(rng)
         img = m3 * _crop(rng) + (1 - m3) * bg
     elif style == "photo-blend":
-        img = np.abs(_crop(rng) - m3)
+        img = np.abs(_crop(rng, color_only=True) - m3)
     elif style == "gray-texture":
         g = _crop(rng).mean(2, keepdims=True) * 0.6
         img = np.repeat(np.clip(g + m3 * 0.8, 0, 1), 3, axis=2)
@@ -197,7 +199,8 @@ def build_pool(seed: int = 0, copies: int = 2, font_masks: int = 1500, word_prob
     for _ in range(copies):
         for mask, y in shapes:
             style = PROCEDURAL_STYLES[rng.integers(len(PROCEDURAL_STYLES))]
-            mods = tuple(m for m in ("bold", "thin", "blur", "noise", "lowres") if rng.random() < 0.15)
+            mods = tuple(m for m, p in (("bold", 0.15), ("thin", 0.15), ("blur", 0.15), ("noise", 0.05),
+                                        ("lowres", 0.1)) if rng.random() < p)
             if "bold" in mods and "thin" in mods:
                 mods = tuple(m for m in mods if m != "thin")
             img = render_style(mask, style, mods, rng)

@@ -33,7 +33,7 @@ class Judge(nn.Module):
         return self.head(self.features(x).mean((2, 3)))
 
 
-def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int = 4, batch_size: int = 64, seed: int = 0,
+def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int = 6, batch_size: int = 64, seed: int = 0,
                 holdout: float = 0.1):
     """Train the judge on (images (N,3,32,32) in [-1,1], labels); returns (judge, held-out accuracy)."""
     g = torch.Generator().manual_seed(seed)
