@@ -1,11 +1,14 @@
-"""Pretrain the tiny text-conditioned LDM used by FedBiP on the public MNIST pool and publish it to the local Hub cache.
+"""Pretrain the tiny text-conditioned LDM used by FedBiP on the broad public digit-style pool and publish it to the
+local Hub cache.
 
     HF_HUB_OFFLINE=1 python recipes/pretrain_ldm.py --output_dir runs/tiny_ldm
-    # afterwards, offline:  StableDiffusionPipeline.from_pretrained("hfpfl/tiny-ldm-digits")
-    #                        FedBiPPipeline.from_pretrained("hfpfl/tiny-ldm-digits")
+    # afterwards, offline:  StableDiffusionPipeline.from_pretrained("hfpfl/tiny-ldm-digits-broad")
+    #                        FedBiPPipeline.from_pretrained("hfpfl/tiny-ldm-digits-broad")
 
-The public pool is ``hfpfl.data.load_source("mnist", split="public")`` (clean digits held by no client), captioned
-"a photo of the digit seven". Stage 1 trains the AutoencoderKL (MSE + small KL), stage 2 the UNet2DConditionModel and
+The pool is ``hfpfl.fedbip.pool.build_pool``: the public splits of every Digits domain plus procedural styles
+(fonts, colours, photo backgrounds/textures, inversions, strokes, blur, noise), captioned "a photo of the digit seven"
+or "a {generic style word} photo of the digit seven" (the LAION stand-in). Afterwards a judge CNN trained on the pool
+measures the class fidelity of plain prompts and grids per style are written (pretrain_stats.json, README.md). Stage 1 trains the AutoencoderKL (MSE + small KL), stage 2 the UNet2DConditionModel and
 CLIPTextModel on the text-conditioned denoising loss over unit-variance VAE latents (10% empty captions for CFG).
 The pipeline is saved as a ``StableDiffusionPipeline`` (safety_checker=None), PNDM scheduler with SD-v1 betas.
 If the repo id is already cached, nothing is trained unless ``--force``.
@@ -31,12 +34,12 @@ class PretrainArguments:
     force: bool = field(default=False, metadata={"help": "Retrain even if the repo id is already cached."})
     image_size: int = field(default=32, metadata={"help": "Image resolution (MNIST 28x28 is padded to 32)."})
     max_images: int | None = field(default=None, metadata={"help": "Cap on public images used (default: all)."})
-    vae_steps: int = field(default=200, metadata={"help": "VAE optimisation steps."})
-    vae_batch_size: int = field(default=32, metadata={"help": "VAE batch size."})
+    vae_steps: int = field(default=300, metadata={"help": "VAE optimisation steps."})
+    vae_batch_size: int = field(default=16, metadata={"help": "VAE batch size."})
     vae_lr: float = field(default=2e-3, metadata={"help": "VAE AdamW learning rate (cosine decay)."})
     kl_weight: float = field(default=1e-6, metadata={"help": "Weight of the VAE KL term."})
-    unet_steps: int = field(default=750, metadata={"help": "UNet + text-encoder optimisation steps."})
-    unet_batch_size: int = field(default=64, metadata={"help": "UNet batch size."})
+    unet_steps: int = field(default=1000, metadata={"help": "UNet + text-encoder optimisation steps."})
+    unet_batch_size: int = field(default=48, metadata={"help": "UNet batch size."})
     unet_lr: float = field(default=2e-3, metadata={"help": "UNet AdamW learning rate (cosine decay)."})
     cond_dropout: float = field(default=0.1, metadata={"help": "Fraction of empty captions (classifier-free guidance)."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
@@ -50,7 +53,7 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     (args,) = HfArgumentParser(PretrainArguments).parse_args_into_dataclasses(args=argv)
     d = asdict(args)
-    cfg = PretrainConfig(**{k: d[k] for k in PretrainConfig.__dataclass_fields__})
+    cfg = PretrainConfig(**{k: d[k] for k in PretrainConfig.__dataclass_fields__ if k in d})
     path = ensure_pretrained_ldm(args.repo_id, cache_dir=args.cache_dir, force=args.force, config=cfg,
                                  output_dir=args.output_dir)
     print(path)

@@ -217,6 +217,72 @@ def test_singleton_classes_self_and_drop(ldm_dir, fed, tmp_path):
         assert int((up["labels"] == 3).sum()) == n3 and len(up["latents"]) == len(up["labels"])
 
 
+def test_clients_noise_to_the_samplers_first_timestep(ldm_dir, fed, tmp_path):
+    """Sampler start == noising timestep: the upload's latents are noised to the t at which the server's sampler
+    begins (901 for PNDM with 10 leading steps; 999 with trailing spacing), and the UNet's first call uses it."""
+    from hfpfl.fedbip import sampler_start_timestep
+
+    for spacing, expected in ((None, 901), ("trailing", 999)):
+        cfg = _cfg(ldm_dir, num_inference_steps=10, timestep_spacing=spacing)
+        sim = _sim(fed, tmp_path, cfg, name=f"t-{spacing}", num_rounds=1)
+        algo = sim.algorithm
+        assert algo.noise_t == algo.sampler_t0 == expected
+        assert sampler_start_timestep(algo.pipe.scheduler, 10) == expected
+        upd = algo.client_update(0, {}, {}, 0)
+        seen = []
+        h = algo.pipe.unet.register_forward_pre_hook(
+            lambda m, a, kw: seen.append(int(torch.as_tensor(a[1] if len(a) > 1 else kw["timestep"]).flatten()[0])),
+            with_kwargs=True)
+        try:
+            algo.synthesize(upd, 0)
+        finally:
+            h.remove()
+        assert seen[0] == expected  # the first denoising step is at the timestep the client noised to
+    # and the client used that timestep: same generator, same latents as noising z_bar(0) to it by hand
+    from diffusers import DDPMScheduler
+
+    from hfpfl.fedbip import instance_level_latents
+
+    x, y = algo.real_images(0)
+    ns = DDPMScheduler.from_config(algo.pipe.scheduler.config)
+    ref, _ = instance_level_latents(algo.pipe.vae, ns, x, y, 2, False, 0.5, 0.1,
+                                    sim.generator(0, 0, "fedbip-instance"), timestep=expected)
+    assert torch.equal(ref, upd.upload["latents"])
+
+
+def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path):
+    """lr 0.1 / sigma 0.1 are output-space settings ([C]); in the input (token-embedding) space they are scaled by
+    std(embeddings)/std(outputs), and the server's perturbation has exactly that std."""
+    from hfpfl.fedbip import concept_space_scale
+
+    sim = _sim(fed, tmp_path, _cfg(ldm_dir), name="scale", num_rounds=1)
+    algo = sim.algorithm
+    te, tok = algo.pipe.text_encoder, algo.pipe.tokenizer
+    scale = concept_space_scale(te, tok, algo.config.prompt_template, "input")
+    assert scale == pytest.approx(algo.space_scale)
+    assert algo.concept_lr == pytest.approx(0.1 * scale) and algo.concept_sigma == pytest.approx(0.1 * scale)
+    assert scale < 0.5  # token embeddings are much smaller than the layer-normed outputs
+    out = _sim(fed, tmp_path, _cfg(ldm_dir, concept_space="output"), name="scale-out", num_rounds=1).algorithm
+    assert out.space_scale == 1.0 and out.concept_sigma == pytest.approx(0.1)
+    none = _sim(fed, tmp_path, _cfg(ldm_dir, concept_scale="none"), name="scale-none", num_rounds=1).algorithm
+    assert none.concept_lr == pytest.approx(0.1) and none.concept_sigma == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("level,trained", [("domain", "domain_concept"), ("class", "class_concepts")])
+def test_s_only_and_v_only_ablations(ldm_dir, fed, tmp_path, level, trained):
+    """[D] Table 3's "S only" / "V only": the client learns one part; the other is the real words' embedding."""
+    sim = _sim(fed, tmp_path, _cfg(ldm_dir, personalization=level, concept_steps=3), name=level, num_rounds=1)
+    algo = sim.algorithm
+    upd = algo.client_update(0, {}, {}, 0)
+    assert set(upd.upload) == {"labels", trained}
+    S_w, V_w = algo.word_concepts(0)
+    learned = upd.upload[trained]
+    fixed = V_w if level == "domain" else S_w
+    assert not torch.allclose(learned, (S_w if level == "domain" else V_w))
+    x, y = algo.synthesize(upd, 0)
+    assert len(y) == 2 * len(upd.upload["labels"]) and fixed.shape[-1] == learned.shape[-1]
+
+
 def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     """recipes/fedbip.py's comparison (every variant + baselines, one table, comparison.json) on the random LDM."""
     import importlib.util
@@ -234,8 +300,8 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
                               "--num_inference_steps", "2", "--classifier_epochs", "1", "--baseline_rounds", "2",
                               "--progress", "false"])
     names = [r["variant"] for r in comparison["rows"]]
-    assert names == ["prompt-only", "instance-only", "concept-only", "FedBiP-S", "FedBiP-L", "FedAvg", "Local-only",
-                     "Central"]
+    assert names == ["prompt-only", "V-only", "S-only", "concept-only", "instance-only", "FedBiP-S", "FedBiP-L",
+                     "FedAvg", "Local-only", "Central"]
     rows = {r["variant"]: r for r in comparison["rows"]}
     assert rows["FedBiP-L"]["num_synthetic"] == 5 * rows["FedBiP-S"]["num_synthetic"] == 5 * 2 * 3 * 10 * 2
     assert rows["FedAvg"]["bytes_down"] > 0 and rows["FedBiP-S"]["bytes_down"] == 0

@@ -255,3 +255,41 @@ def test_word_concepts_reproduce_the_real_prompt(pipe):
                              max_length=pipe.tokenizer.model_max_length, return_tensors="pt").input_ids
         ref = pipe.text_encoder(ids)[0]
     assert torch.allclose(ours, ref, atol=1e-6)
+
+
+def test_perturbation_std_matches_sigma(pipe, upload, monkeypatch):
+    """S^ = S + eta with std(S^ - S) == sigma (per image), V untouched (spec B8.7)."""
+    import pipelines.pipeline_fedbip as pf
+
+    seen = []
+    real = pf.encode_concept_prompt
+
+    def spy(te, tok, tpl, S, V, space="input"):
+        seen.append((S.detach().clone(), V.detach().clone()))
+        return real(te, tok, tpl, S, V, space)
+
+    monkeypatch.setattr(pf, "encode_concept_prompt", spy)
+    S, V = upload["domain_concept"], upload["class_concepts"]
+    n = 400
+    labels = torch.arange(n) % N_CLASSES
+    latents = torch.randn(n, *pipe.latent_shape())
+    for sigma in (0.1, 0.01):
+        seen.clear()
+        pipe(latents, labels, S, V, concept_noise_sigma=sigma, num_inference_steps=1, batch_size=n,
+             generator=torch.Generator().manual_seed(0), output_type="latent")
+        s_hat, v = seen[0]
+        d = s_hat - S[None]
+        assert d.std().item() == pytest.approx(sigma, rel=0.05)
+        assert not torch.equal(s_hat[0], s_hat[1])  # a fresh eta per image
+        assert torch.equal(v, V[labels])
+
+
+def test_tokenizer_keeps_every_word_whole():
+    """The locally written CLIP BPE files make every vocabulary word one token (was: "three" -> th re e)."""
+    from hfpfl.fedbip.ldm import BASE_WORDS, DIGIT_NAMES, build_tiny_tokenizer
+    from hfpfl.fedbip.pool import CAPTION_WORDS
+
+    tok = build_tiny_tokenizer()
+    for w in BASE_WORDS + DIGIT_NAMES + CAPTION_WORDS:
+        assert tok.tokenize(w) == [w + "</w>"], w
+    assert len(tok("a blurry photo of the digit three").input_ids) == 2 + 7

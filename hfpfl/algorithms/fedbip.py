@@ -20,6 +20,8 @@ Ablations (``personalization``), [D] Table 3:
   ``full``      instance + concept level (FedBiP);            upload: latents, labels, domain_concept, class_concepts
   ``instance``  z_i(T) + prompt with the real words;           upload: latents, labels
   ``concept``   learned S, V; z(T) ~ N(0, I) drawn by server;  upload: labels, domain_concept, class_concepts
+  ``domain``    "S^ only": learned S (perturbed), real class words, z(T) ~ N(0, I);  upload: labels, domain_concept
+  ``class``     "V only": real domain word, learned V, z(T) ~ N(0, I);             upload: labels, class_concepts
   ``none``      prompt only, real words, z(T) ~ N(0, I);        upload: labels
 "Real words": the client's domain name (e.g. ``usps``) and the class names (digit names for digit labels),
 embedded by the LDM's own text encoder (``init_concepts(init="words")``: identical to tokenizing the real prompt).
@@ -59,11 +61,13 @@ UPLOAD = "fedbip"  # the one upload part: latents, labels, domain_concept, class
 
 logger = logging.getLogger("hfpfl")
 
-PERSONALIZATION_LEVELS = ("full", "instance", "concept", "none")
+PERSONALIZATION_LEVELS = ("full", "instance", "concept", "domain", "class", "none")
 UPLOAD_KEYS_BY_LEVEL = {
     "full": ("latents", "labels", "domain_concept", "class_concepts"),
     "instance": ("latents", "labels"),
     "concept": ("labels", "domain_concept", "class_concepts"),
+    "domain": ("labels", "domain_concept"),  # [D] Table 3 "S^ only": learned S, real class words
+    "class": ("labels", "class_concepts"),  # [D] Table 3 "V only": real domain word, learned V
     "none": ("labels",),
 }
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -71,15 +75,16 @@ DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "e
 
 @dataclass
 class FedBiPConfig:
-    ldm: str = field(default="hfpfl/tiny-ldm-digits", metadata={
+    ldm: str = field(default="hfpfl/tiny-ldm-digits-broad", metadata={
         "help": "Frozen pretrained latent diffusion model: a Hub repo id or a local folder, loaded with "
                 "FedBiPPipeline.from_pretrained (e.g. CompVis/stable-diffusion-v1-4). The default tiny LDM is "
-                "pretrained on public MNIST and published to the local Hub cache on first use."})
+                "pretrained on a broad public digit-style pool (hfpfl.fedbip.pool) and published to the local Hub cache on first use."})
     multiplier: int = field(default=2, metadata={
         "help": "Synthetic images per real client image: 2 / 5 / 10 = FedBiP-S / -M / -L ([D] §5.1)."})
     personalization: str = field(default="full", metadata={
         "help": "full (FedBiP: instance + concept level) | instance (latents + real-word prompt) | concept (learned "
-                "concepts, random latents) | none (prompt only with real words, random latents) ([D] Table 3)."})
+                "S and V, random latents) | domain (learned S only) | class (learned V only) | none (prompt only "
+                "with real words, random latents) ([D] Table 3)."})
     n_s: int = field(default=1, metadata={"help": "Domain-concept tokens n_s ([D] Table 5: 1 for style datasets)."})
     n_v: int = field(default=1, metadata={"help": "Tokens per class concept n_v (n_c in [D] Table 5)."})
     concept_epochs: int = field(default=50, metadata={
@@ -98,7 +103,20 @@ class FedBiPConfig:
         "help": "Prompt with one domain placeholder ([S] or [STY]) and one class placeholder ([V] or [CLS]) "
                 "([D] Algorithm 1)."})
     concept_noise_sigma: float = field(default=0.1, metadata={
-        "help": "Std of the perturbation eta of the domain concept, S^ = S + eta, per image ([D] App. A: 0.1)."})
+        "help": "Std of the perturbation eta of the domain concept, S^ = S + eta, per image ([D] App. A: 0.1); in "
+                "output-space units when concept_scale=auto."})
+    concept_scale: str = field(default="auto", metadata={
+        "help": "auto: concept_lr and concept_noise_sigma are the authors' output-space settings ([C]) and are "
+                "multiplied by std(token embeddings)/std(encoder outputs) when the concepts live in the input space "
+                "(1.0 in output space) | none: use them literally in whatever space the concepts live."})
+    noise_timestep: str = field(default="sampler_start", metadata={
+        "help": "Timestep clients noise their latents to: sampler_start (the server sampler's first timestep, so the "
+                "instance signal enters at the SNR the sampler assumes; 901 for PNDM with 10 leading steps) | max "
+                "(num_train_timesteps-1 = 999, [D]'s 'maximum' T; with leading spacing the sampler then starts at a "
+                "lower timestep than the noise level) | an integer."})
+    timestep_spacing: str | None = field(default=None, metadata={
+        "help": "Sampler timestep spacing override: leading (the SD-v1 config) | trailing (the first step is T=999, "
+                "so sampler_start and max coincide) | linspace; default: the LDM's scheduler config."})
     sampler: str = field(default="pndm", metadata={"help": "Server sampler: pndm ([D] App. A) | ddim | ddpm."})
     num_inference_steps: int = field(default=50, metadata={"help": "Reverse-diffusion steps (not stated in [D])."})
     guidance_scale: float = field(default=1.0, metadata={
@@ -148,6 +166,12 @@ class FedBiPConfig:
             raise ValueError(f"concept_init must be random or words, got {self.concept_init!r}")
         if self.concept_space not in ("input", "output"):
             raise ValueError(f"concept_space must be input or output, got {self.concept_space!r}")
+        if self.concept_scale not in ("auto", "none"):
+            raise ValueError(f"concept_scale must be auto or none, got {self.concept_scale!r}")
+        if self.noise_timestep not in ("sampler_start", "max") and not str(self.noise_timestep).isdigit():
+            raise ValueError(f"noise_timestep must be sampler_start, max or an integer, got {self.noise_timestep!r}")
+        if self.timestep_spacing not in (None, "leading", "trailing", "linspace"):
+            raise ValueError(f"timestep_spacing must be leading, trailing or linspace, got {self.timestep_spacing!r}")
         checks = [(self.concept_epochs >= 1, "concept_epochs must be >= 1"),
                   (self.concept_steps is None or self.concept_steps >= 1, "concept_steps must be >= 1"),
                   (self.concept_lr > 0, "concept_lr must be > 0"),
@@ -198,10 +222,12 @@ def resolve_ldm(ldm: str) -> str:
     return snapshot_download(ldm)
 
 
-def load_ldm(ldm: str):
-    """The process-wide frozen FedBiPPipeline for ``ldm`` (loaded once, shared by clients and simulations)."""
+def load_ldm(ldm: str, device=None):
+    """The process-wide frozen FedBiPPipeline for ``ldm`` (loaded once per device, shared by clients and
+    simulations), on ``device`` (the accelerator's device; CPU when there is none)."""
     path = resolve_ldm(ldm)
-    key = os.path.realpath(path)
+    device = torch.device(device or "cpu")
+    key = f"{os.path.realpath(path)}@{device}"
     if key not in _PIPES:
         from pipelines.pipeline_fedbip import FedBiPPipeline
 
@@ -209,8 +235,9 @@ def load_ldm(ldm: str):
         for m in (pipe.unet, pipe.vae, pipe.text_encoder):
             m.eval().requires_grad_(False)
         pipe.set_progress_bar_config(disable=True)
+        pipe.to(device)
         _PIPES[key] = pipe
-        logger.info("FedBiP: loaded LDM %s (%s)", ldm, path)
+        logger.info("FedBiP: loaded LDM %s (%s) on %s", ldm, path, device)
     return _PIPES[key]
 
 
@@ -232,8 +259,19 @@ class FedBiP(Algorithm):
 
     def __init__(self, sim, config):
         super().__init__(sim, config)
-        self.pipe = load_ldm(config.ldm)
-        self.pipe.set_sampler(config.sampler)
+        from ..fedbip.protocol import concept_settings, noising_timestep
+
+        self.pipe = load_ldm(config.ldm, getattr(sim, "device", None))
+        overrides = {"timestep_spacing": config.timestep_spacing} if config.timestep_spacing else {}
+        self.pipe.set_sampler(config.sampler, **overrides)
+        self.noise_t, self.sampler_t0 = noising_timestep(self.pipe, config)
+        self.concept_lr, self.concept_sigma, self.space_scale = concept_settings(self.pipe, config)
+        logger.info("FedBiP: clients noise latents to t=%d (noise_timestep=%s); the %s sampler starts at t=%d "
+                    "(%d steps, %s spacing)", self.noise_t, config.noise_timestep, config.sampler, self.sampler_t0,
+                    config.num_inference_steps, self.pipe.scheduler.config.get("timestep_spacing", "leading"))
+        logger.info("FedBiP: concepts in %s space; concept_scale=%s -> Adam lr %.4g, perturbation sigma %.4g "
+                    "(space scale %.4g)", config.concept_space, config.concept_scale, self.concept_lr,
+                    self.concept_sigma, self.space_scale)
         self.synthetic: dict | None = None  # images / labels / clients of D_syn after aggregate
 
     # ------------------------------------------------------------------ helpers
@@ -296,9 +334,12 @@ class FedBiP(Algorithm):
             if cfg.personalization in ("full", "instance"):  # Eq. 3, no optimisation
                 upload["latents"], upload["labels"] = self.instance_latents(client_id, x, y, round_idx,
                                                                             noise_scheduler)
-            if cfg.personalization in ("full", "concept"):  # Eq. 4, LDM frozen
-                upload["domain_concept"], upload["class_concepts"] = self.train_concepts(client_id, x, y, round_idx,
-                                                                                        noise_scheduler)
+            if cfg.personalization in ("full", "concept", "domain", "class"):  # Eq. 4, LDM frozen
+                S, V = self.train_concepts(client_id, x, y, round_idx, noise_scheduler)
+                if cfg.personalization != "class":
+                    upload["domain_concept"] = S
+                if cfg.personalization != "domain":
+                    upload["class_concepts"] = V
         except ValueError as e:
             raise ValueError(f"FedBiP client {client_id}: {e}") from None
         assert set(upload) == set(cfg.upload_keys), (sorted(upload), cfg.upload_keys)
@@ -315,17 +356,17 @@ class FedBiP(Algorithm):
         single = counts[y] == 1
         if cfg.class_average or cfg.singleton_classes == "error" or not bool(single.any()):
             return instance_level_latents(pipe.vae, noise_scheduler, x, y, cfg.multiplier, cfg.class_average, 0.5,
-                                          cfg.gamma_std, g)  # raises for a single-image class unless class_average
+                                          cfg.gamma_std, g, timestep=self.noise_t)  # raises: single-image class
         logger.info("FedBiP client %d: classes %s have a single image (%s)", client_id,
                     sorted(set(y[single].tolist())), "i' = i, not interpolated" if cfg.singleton_classes == "self"
                     else "no latent uploaded for them")
         parts = []
         if bool((~single).any()):
             parts.append(instance_level_latents(pipe.vae, noise_scheduler, x[~single], y[~single], cfg.multiplier,
-                                                False, 0.5, cfg.gamma_std, g))
+                                                False, 0.5, cfg.gamma_std, g, timestep=self.noise_t))
         if cfg.singleton_classes == "self":  # the class average of one image is the image itself: i' = i
             parts.append(instance_level_latents(pipe.vae, noise_scheduler, x[single], y[single], cfg.multiplier,
-                                                True, 0.5, cfg.gamma_std, g))
+                                                True, 0.5, cfg.gamma_std, g, timestep=self.noise_t))
         if not parts:
             raise ValueError("every class has a single image and singleton_classes=drop: nothing to upload")
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -336,18 +377,26 @@ class FedBiP(Algorithm):
         cfg = self.config
         seed = self.sim.seed_for(round_idx, client_id, "fedbip-concepts")
         domain, classes = self.words(client_id) if cfg.concept_init == "words" else (None, None)
+        train_s, train_v = cfg.personalization != "class", cfg.personalization != "domain"
+        init_s = init_v = None
+        if not (train_s and train_v):  # S only / V only: the other part is the real words' embedding, fixed
+            from ..fedbip.protocol import mixed_init
+
+            init_s, init_v = mixed_init(self, client_id, train_s, train_v, seed)
         key = "|".join(map(str, (
             id(self.pipe), _digest(x, y), seed, self.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
-            cfg.concept_epochs, cfg.concept_steps, cfg.concept_batch_size, cfg.concept_lr, cfg.concept_init,
-            cfg.concept_space, domain, classes)))
+            cfg.concept_epochs, cfg.concept_steps, cfg.concept_batch_size, self.concept_lr, cfg.concept_init,
+            cfg.concept_space, domain, classes, train_s, train_v)))
         if cfg.reuse_concepts and key in _CONCEPTS:
             S, V = _CONCEPTS[key]
             return S.clone(), V.clone()
         res = train_concepts(self.pipe, x, y, self.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
-                             cfg.concept_epochs, cfg.concept_steps, cfg.concept_batch_size, cfg.concept_lr,
+                             cfg.concept_epochs, cfg.concept_steps, cfg.concept_batch_size, self.concept_lr,
                              init=cfg.concept_init, domain_word=domain, class_words=classes,
+                             init_domain_concept=init_s, init_class_concepts=init_v,
                              concept_space=cfg.concept_space, noise_scheduler=noise_scheduler,
-                             generator=torch.Generator().manual_seed(seed))
+                             generator=torch.Generator().manual_seed(seed), train_domain=train_s,
+                             train_class=train_v)
         if cfg.reuse_concepts:
             _CONCEPTS[key] = (res.domain_concept.clone(), res.class_concepts.clone())
         return res.domain_concept, res.class_concepts
@@ -376,11 +425,12 @@ class FedBiP(Algorithm):
                                  f"image size")
             if len(z) != len(labels):
                 raise ValueError(f"client {cid} uploaded {len(z)} latents but {len(labels)} labels")
-        if "domain_concept" in up:
-            d = pipe.text_encoder.config.hidden_size
-            S, V = up["domain_concept"], up["class_concepts"]
-            if tuple(S.shape) != (cfg.n_s, d):
-                raise ValueError(f"client {cid} uploaded domain_concept {tuple(S.shape)}; expected ({cfg.n_s}, {d})")
+        d = pipe.text_encoder.config.hidden_size
+        if "domain_concept" in up and tuple(up["domain_concept"].shape) != (cfg.n_s, d):
+            raise ValueError(f"client {cid} uploaded domain_concept {tuple(up['domain_concept'].shape)}; expected "
+                             f"({cfg.n_s}, {d})")
+        if "class_concepts" in up:
+            V = up["class_concepts"]
             if tuple(V.shape) != (self.sim.data.num_labels, cfg.n_v, d):
                 raise ValueError(f"client {cid} uploaded class_concepts {tuple(V.shape)}; expected "
                                  f"({self.sim.data.num_labels}, {cfg.n_v}, {d})")
@@ -395,15 +445,17 @@ class FedBiP(Algorithm):
         else:  # concept-only / prompt-only: z(T) ~ N(0, I) drawn on the server, multiplier per uploaded label
             labels = up["labels"].repeat(cfg.multiplier)
             latents = torch.randn((len(labels), *pipe.latent_shape()), generator=g)
-        if "domain_concept" in up:
-            S, V, sigma = up["domain_concept"], up["class_concepts"], cfg.concept_noise_sigma
-        else:  # real words, not perturbed
-            (S, V), sigma = self.word_concepts(cid), 0.0
+        S_w = V_w = None
+        if "domain_concept" not in up or "class_concepts" not in up:
+            S_w, V_w = self.word_concepts(cid)  # real words for whatever the client did not learn
+        S = up.get("domain_concept", S_w)
+        V = up.get("class_concepts", V_w)
+        sigma = self.concept_sigma if "domain_concept" in up else 0.0  # only a learned S is perturbed (Eq. 5)
         out = pipe(latents, labels, S, V, prompt_template=cfg.prompt_template, concept_noise_sigma=sigma,
                    num_inference_steps=cfg.num_inference_steps, guidance_scale=cfg.guidance_scale,
                    batch_size=cfg.synthesis_batch_size, generator=g, output_type="pt",
                    concept_space=cfg.concept_space)
-        images = out.images.float() * 2 - 1
+        images = out.images.float().cpu() * 2 - 1
         size, ch = self.sim.data.image_size, self.sim.data.num_channels
         if images.shape[-1] != size:
             images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
@@ -416,13 +468,9 @@ class FedBiP(Algorithm):
             return server_state
         for u in updates:
             self.check_upload(u)
-        xs, ys, cs = [], [], []
-        for u in sorted(updates, key=lambda u: u.client_id):  # asynchronous per client: each upload on its own
-            x, y = self.synthesize(u, round_idx)
-            xs.append(x)
-            ys.append(y)
-            cs.append(torch.full((len(y),), u.client_id, dtype=torch.long))
-        self.synthetic = {"images": torch.cat(xs), "labels": torch.cat(ys), "clients": torch.cat(cs)}
+        from ..fedbip.protocol import synthesize
+
+        self.synthetic = synthesize(self, updates, round_idx)  # aggregate runs once, on the main process
         syn = TensorData(self.synthetic["images"], self.synthetic["labels"])
         logger.info("FedBiP: %d synthetic images from %d clients; training the classifier on them only", len(syn),
                     len(updates))

@@ -1,6 +1,9 @@
 """FedBiP (one-shot FL with a personalized latent diffusion model): engine-independent pieces.
 
-* :mod:`hfpfl.fedbip.ldm`     tiny SD-architecture LDM, its pretraining on public MNIST, publishing to the Hub cache
+* :mod:`hfpfl.fedbip.ldm`     tiny SD-architecture LDM, its pretraining on the broad pool, publishing to the Hub cache
+* :mod:`hfpfl.fedbip.pool`    the broad public pretraining pool (the LAION stand-in)
+* :mod:`hfpfl.fedbip.quality` judge classifier, plain-prompt class fidelity, per-style grids
+* :mod:`hfpfl.fedbip.compare` the recipe's comparison (argument parsing, variants, table)
 * :mod:`hfpfl.fedbip.client`  instance-level latents, concept training, the one-shot upload
 * ``pipelines.pipeline_fedbip.FedBiPPipeline``  server-side synthesis
 """
@@ -11,6 +14,7 @@ from .client import (
     class_average_latents,
     client_upload,
     concept_denoising_loss,
+    concept_space_scale,
     encode_images,
     images_to_tensor,
     init_concepts,
@@ -19,6 +23,7 @@ from .client import (
     noise_to_max_timestep,
     sample_gamma,
     sample_partners,
+    sampler_start_timestep,
     train_concepts,
 )
 from .ldm import (

@@ -127,6 +127,18 @@ def max_timestep(noise_scheduler) -> int:
     return int(noise_scheduler.config.num_train_timesteps) - 1
 
 
+def sampler_start_timestep(scheduler, num_inference_steps: int) -> int:
+    """The first timestep the server's sampler denoises at (PNDM, 10 steps, leading spacing, steps_offset=1: 901;
+    trailing spacing: 999). Clients noise their latents to exactly this timestep (see ``FedBiPConfig.noise_timestep``)
+    so that the instance signal enters at the SNR the sampler assumes. Computed on a copy: the scheduler is not
+    touched."""
+    import copy
+
+    sched = copy.deepcopy(scheduler)
+    sched.set_timesteps(num_inference_steps)
+    return int(sched.timesteps[0])
+
+
 def noise_to_max_timestep(z, noise_scheduler, generator=None, timestep: int | None = None) -> torch.Tensor:
     """delta(T, z) = sqrt(alpha_bar_T) z + sqrt(1 - alpha_bar_T) eps (Eq. 1) at T = num_train_timesteps - 1.
 
@@ -150,8 +162,12 @@ def instance_level_latents(
     gamma_std: float = 0.1,
     generator: torch.Generator | None = None,
     batch_size: int = 32,
+    timestep: int | None = None,
 ):
     """Instance-level personalization (Eq. 3): returns (z(T) [N*M, c, h, w], labels [N*M]).
+
+    ``timestep``: the noising timestep (default the maximum, T = num_train_timesteps - 1; FedBiP passes the
+    sampler's first timestep, :func:`sampler_start_timestep`).
 
     ``latents_per_image`` M > 1 gives M independent draws (new partner, gamma and noise) per image: how FedBiP-S/M/L
     (2x/5x/10x synthetic data) are produced here (spec B7.4 option (a)).
@@ -163,7 +179,7 @@ def instance_level_latents(
     for _ in range(latents_per_image):
         zbar = class_average_latents(z0, labels) if class_average else \
             interpolate_latents(z0, labels, gamma_mean, gamma_std, generator)[0]
-        zs.append(noise_to_max_timestep(zbar, noise_scheduler, generator))
+        zs.append(noise_to_max_timestep(zbar, noise_scheduler, generator, timestep))
         ys.append(labels.clone())
     return torch.cat(zs), torch.cat(ys)
 
@@ -237,6 +253,26 @@ def init_concepts(pipe, num_classes: int, n_s: int = 1, n_v: int = 1, prompt_tem
     return S_acc / len(class_words), torch.stack(V)
 
 
+@torch.no_grad()
+def concept_space_scale(text_encoder, tokenizer, prompt_template: str = "A [S] style of a [V]",
+                        concept_space: str = "input", n_s: int = 1, n_v: int = 1) -> float:
+    """std(space the concepts act in) / std(text-encoder output states).
+
+    The paper's Adam lr 0.1 and perturbation sigma 0.1 come from the authors' code, where the concepts replace the
+    text encoder's *output* states ([C]); Adam's step size and an additive sigma are absolute, so in the token-
+    embedding (input) space, whose scale is the embedding table's std, the same numbers are far too large (measured
+    on the MNIST-only tiny LDM: a domain concept 35x the norm of a real token after 40 steps, a perturbation 4x the
+    initial concept). Multiplying lr and sigma by this ratio keeps them relative to the space they act in
+    (1.0 in output space)."""
+    if concept_space == "output":
+        return 1.0
+    if concept_space != "input":
+        raise ValueError(f"concept_space must be 'input' or 'output', got {concept_space!r}")
+    ids, _, _ = tokenize_concept_template(tokenizer, prompt_template, n_s, n_v)
+    out_std = float(text_encoder(ids.to(text_encoder.device))[0].float().std())
+    return float(text_encoder.get_input_embeddings().weight.float().std()) / out_std
+
+
 def concept_denoising_loss(pipe, noise_scheduler, z0, labels, domain_concept, class_concepts, timesteps, noise,
                            prompt_template: str = "A [S] style of a [V]", concept_space: str = "input"):
     """L_g (Eq. 4) for given latents z(0), timesteps and noise draws (differentiable w.r.t. the concepts)."""
@@ -271,9 +307,14 @@ def train_concepts(
     noise_scheduler=None,
     generator: torch.Generator | None = None,
     progress: bool = False,
+    train_domain: bool = True,
+    train_class: bool = True,
 ) -> ConceptResult:
     """Concept-level personalization: optimise only S and V on Eq. 4; the UNet, VAE and text encoder stay frozen
-    (their parameters get requires_grad=False for the duration and are never written)."""
+    (their parameters get requires_grad=False for the duration and are never written).
+
+    ``train_domain=False`` / ``train_class=False`` keep S / V at their initial value (the "V only" / "S only"
+    ablations of [D] Table 3 pass the real words' embeddings as the fixed part)."""
     from diffusers import DDPMScheduler
 
     expand_template(prompt_template, n_s, n_v)
@@ -296,7 +337,12 @@ def train_concepts(
     V = torch.nn.Parameter(V0.clone().to(dev))
     modules = [pipe.unet, pipe.vae, pipe.text_encoder]
     flags = _freeze(*modules)
-    opt = torch.optim.Adam([S, V], lr=lr, betas=betas)
+    S.requires_grad_(train_domain)
+    V.requires_grad_(train_class)
+    trainable = [p for p, on in ((S, train_domain), (V, train_class)) if on]
+    if not trainable:
+        raise ValueError("train_concepts: nothing to train (train_domain and train_class are both False)")
+    opt = torch.optim.Adam(trainable, lr=lr, betas=betas)
     steps = num_steps if num_steps is not None else num_epochs * math.ceil(len(x) / batch_size)
     T = noise_scheduler.config.num_train_timesteps
     losses = []
@@ -350,6 +396,7 @@ def client_upload(
     domain_word: str | None = None,
     class_words: list[str] | None = None,
     seed: int = 0,
+    timestep: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run both personalization levels on one client's data and return the one-shot upload:
     exactly {"latents": z_i(T), "labels": y_i, "domain_concept": S, "class_concepts": V} -- no images, no z(0),
@@ -362,7 +409,7 @@ def client_upload(
     x = images_to_tensor(images, _vae_size(pipe.vae))
     labels = torch.as_tensor(labels).long()
     latents, ys = instance_level_latents(pipe.vae, noise_scheduler, x, labels, latents_per_image, class_average,
-                                         gamma_mean, gamma_std, g)
+                                         gamma_mean, gamma_std, g, timestep=timestep)
     res = train_concepts(pipe, x, labels, num_classes, n_s, n_v, prompt_template, num_epochs, num_steps, batch_size,
                          lr, init=init, domain_word=domain_word, class_words=class_words,
                          concept_space=concept_space, noise_scheduler=noise_scheduler, generator=g)

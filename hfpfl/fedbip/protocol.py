@@ -1,0 +1,70 @@
+"""FedBiP protocol settings shared by the engine plug-in (``hfpfl.algorithms.fedbip``) and the tests: the noising
+timestep, the concept-space scale of lr / sigma, the mixed (learned + real-word) concepts of the "S only" / "V only"
+ablations, and synthesis once on the main process."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("hfpfl")
+
+
+def noising_timestep(pipe, config) -> tuple[int, int]:
+    """(t clients noise to, t the server's sampler starts at) for ``config.noise_timestep``.
+
+    [D] noises to "the maximum timestep T"; with SD-v1's PNDM (leading spacing, steps_offset=1) and 10 steps the
+    sampler's first step is t=901, not 999, so latents noised to 999 (alpha_bar 0.0047) would be denoised as if at
+    901 (alpha_bar 0.0140): the instance signal enters at the wrong SNR. Default ``sampler_start``: noise to the
+    sampler's first timestep (with ``timestep_spacing=trailing`` that *is* T = 999, the paper's literal choice)."""
+    from .client import sampler_start_timestep
+
+    t0 = sampler_start_timestep(pipe.scheduler, config.num_inference_steps)
+    choice = str(config.noise_timestep)
+    if choice == "sampler_start":
+        return t0, t0
+    if choice == "max":
+        return int(pipe.scheduler.config.num_train_timesteps) - 1, t0
+    return int(choice), t0
+
+
+def concept_settings(pipe, config) -> tuple[float, float, float]:
+    """(Adam lr, perturbation sigma, space scale) of the concepts; see :func:`hfpfl.fedbip.client.concept_space_scale`.
+
+    The spec (B2.3/B2.5) reads lr 0.1 / sigma 0.1 as given in whatever space the concepts live; the authors' code
+    applies them in the text encoder's *output* space ([C]). The paper ([D]) places the concepts in the input
+    (token-embedding) space, which we follow, so ``concept_scale=auto`` converts the two numbers to that space."""
+    from .client import concept_space_scale
+
+    scale = 1.0
+    if config.concept_scale == "auto":
+        scale = concept_space_scale(pipe.text_encoder, pipe.tokenizer, config.prompt_template, config.concept_space,
+                                    config.n_s, config.n_v)
+    return config.concept_lr * scale, config.concept_noise_sigma * scale, scale
+
+
+def mixed_init(algo, client_id: int, train_s: bool, train_v: bool, seed: int):
+    """Initial (S, V) for the "S only" / "V only" ablations: the learned part drawn as ``concept_init`` says, the
+    fixed part the embedding of the real words (exactly the real prompt's tokens)."""
+    from .client import init_concepts
+
+    cfg = algo.config
+    S_w, V_w = algo.word_concepts(client_id)
+    domain, classes = algo.words(client_id) if cfg.concept_init == "words" else (None, None)
+    S_0, V_0 = init_concepts(algo.pipe, algo.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
+                             cfg.concept_init, None, domain, classes, cfg.concept_space,
+                             torch.Generator().manual_seed(seed))
+    return (S_0 if train_s else S_w), (V_0 if train_v else V_w)
+
+
+def synthesize(algo, updates, round_idx) -> dict:
+    """D_syn = the synthetic images of every upload. The engine runs a method's ``aggregate`` once, on the main
+    process, and broadcasts the new server state, so synthesis (and the classifier trained on it) happens once."""
+    xs, ys, cs = [], [], []
+    for u in sorted(updates, key=lambda u: u.client_id):  # asynchronous per client: each upload on its own
+        x, y = algo.synthesize(u, round_idx)
+        xs.append(x.cpu())
+        ys.append(y.cpu())
+        cs.append(torch.full((len(y),), u.client_id, dtype=torch.long))
+    return {"images": torch.cat(xs), "labels": torch.cat(ys), "clients": torch.cat(cs)}

@@ -1,0 +1,166 @@
+"""Quality of the tiny foundation LDM, measured before FedBiP is measured on it (DESIGN "honest stand-ins").
+
+* a **judge**: a small CNN trained on the labelled real/procedural public pool (never on client data), with its own
+  held-out accuracy reported;
+* **class fidelity of plain prompts**: the judge's accuracy on images generated from ``"a photo of the digit {d}"``;
+* a **sample grid per style word**: one row per caption word of :data:`hfpfl.fedbip.pool.GRID_WORDS`, one column
+  per digit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Judge(nn.Module):
+    """conv(32)-conv(64)-conv(128) + BN/ReLU/pool, linear head: a 10-way digit classifier on (3, 32, 32) in [-1,1]."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        layers, c = [], 3
+        for w in (32, 64, 128):
+            layers += [nn.Conv2d(c, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(2)]
+            c = w
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(c, num_classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int = 6, batch_size: int = 64, seed: int = 0,
+                holdout: float = 0.1):
+    """Train the judge on (images (N,3,32,32) in [-1,1], labels); returns (judge, held-out accuracy)."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(labels), generator=g)
+    n_hold = int(len(labels) * holdout)
+    hold, train = perm[:n_hold], perm[n_hold:]
+    torch.manual_seed(seed)
+    judge = Judge()
+    opt = torch.optim.AdamW(judge.parameters(), lr=3e-3, weight_decay=1e-4)
+    steps = epochs * (len(train) // batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 3e-3, total_steps=max(1, steps))
+    judge.train()
+    for _ in range(epochs):
+        order = train[torch.randperm(len(train), generator=g)]
+        for i in range(0, len(order) - batch_size + 1, batch_size):
+            idx = order[i : i + batch_size]
+            x = images[idx]
+            # light augmentation: random shifts by up to 2 pixels
+            dx, dy = torch.randint(-2, 3, (2,), generator=g).tolist()
+            x = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
+            loss = F.cross_entropy(judge(x), labels[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    judge.eval()
+    return judge, judge_accuracy(judge, images[hold], labels[hold])
+
+
+@torch.no_grad()
+def judge_accuracy(judge, images: torch.Tensor, labels: torch.Tensor) -> float:
+    if len(labels) == 0:
+        return float("nan")
+    pred = torch.cat([judge(images[i : i + 256].float()).argmax(1) for i in range(0, len(images), 256)])
+    return float((pred == labels).float().mean())
+
+
+@torch.no_grad()
+def generate(pipe, prompts: list[str], num_inference_steps: int = 20, guidance_scale: float = 3.0, seed: int = 0,
+             batch_size: int = 100) -> torch.Tensor:
+    """Images (N, 3, H, W) in [-1, 1] from plain text prompts with a StableDiffusionPipeline-like ``pipe``."""
+    out = []
+    g = torch.Generator().manual_seed(seed)
+    for i in range(0, len(prompts), batch_size):
+        im = pipe(prompt=prompts[i : i + batch_size], num_inference_steps=num_inference_steps,
+                  guidance_scale=guidance_scale, generator=g, output_type="pt").images
+        out.append(im.float().cpu() * 2 - 1)
+    return torch.cat(out)
+
+
+def plain_prompt_fidelity(pipe, judge, per_class: int = 10, guidance_scale: float = 3.0,
+                          num_inference_steps: int = 20, seed: int = 0, word: str | None = None):
+    """Judge accuracy on ``per_class`` images per digit generated from ``caption(d, word)``; returns (acc, images,
+    labels)."""
+    from .pool import caption
+
+    labels = torch.arange(10).repeat(per_class)
+    images = generate(pipe, [caption(int(y), word) for y in labels], num_inference_steps, guidance_scale, seed)
+    return judge_accuracy(judge, images, labels), images, labels
+
+
+def save_style_grid(pipe, path: str, words=None, guidance_scale: float = 3.0, num_inference_steps: int = 20,
+                    seed: int = 0, scale: int = 3) -> str:
+    """One row per caption word (``""`` = plain prompt), one column per digit; the word is written on the left."""
+    from PIL import Image, ImageDraw
+
+    from .pool import GRID_WORDS, caption
+
+    words = list(GRID_WORDS if words is None else words)
+    prompts = [caption(d, w or None) for w in words for d in range(10)]
+    ims = generate(pipe, prompts, num_inference_steps, guidance_scale, seed)
+    ims = ((ims.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
+    h, w = ims.shape[1:3]
+    margin, pad = 24, 2
+    grid = np.full((len(words) * (h + pad), margin + 10 * (w + pad), 3), 255, np.uint8)
+    for k, im in enumerate(ims):
+        r, c = divmod(k, 10)
+        grid[r * (h + pad) : r * (h + pad) + h, margin + c * (w + pad) : margin + c * (w + pad) + w] = im
+    img = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
+    draw = ImageDraw.Draw(img)
+    for r, wd in enumerate(words):
+        draw.text((2, r * (h + pad) * scale + 2), wd or "(plain)", fill=(200, 0, 0))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    img.save(path)
+    return path
+
+
+def save_pool_grid(pool: dict, path: str, per_style: int = 10, scale: int = 3, seed: int = 0) -> str:
+    """Real pool images: one row per style, ``per_style`` random images each (what the LDM was trained on)."""
+    from PIL import Image, ImageDraw
+
+    styles = sorted(set(pool["styles"]))
+    rng = np.random.default_rng(seed)
+    st = np.asarray(pool["styles"])
+    h, w = pool["images"].shape[1:3]
+    margin, pad = 40, 2
+    grid = np.full((len(styles) * (h + pad), margin + per_style * (w + pad), 3), 255, np.uint8)
+    for r, s in enumerate(styles):
+        idx = rng.permutation(np.flatnonzero(st == s))[:per_style]
+        for c, i in enumerate(idx):
+            grid[r * (h + pad) : r * (h + pad) + h, margin + c * (w + pad) : margin + c * (w + pad) + w] = \
+                pool["images"][i]
+    img = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
+    draw = ImageDraw.Draw(img)
+    for r, s in enumerate(styles):
+        draw.text((2, r * (h + pad) * scale + 2), s[:18], fill=(200, 0, 0))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    img.save(path)
+    return path
+
+
+def measure_ldm(pipe, pool: dict, out_dir: str, per_class: int = 10, guidance_scales=(1.0, 3.0), seed: int = 0,
+                log=print) -> dict:
+    """Train the judge on the pool, measure plain-prompt fidelity at each guidance scale, write the grids."""
+    from .ldm import pool_to_tensor
+
+    x = pool_to_tensor(pool["images"], pipe.vae.config.sample_size)
+    y = torch.as_tensor(pool["labels"])
+    judge, judge_acc = train_judge(x, y, seed=seed)
+    rep = {"judge_heldout_accuracy": judge_acc, "plain_prompt_fidelity": {}}
+    for gs in guidance_scales:
+        acc, _, _ = plain_prompt_fidelity(pipe, judge, per_class, gs, seed=seed)
+        rep["plain_prompt_fidelity"][str(gs)] = acc
+        log(f"[ldm-quality] plain-prompt class fidelity (judge) at guidance {gs}: {acc:.3f}")
+    rep["style_grid"] = save_style_grid(pipe, os.path.join(out_dir, "samples_per_style.png"), seed=seed)
+    rep["pool_grid"] = save_pool_grid(pool, os.path.join(out_dir, "pool_per_style.png"), seed=seed)
+    torch.save(judge.state_dict(), os.path.join(out_dir, "judge.pt"))
+    log(f"[ldm-quality] judge held-out accuracy on the pool {judge_acc:.3f}; grids: {rep['style_grid']}, "
+        f"{rep['pool_grid']}")
+    return rep
