@@ -247,7 +247,7 @@ def test_clients_noise_to_the_samplers_first_timestep(ldm_dir, fed, tmp_path):
     ns = DDPMScheduler.from_config(algo.pipe.scheduler.config)
     ref, _ = instance_level_latents(algo.pipe.vae, ns, x, y, 2, False, 0.5, 0.1,
                                     sim.generator(0, 0, "fedbip-instance"), timestep=expected)
-    assert torch.equal(ref, upd.upload["latents"])
+    assert torch.equal(ref, upd.upload["fedbip"]["latents"])
 
 
 def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path):
@@ -274,13 +274,13 @@ def test_s_only_and_v_only_ablations(ldm_dir, fed, tmp_path, level, trained):
     sim = _sim(fed, tmp_path, _cfg(ldm_dir, personalization=level, concept_steps=3), name=level, num_rounds=1)
     algo = sim.algorithm
     upd = algo.client_update(0, {}, {}, 0)
-    assert set(upd.upload) == {"labels", trained}
+    assert set(upd.upload["fedbip"]) == {"labels", trained}
     S_w, V_w = algo.word_concepts(0)
-    learned = upd.upload[trained]
+    learned = upd.upload["fedbip"][trained]
     fixed = V_w if level == "domain" else S_w
     assert not torch.allclose(learned, (S_w if level == "domain" else V_w))
     x, y = algo.synthesize(upd, 0)
-    assert len(y) == 2 * len(upd.upload["labels"]) and fixed.shape[-1] == learned.shape[-1]
+    assert len(y) == 2 * len(upd.upload["fedbip"]["labels"]) and fixed.shape[-1] == learned.shape[-1]
 
 
 def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):

@@ -161,7 +161,7 @@ def summarize(name, sim, res, cfg) -> dict:
         for k in ("mia_loss_gap", "mia_entropy_gap", "syn_nn_dist_mean", "syn_nn_dist_min", "real_test_nn_dist_mean"):
             row[k] = final.get(k)
     else:  # the same MIA measure for the real-data baselines
-        row.update(membership_inference_gap(sim, sim.server_state, sim.args.num_rounds))
+        row.update(membership_inference_gap(sim.algorithm, sim.server_state, sim.args.num_rounds))
     return row
 
 
