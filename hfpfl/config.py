@@ -171,24 +171,17 @@ def _check_value(path, key: str, value, allowed: set, nullable: bool):
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise ValueError(f"config key {key!r} in {str(path)!r} must be true or false, got {value!r}")
-    if int in allowed and float not in allowed:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    numeric = [(int, (int,), "an integer")] if int in allowed and float not in allowed else \
+        [(float, (int, float), "a number")] if float in allowed else []
+    for cast, ok_types, what in numeric:
+        if isinstance(value, ok_types) and not isinstance(value, bool):
+            return cast(value)
         if isinstance(value, str):
             try:
-                return int(value)
+                return cast(value)
             except ValueError:
                 pass
-        raise ValueError(f"config key {key!r} in {str(path)!r} must be an integer, got {value!r}")
-    if float in allowed:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"config key {key!r} in {str(path)!r} must be a number, got {value!r}")
+        raise ValueError(f"config key {key!r} in {str(path)!r} must be {what}, got {value!r}")
     if str in allowed:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

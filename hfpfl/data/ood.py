@@ -28,7 +28,7 @@ import numpy as np
 import datasets
 from datasets import ClassLabel, Dataset, Features, Image, Value
 
-from .sources import _font, _font_paths, _rng, _save_npz
+from .sources import _font, _font_paths, _load_npz, _rng, _save_npz
 
 OOD_VERSION = "ood-v1"  # bump when the rendering changes (keys the disk cache and the stand-ins' recipe)
 SIZE = 28
@@ -292,12 +292,9 @@ def ood_arrays(split: str = "pretrain", n: int = 12_000) -> tuple[np.ndarray, np
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     cache = Path(datasets.config.HF_DATASETS_CACHE) / "hfpfl" / f"{OOD_VERSION}-{split}-{n}.npz"
-    if cache.exists():
-        try:
-            with np.load(cache) as z:
-                return z["x"], z["y"]
-        except Exception:  # corrupt: rebuild
-            pass
+    cached = _load_npz(cache)
+    if cached is not None:
+        return cached
     start = SPLIT_OFFSET[split]
     x = np.empty((n, SIZE, SIZE, 3), dtype=np.uint8)
     y = np.empty(n, dtype=np.int64)

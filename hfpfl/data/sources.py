@@ -89,6 +89,17 @@ _DOMAIN_COLUMNS = ("domain", "domains", "style", "environment")
 
 
 
+def _load_npz(cache):
+    """(x, y) from the disk cache, or None when it is missing or corrupt (then the caller rebuilds)."""
+    if cache.exists():
+        try:
+            with np.load(cache) as z:
+                return z["x"], z["y"]
+        except Exception:  # noqa: BLE001 - corrupt: rebuild
+            pass
+    return None
+
+
 def _save_npz(cache, x, y) -> None:
     """Best-effort atomic write of a built domain to the disk cache (a failure only costs a rebuild)."""
     try:
@@ -313,12 +324,9 @@ def _builtin_domain(domain: str, split: str, seed: int, max_per_domain: int | No
         return _builtin_domain_uncached(domain, split, seed, max_per_domain, copy)
     cache = (Path(datasets.config.HF_DATASETS_CACHE) / "hfpfl"
              / f"{domain}-{split}-s{seed}-c{max_per_domain}-k{copy}-{_CACHE_VERSION}.npz")
-    if cache.exists():
-        try:
-            with np.load(cache) as z:
-                return z["x"], z["y"]
-        except Exception:  # corrupt: rebuild
-            pass
+    cached = _load_npz(cache)
+    if cached is not None:
+        return cached
     x, y = _builtin_domain_uncached(domain, split, seed, max_per_domain, copy)
     _save_npz(cache, x, y)
     return x, y
