@@ -508,7 +508,7 @@ class Simulation:
 
     def finish(self) -> dict:
         """Final evaluation (if the last round did not have one), results.json and plots."""
-        acc, args = self.accelerator, self.args
+        acc = self.accelerator
         if self.final_eval is None:  # resumed a finished run, or stepped externally: evaluate the final state
             self.final_eval = self.evaluate(self.round, self.server_state, final=True)
         results = self._results(self.final_eval, self._elapsed())
