@@ -7,7 +7,8 @@ Claims (``--claims``):
               same on per-client Gaussian-noise-corrupted tests (severity 1 + id mod 5); plus PerAda w/o KD.
               Paper Tab. 1 (CIFAR-10, Dir 0.1). Baselines train the full model from the same pretrained backbone.
   kd          PerAda with vs without server KD: global-adapter accuracy (paper Tab. 2: 76.77 vs 74.22). Taken
-              from the perada runs (ResNet); ``--backbone vit`` runs PerAda with LoRA on the tiny ViT stand-in.
+              from the perada runs. ``--backbone vit`` runs the same PerAda grid on the tiny ViT stand-in, PerAda with
+              LoRA on query/value (peft), the baselines on the full ViT; ``--runs`` restricts the grid.
   silo|device parallel adapters vs full-model fine-tuning under FedAvg / FedProx / FedNova: accuracy and exact upload
               bytes (adapters paper Tab. I cross-silo: 10 clients, all, E=1; Tab. II cross-device: 100 clients,
               f=0.2, E=5 -- scaled down here, see --device_clients).
@@ -44,10 +45,9 @@ def perada_runs(backbone: str, kd_ablation: bool = False):
     if kd_ablation:  # paper Fig. 4: in-domain KD data (the dataset's public split) instead of the out-of-domain pool
         return [("perada_kd_indomain", "perada", dict(eval_corrupted=corr, kd_pool="public"),
                  dict(model=model, adapter=adapter))]
-    if backbone == "resnet":
-        for m in PERADA_BASELINES:
-            cfg = {"lam": 1.0} if m == "ditto" else {}  # Ditto's lambda = PerAda's (paper: shared grid {0.1, 1})
-            runs.append((m, m, cfg, dict(model=model, adapter="none")))
+    for m in PERADA_BASELINES:  # the same baselines on both backbones (full model from the same stand-in)
+        cfg = {"lam": 1.0} if m == "ditto" else {}  # Ditto's lambda = PerAda's (paper: shared grid {0.1, 1})
+        runs.append((m, m, cfg, dict(model=model, adapter="none")))
     return runs
 
 
@@ -91,6 +91,7 @@ def run_claim(claim: str, seed: int, a, rows_path: str) -> None:
     data = DataArguments(image_size=image_size, **data_kw)
     fed = build_federated_dataset(data, seed=seed)
     runs = perada_runs(a.backbone, a.kd_ablation) if claim == "perada" else fedadapter_runs(a.backbone)
+    runs = [r for r in runs if not a.runs or r[0] in a.runs]
     done = set()
     if os.path.exists(rows_path):
         with open(rows_path) as f:
@@ -128,7 +129,7 @@ def _ms(vals):
     vals = [v for v in vals if v is not None]
     if not vals:
         return None, None, 0
-    return float(np.mean(vals)), float(np.std(vals)), len(vals)
+    return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0), len(vals)  # sample std
 
 
 def _fmt(m, s, n):
@@ -148,28 +149,28 @@ def report(out: str) -> str:
         have = [n for n in names if agg("perada", backbone, n, "personal_accuracy")[2]]
         if not have:
             continue
-        model = BACKBONES[backbone][0]
-        if backbone == "resnet":
-            for key, title, paper in (
-                ("personal_accuracy", "personal accuracy (own test sets)",
-                 "PerAda 91.82 best (C10-L); best baseline 90.74 (+1.08)"),
-                ("personal_accuracy_corrupted", "personal accuracy, per-client Gaussian-noise tests (severity 1+id%5)",
-                 "PerAda 48.53 > Ditto 44.32 (best baseline) (CIFAR-10-C)")):
-                lines += [f"\n#### PerAda vs baselines, {title} -- {model} + residual adapters",
-                          f"paper (Tab. 1): {paper}", "", "| method | ours (mean ± std over seeds) |", "|---|---|"]
-                stats = {n: agg("perada", backbone, n, key) for n in have}
-                for n in have:
-                    lines.append(f"| {n} | {_fmt(*stats[n])} |")
-                base = {n: stats[n][0] for n in have if n in PERADA_BASELINES and stats[n][0] is not None}
-                if "perada" in stats and base:
-                    best = max(base, key=base.get)
-                    d = stats["perada"][0] - base[best]
-                    lines.append(f"\nPerAda - best baseline ({best}): {100 * d:+.1f} points -> "
-                                 f"**{'held' if d >= 0 else 'not held'}** (paper: PerAda best)")
+        model, kind = BACKBONES[backbone]
+        for key, title, paper in (
+            ("personal_accuracy", "personal accuracy (own test sets)",
+             "PerAda 91.82 best (C10-L); best baseline 90.74 (+1.08)"),
+            ("personal_accuracy_corrupted", "personal accuracy, per-client Gaussian-noise tests (severity 1+id%5)",
+             "PerAda 48.53 > Ditto 44.32 (best baseline) (CIFAR-10-C)")):
+            lines += [f"\n#### PerAda vs baselines, {title} -- {model} + {kind} adapters",
+                      f"paper (Tab. 1, ResNet-18): {paper}", "", "| method | ours (mean ± std over seeds) |",
+                      "|---|---|"]
+            stats = {n: agg("perada", backbone, n, key) for n in have}
+            for n in have:
+                lines.append(f"| {n} | {_fmt(*stats[n])} |")
+            base = {n: stats[n][0] for n in have if n in PERADA_BASELINES and stats[n][0] is not None}
+            if stats.get("perada", (None,))[0] is not None and base:
+                best = max(base, key=base.get)
+                d = stats["perada"][0] - base[best]
+                lines.append(f"\nPerAda - best baseline ({best}; baselines run: {', '.join(base)}): {100 * d:+.1f} "
+                             f"points -> **{'held' if d >= 0 else 'not held'}** (paper: PerAda best)")
         g = {n: agg("perada", backbone, n, "global_accuracy") for n in ("perada", "perada_nokd", "perada_kd_indomain")}
         if g["perada"][2] and g["perada_nokd"][2]:
             lines += [f"\n#### PerAda with vs without KD, global-adapter accuracy -- {model} + "
-                      f"{BACKBONES[backbone][1]} adapters", "paper (Tab. 2): PerAda 76.77 > PerAda w/o KD 74.22", "",
+                      f"{kind} adapters", "paper (Tab. 2): PerAda 76.77 > PerAda w/o KD 74.22", "",
                       "| method | ours |", "|---|---|", f"| PerAda (KD, out-of-domain pool) | {_fmt(*g['perada'])} |",
                       f"| PerAda w/o KD | {_fmt(*g['perada_nokd'])} |"]
             if g["perada_kd_indomain"][2]:
@@ -216,6 +217,8 @@ def main(argv=None):
     ap.add_argument("--out", default="outputs/adapters")
     ap.add_argument("--kd_ablation", action="store_true",
                     help="perada claim: only the in-domain-KD ablation run (kd_pool=public)")
+    ap.add_argument("--runs", nargs="+", default=None, metavar="NAME",
+                    help="only these runs of each claim (e.g. perada perada_nokd ditto: a reduced grid); default all")
     ap.add_argument("--report", action="store_true", help="only print the tables from <out>/rows.jsonl")
     a = ap.parse_args(argv)
     if a.report:
