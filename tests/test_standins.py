@@ -16,6 +16,7 @@ import torch
 from hfpfl.data import ood
 
 torch.set_num_threads(1)
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _px(ds) -> torch.Tensor:
@@ -93,6 +94,23 @@ def test_standin_is_trained_on_the_ood_pool_and_says_so(pretrained_backbone):
     m = build_classifier(pretrained_backbone, num_labels=ood.NUM_CLASSES)  # by repo id, like microsoft/resnet-18
     assert set(m.config.id2label.values()) == set(ood.CLASS_NAMES)
     assert not set(m.config.id2label.values()) & {str(i) for i in range(10)}
+
+
+def test_vit_standin_is_trained_on_the_ood_pool_and_says_so(vit_standin_cache):
+    """The LoRA path's backbone: the same out-of-domain pool, said in its card, loaded by repo id."""
+    from hfpfl import hub
+    from hfpfl.models import build_classifier
+    from hfpfl.models.pretrained import load_pretrain_info
+
+    with hub.use_hub_cache(vit_standin_cache):
+        info = load_pretrain_info("hfpfl/tiny-vit-ood")
+        card = (Path(hub.require_cached("hfpfl/tiny-vit-ood")) / "README.md").read_text()
+        m = build_classifier("hfpfl/tiny-vit-ood", num_labels=ood.NUM_CLASSES)
+    assert info["config"]["model"] == "tiny-vit" and info["config"]["dataset"] == "ood"
+    assert info["config"]["ood_version"] == ood.OOD_VERSION
+    assert "out-of-domain" in card and "shares no class" in card
+    assert type(m).__name__ == "ViTForImageClassification"
+    assert set(m.config.id2label.values()) == set(ood.CLASS_NAMES)
 
 
 # ------------------------------------------------------------------------------------------ distillation pool
@@ -221,6 +239,8 @@ def test_published_lora_adapter_loads_with_plain_peft_and_reproduces_its_round(d
     with hub.use_hub_cache(vit_standin_cache):
         files = set(os.listdir(str(hub.require_cached(repo, revision="round-2"))))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "hfpfl_adapter_config.json" not in files
+    # the load line the README gives is the one run above
+    assert 'PeftModel.from_pretrained(base, repo_id, revision="round-3")' in " ".join(README.read_text().split())
 
 
 @pytest.mark.parametrize("kind", ["residual", "parallel"])
@@ -246,5 +266,8 @@ def test_conv_adapters_load_by_the_documented_call(kind, pretrained_backbone, tm
     with torch.no_grad():
         assert torch.equal(loaded(pixel_values=x).logits, ref)
     assert "ConvAdapterModel.from_pretrained" in (tmp_path / "ada" / "README.md").read_text()
+    # the one call the README documents beside the LoRA load line
+    assert ("hfpfl.models.adapters.ConvAdapterModel.from_pretrained(base, repo_id, revision="
+            in " ".join(README.read_text().split()))
     with pytest.raises(ValueError, match="adapter_config.json"):  # not a peft adapter: peft refuses, it does not crash
         PeftModel.from_pretrained(build_classifier(pretrained_backbone, num_labels=10), str(tmp_path / "ada"))
