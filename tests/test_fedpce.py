@@ -177,3 +177,32 @@ def test_resume_after_interruption_equals_straight_run(pce_sim, run_sim):
     for key in ("final", "per_client_accuracy", "new_client_accuracy", "communication"):
         assert resumed[key] == straight[key], key
     assert len(again.algorithm.embeddings()) == again.num_clients    # the PCA map sees every client after resume
+
+
+def test_paper_degradation_levels():
+    """The paper's per-client settings (section 4.2): noise variances linspace(0.005, 1, M) added unclamped on the
+    [0, 1] scale (2 sigma on [-1, 1] inputs), jitter factors linspace-spaced and permuted, identity at (1, 1, 1, 0)."""
+    from datasets import Array3D, Dataset, Features, Image as HFImage
+    from PIL import Image
+
+    from hfpfl.data.benchmarks import degradation_settings
+    from hfpfl.data.transforms import add_input_noise, color_jitter_fixed
+    noise = degradation_settings("noise", 5)
+    assert [round(s["variance"], 5) for s in noise] == [0.005, 0.25375, 0.5025, 0.75125, 1.0]
+    assert noise[-1]["std"] == 1.0
+    col = degradation_settings("color", 5, seed=3)
+    for j in range(3):
+        assert sorted(f["factors"][j] for f in col) == [0.5, 0.75, 1.0, 1.25, 1.5]
+    assert sorted(f["factors"][3] for f in col) == [-0.5, -0.25, 0.0, 0.25, 0.5]
+    assert degradation_settings("rotation", 6, "paper") == degradation_settings("rotation", 6, "cycled")
+    x = np.zeros((64, 3, 8, 8), np.float32)
+    ds = Dataset.from_dict({"pixel_values": x}, features=Features({"pixel_values": Array3D((3, 8, 8), "float32")}))
+    out = np.asarray(add_input_noise(ds, 0.5, seed=1)[:]["pixel_values"])
+    assert abs(out.std() - 1.0) < 0.03 and out.max() > 1.5           # 2 * 0.5 on [-1, 1]; not clamped
+    assert np.array_equal(out, np.asarray(add_input_noise(ds, 0.5, seed=1)[:]["pixel_values"]))
+    img = Image.fromarray((np.arange(48, dtype=np.uint8).reshape(4, 4, 3) * 5))
+    pil = Dataset.from_dict({"image": [img, img]}, features=Features({"image": HFImage()}))
+    same = color_jitter_fixed(pil, (1.0, 1.0, 1.0, 0.0), seed=0)[0]["image"]
+    assert np.abs(np.asarray(same, np.int16) - np.asarray(img, np.int16)).max() <= 2   # HSV round trip only
+    dark = color_jitter_fixed(pil, (0.5, 1.0, 1.0, 0.0), seed=0)[0]["image"]
+    assert abs(np.asarray(dark).mean() - 0.5 * np.asarray(img).mean()) < 2
