@@ -22,9 +22,11 @@ import sys
 
 from hfpfl.cli import run_recipe
 
+# the setting of the README's FedPCE table (scripts/compare_fedpce.py --rounds 10 --local_steps 10 --widths 8,16,32,64
+# --new_client_steps 50): a few minutes on 2 CPU cores
 DEFAULTS = dict(dataset="mnist", degradations="noise,color,rotation", num_clients=12, num_new_clients=3,
-                max_per_domain=3000, image_size=16, num_rounds=12, local_steps=10, batch_size=32, optimizer="adam",
-                lr=1e-3, weight_decay=1e-4)
+                max_per_domain=3000, image_size=16, num_rounds=10, local_steps=10, batch_size=32, optimizer="adam",
+                lr=1e-3, weight_decay=1e-4, widths="8,16,32,64", depths="1,1,1,1", new_client_steps=50)
 
 
 def build_data(data, seed, benchmark, budget, held_out, levels="paper"):
