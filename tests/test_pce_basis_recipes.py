@@ -23,12 +23,21 @@ LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "-
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
-def _run(recipe, out, launcher=None):
+def _in_process(recipe, out):
+    """The one-process reference runs inside pytest (saves an interpreter start: imports dominate on a busy box)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"_recipe_{recipe}", ROOT / "recipes" / f"{recipe}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main([*COMMON, *RECIPES[recipe], "--output_dir", str(out)])
+    return json.loads((out / "results.json").read_text())
+
+
+def _run(recipe, out, launcher):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    if launcher:
-        env["ACCELERATE_USE_CPU"] = "1"
-    cmd = (launcher or [sys.executable]) + [str(ROOT / "recipes" / f"{recipe}.py"), *COMMON, *RECIPES[recipe],
+    env["ACCELERATE_USE_CPU"] = "1"
+    cmd = launcher + [str(ROOT / "recipes" / f"{recipe}.py"), *COMMON, *RECIPES[recipe],
                                             "--output_dir", str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -38,7 +47,7 @@ def _run(recipe, out, launcher=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fedpce", "fedbasis"])
 def test_two_processes_same_results_and_exact_bytes(tmp_path, recipe):
-    one = _run(recipe, tmp_path / "one")
+    one = _in_process(recipe, tmp_path / "one")
     two = _run(recipe, tmp_path / "two", launcher=LAUNCH2)
     assert one["world_size"] == 1 and two["world_size"] == 2
     for key in ("final", "per_client_accuracy", "new_client_accuracy", "communication", "parameters"):
