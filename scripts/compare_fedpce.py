@@ -122,7 +122,8 @@ def summarize(rows, a):
         v = [r[k] for r in rows[m] if k in r]
         return (np.mean(v), np.std(v)) if v else (float("nan"), float("nan"))
 
-    cols = ["col", "new_noise", "new_color", "new_rotation", "new_all", "new_2", "new_8", "new_32"]
+    cols = [c for c in ["col", "new_noise", "new_color", "new_rotation", "new_all", "new_2", "new_8", "new_32"]
+            if any(c in r for rs in rows.values() for r in rs)]
     print(f"\nmean +- std over {len(rows[a.methods[0]])} seeds (accuracy; new_* = held-out new clients after adaptation)")
     print(f"{'method':<12}" + "".join(f"{c:>16}" for c in cols))
     for m in a.methods:
