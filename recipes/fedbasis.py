@@ -11,8 +11,10 @@ and the diagnostics basis_cosine / basis_update_cosine / alpha_entropy in the fi
 """
 from hfpfl.cli import run_recipe
 
-DEFAULTS = dict(num_clients=3, num_new_clients=2, alpha=0.3, max_per_domain=600, image_size=16, num_rounds=10,
-                local_steps=5, batch_size=16, lr=0.01, momentum=0.9, weight_decay=1e-4)
+# the setting of the README's FedBasis table (scripts/compare_fedbasis.py --rounds 8 --local_steps 5
+# --new_client_steps 30)
+DEFAULTS = dict(num_clients=3, num_new_clients=2, alpha=0.3, max_per_domain=600, image_size=16, num_rounds=8,
+                local_steps=5, batch_size=16, lr=0.01, momentum=0.9, weight_decay=1e-4, new_client_steps=30)
 
 
 def pflbed_data(run, data):

@@ -11,6 +11,9 @@ Benchmark options (besides the run/data/method flags listed by --help):
                                  held-out clients, both split evenly over the groups) or leave-one-domain-out Digits
                                  (--num_clients = clients per domain; every client of --held_out_domain is new)
   --new_client_budget K          new clients keep K training images per class (default: all)
+  --levels paper|cycled          degradation strength: the paper's per-client settings (default; noise variances
+                                 linspace(0.005, 1, M), jitter factors linspace(0.5, 1.5, M), hue +-0.5) or the
+                                 earlier milder cycled levels (see hfpfl/data/benchmarks.py)
 Results (results.json: accuracy per client and per new client, bytes per part and per client, wall time), the
 resolved config and plots go to --output_dir; fedpce also writes embeddings_pca.png.
 """
@@ -19,12 +22,14 @@ import sys
 
 from hfpfl.cli import run_recipe
 
+# the setting of the README's FedPCE table (scripts/compare_fedpce.py --rounds 10 --local_steps 10 --widths 8,16,32,64
+# --new_client_steps 50): a few minutes on 2 CPU cores
 DEFAULTS = dict(dataset="mnist", degradations="noise,color,rotation", num_clients=12, num_new_clients=3,
-                max_per_domain=3000, image_size=16, num_rounds=12, local_steps=10, batch_size=32, optimizer="adam",
-                lr=1e-3, weight_decay=1e-4)
+                max_per_domain=3000, image_size=16, num_rounds=10, local_steps=10, batch_size=32, optimizer="adam",
+                lr=1e-3, weight_decay=1e-4, widths="8,16,32,64", depths="1,1,1,1", new_client_steps=50)
 
 
-def build_data(data, seed, benchmark, budget, held_out):
+def build_data(data, seed, benchmark, budget, held_out, levels="paper"):
     from hfpfl.data.benchmarks import degradation_benchmark, leave_one_domain_out, with_new_client_budget
     if benchmark == "lodo":
         fed = leave_one_domain_out(held_out, clients_per_domain=data.num_clients, max_per_domain=data.max_per_domain,
@@ -35,7 +40,8 @@ def build_data(data, seed, benchmark, budget, held_out):
             raise ValueError(f"--num_clients and --num_new_clients must be multiples of the {len(groups)} groups")
         fed = degradation_benchmark(data.dataset, groups, data.num_clients // len(groups),
                                     data.num_new_clients // len(groups), max_per_domain=data.max_per_domain,
-                                    image_size=data.image_size, num_channels=data.num_channels, seed=seed)
+                                    image_size=data.image_size, num_channels=data.num_channels, seed=seed,
+                                    levels=levels)
     return with_new_client_budget(fed, budget, seed=seed)
 
 
@@ -44,10 +50,11 @@ def main(argv=None):
     pre.add_argument("--benchmark", choices=["degradation", "lodo"], default="degradation")
     pre.add_argument("--new_client_budget", type=int, default=None)
     pre.add_argument("--held_out_domain", default="syn")
+    pre.add_argument("--levels", choices=["paper", "cycled"], default="paper")
     known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_recipe(method="fedpce", argv=rest, defaults=DEFAULTS, script="recipes/fedpce.py", description=__doc__,
                       data_fn=lambda run, data: build_data(data, run.seed, known.benchmark, known.new_client_budget,
-                                                           known.held_out_domain),
+                                                           known.held_out_domain, known.levels),
                       after=lambda sim, results: plot_embeddings(sim, sim.data) if sim.args.method == "fedpce" else None)
 
 

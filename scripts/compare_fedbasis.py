@@ -3,6 +3,13 @@ domain tests): improved vs naive training (collapse diagnostic, spec B3.3) and, 
 vs full fine-tuning (spec B8). Mean +- std over seeds.
 
     python scripts/compare_fedbasis.py --seeds 0 1 2 --output_dir outputs/compare_fedbasis
+    python scripts/compare_fedbasis.py --trainings improved --sweep ...   # adaptation steps / lr chosen on validation
+
+--sweep: each new client's training images are split 75/25 (seeded) into fit / validation; every (steps, lr) of the
+grid adapts on fit and is scored on validation (plain accuracy: the validation images share the client's label
+distribution); the best setting per mode (coefficients only / full fine-tuning), by mean validation accuracy over the
+new clients, then adapts on all the client's training images and is scored once on the test split (new_coef_val /
+new_full_val). The test split never chooses anything.
 """
 import argparse
 import json
@@ -45,6 +52,8 @@ def run_one(training, fed, seed, a):
                                                 sim.round)
             accs.append(label_weighted_accuracy(model, c, fed.num_labels))
         row[f"new_{mode}"] = float(np.mean(accs))
+    if a.sweep:
+        row.update(sweep(sim, fed, seed, a))
     algo.config.new_client_steps = 0
     accs = []
     for c in fed.new_clients:
@@ -53,6 +62,47 @@ def run_one(training, fed, seed, a):
         accs.append(label_weighted_accuracy(model, c, fed.num_labels))
     row["new_uniform"] = float(np.mean(accs))
     return row
+
+
+def _adapt(sim, c, data, mode, steps, lr):
+    algo = sim.algorithm
+    algo.config.new_client_mode, algo.config.new_client_steps = mode, steps
+    if mode == "coef":
+        algo.config.lr_coef = lr
+    else:
+        algo.config.lr_full = lr
+    sim.ctx.load(sim.initial_private)
+    torch.manual_seed(sim.seed_for(sim.round, c.client_id, "new-client"))
+    return algo.personalize_new_client(c.client_id, sim.server_state, data, sim.round)
+
+
+def sweep(sim, fed, seed, a):
+    algo = sim.algorithm
+    saved = (algo.config.new_client_mode, algo.config.new_client_steps, algo.config.lr_coef, algo.config.lr_full)
+    grids = {"coef": [(st, lr) for st in a.sweep_steps for lr in a.sweep_lr_coef],
+             "full": [(st, lr) for st in a.sweep_steps for lr in a.sweep_lr_full]}
+    out = {}
+    for mode, grid in grids.items():
+        val = {}
+        for c in fed.new_clients:
+            ds = c.train.with_format(None)
+            n_val = max(1, len(ds) // 4)
+            perm = np.random.default_rng([seed, 37, c.client_id]).permutation(len(ds))
+            fit = TensorData.from_dataset(c.train.select(np.sort(perm[n_val:])))
+            held = TensorData.from_dataset(c.train.select(np.sort(perm[:n_val])))
+            for cfg in grid:
+                model = _adapt(sim, c, fit, mode, *cfg)
+                val.setdefault(cfg, []).append(sim.ctx.evaluate(model, held)["accuracy"])
+        best = max(grid, key=lambda g: (np.mean(val[g]), -g[0]))     # ties: fewer steps
+        accs = [label_weighted_accuracy(_adapt(sim, c, TensorData.from_dataset(c.train), mode, *best), c,
+                                        fed.num_labels) for c in fed.new_clients]
+        out[f"new_{mode}_val"] = float(np.mean(accs))
+        out[f"sweep_{mode}"] = {"chosen": list(best), "val": {f"{st}@{lr}": float(np.mean(v))
+                                                              for (st, lr), v in val.items()}}
+        print(f"  sweep {mode}: chosen steps={best[0]} lr={best[1]} (val {np.mean(val[best]):.3f}); "
+              f"test {out[f'new_{mode}_val']:.3f}", flush=True)
+    (algo.config.new_client_mode, algo.config.new_client_steps, algo.config.lr_coef, algo.config.lr_full) = saved
+    return out
 
 
 def main():
@@ -68,11 +118,26 @@ def main():
     p.add_argument("--new_per_domain", type=int, default=2)
     p.add_argument("--max_per_domain", type=int, default=600)
     p.add_argument("--image_size", type=int, default=16)
+    p.add_argument("--trainings", nargs="+", choices=["improved", "naive"], default=["improved", "naive"])
+    p.add_argument("--sweep", action="store_true", help="Choose the new clients' steps / lr on a validation split.")
+    p.add_argument("--sweep_steps", type=int, nargs="+", default=[30, 100, 300])
+    p.add_argument("--sweep_lr_coef", type=float, nargs="+", default=[0.1, 1.0])
+    p.add_argument("--sweep_lr_full", type=float, nargs="+", default=[0.01])
     p.add_argument("--output_dir", default="outputs/compare_fedbasis")
+    p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="Only summarize: merge the rows.json of earlier runs (e.g. one process per seed).")
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.merge:
+        rows = {t: [] for t in a.trainings}
+        for d in a.merge:
+            with open(os.path.join(d, "rows.json")) as f:
+                got = json.load(f)
+            for t in rows:
+                rows[t].extend(got.get(t, []))
+        return summarize(rows, a)
     os.makedirs(a.output_dir, exist_ok=True)
-    rows = {"improved": [], "naive": []}
+    rows = {t: [] for t in a.trainings}
     t0 = time.time()
     for seed in a.seeds:
         fed = pflbed(clients_per_domain=a.clients_per_domain, new_per_domain=a.new_per_domain,
@@ -82,8 +147,13 @@ def main():
             print(f"[{time.time() - t0:.0f}s] seed {seed} {tr}: {rows[tr][-1]}", flush=True)
             with open(os.path.join(a.output_dir, "rows.json"), "w") as f:
                 json.dump(rows, f, indent=1)
+    summarize(rows, a)
+
+
+def summarize(rows, a):
     cols = ["participants", "new_uniform", "new_coef", "new_full", "basis_update_cosine", "alpha_entropy"]
-    print(f"\nmean +- std over seeds {a.seeds}")
+    cols += ["new_coef_val", "new_full_val"] if any("new_coef_val" in r for rs in rows.values() for r in rs) else []
+    print(f"\nmean +- std over {len(next(iter(rows.values())))} seeds")
     print(f"{'training':<10}" + "".join(f"{c:>22}" for c in cols))
     for tr, rs in rows.items():
         print(f"{tr:<10}" + "".join("{:>22}".format("%.3f+-%.3f" % (np.mean([r.get(c, np.nan) for r in rs]),

@@ -77,3 +77,22 @@ def test_payloads_warm_start_and_new_client(run_sim):
 def _subsets(n):
     from itertools import combinations
     return [c for r in range(1, n + 1) for c in combinations(range(n), r)]
+
+
+def test_resume_after_interruption_equals_straight_run(run_sim):
+    """Interrupted after round 2 (warm start + k-means in round 1) and resumed: the same results as 3 rounds
+    straight, the collapse diagnostic included (its k-means anchor lives in the server state, part "anchor", and
+    never travels)."""
+    cfg = get_algorithm("fedbasis").Config(num_bases=2, widths="4,4,8,8", new_client_steps=2)
+    kw = dict(method_config=cfg, num_rounds=3, lr=0.01, local_steps=2, checkpoint_every=1,
+              eval_every=3)
+    straight_sim, straight = run_sim("fedbasis", output_dir="straight", **kw)
+    assert "basis_update_cosine" in straight["final"] and "alpha_entropy" in straight["final"]
+    assert set(straight_sim.server_state) == {MODEL, "anchor"}
+    assert all(set(u.upload) == {MODEL} for u in straight_sim.last_updates)
+    cut, _ = run_sim("fedbasis", output_dir="cut", run=False, **kw)
+    cut.step(), cut.step()
+    _, resumed = run_sim("fedbasis", output_dir="cut", resume_from_checkpoint="latest", overwrite_output_dir=False,
+                         **kw)
+    for key in ("final", "per_client_accuracy", "new_client_accuracy", "communication"):
+        assert resumed[key] == straight[key], key

@@ -161,3 +161,48 @@ def test_run_results_and_budget_benchmark(pce_sim):
     c = fed.new_clients[0]
     counts = np.bincount(np.asarray(c.train.with_format(None)["labels"]), minlength=10)
     assert counts.max() <= 2 and len(c.test) == len(sim.data.new_clients[0].test)
+
+
+def test_resume_after_interruption_equals_straight_run(pce_sim, run_sim):
+    """3 rounds straight == 2 rounds, a fresh process-like Simulation resuming the round-2 checkpoint, round 3: the
+    per-client Adam moments, embeddings and the cosine schedule continue exactly (results compared whole)."""
+    cfg = get_algorithm("fedpce").Config(**TINY)
+    kw = dict(method_config=cfg, optimizer="adam", lr=1e-3, weight_decay=1e-4, local_steps=2, num_rounds=3,
+              checkpoint_every=1, eval_every=3)
+    _, straight = run_sim("fedpce", output_dir="straight", **kw)
+    cut, _ = run_sim("fedpce", output_dir="cut", run=False, **kw)
+    cut.step(), cut.step()                                 # "killed" after round 2 (its checkpoint is on disk)
+    again, resumed = run_sim("fedpce", output_dir="cut", resume_from_checkpoint="latest", overwrite_output_dir=False,
+                             **kw)
+    for key in ("final", "per_client_accuracy", "new_client_accuracy", "communication"):
+        assert resumed[key] == straight[key], key
+    assert len(again.algorithm.embeddings()) == again.num_clients    # the PCA map sees every client after resume
+
+
+def test_paper_degradation_levels():
+    """The paper's per-client settings (section 4.2): noise variances linspace(0.005, 1, M) added unclamped on the
+    [0, 1] scale (2 sigma on [-1, 1] inputs), jitter factors linspace-spaced and permuted, identity at (1, 1, 1, 0)."""
+    from datasets import Array3D, Dataset, Features, Image as HFImage
+    from PIL import Image
+
+    from hfpfl.data.benchmarks import degradation_settings
+    from hfpfl.data.transforms import add_input_noise, color_jitter_fixed
+    noise = degradation_settings("noise", 5)
+    assert [round(s["variance"], 5) for s in noise] == [0.005, 0.25375, 0.5025, 0.75125, 1.0]
+    assert noise[-1]["std"] == 1.0
+    col = degradation_settings("color", 5, seed=3)
+    for j in range(3):
+        assert sorted(f["factors"][j] for f in col) == [0.5, 0.75, 1.0, 1.25, 1.5]
+    assert sorted(f["factors"][3] for f in col) == [-0.5, -0.25, 0.0, 0.25, 0.5]
+    assert degradation_settings("rotation", 6, "paper") == degradation_settings("rotation", 6, "cycled")
+    x = np.zeros((64, 3, 8, 8), np.float32)
+    ds = Dataset.from_dict({"pixel_values": x}, features=Features({"pixel_values": Array3D((3, 8, 8), "float32")}))
+    out = np.asarray(add_input_noise(ds, 0.5, seed=1)[:]["pixel_values"])
+    assert abs(out.std() - 1.0) < 0.03 and out.max() > 1.5           # 2 * 0.5 on [-1, 1]; not clamped
+    assert np.array_equal(out, np.asarray(add_input_noise(ds, 0.5, seed=1)[:]["pixel_values"]))
+    img = Image.fromarray((np.arange(48, dtype=np.uint8).reshape(4, 4, 3) * 5))
+    pil = Dataset.from_dict({"image": [img, img]}, features=Features({"image": HFImage()}))
+    same = color_jitter_fixed(pil, (1.0, 1.0, 1.0, 0.0), seed=0)[0]["image"]
+    assert np.abs(np.asarray(same, np.int16) - np.asarray(img, np.int16)).max() <= 2   # HSV round trip only
+    dark = color_jitter_fixed(pil, (0.5, 1.0, 1.0, 0.0), seed=0)[0]["image"]
+    assert abs(np.asarray(dark).mean() - 0.5 * np.asarray(img).mean()) < 2

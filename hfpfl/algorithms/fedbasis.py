@@ -27,6 +27,8 @@ from ..models.basis import BasisCombinedModel, resnet_groups
 from ..models.cond_norm_resnet import CondNormResNetConfig, CondNormResNetForImageClassification
 from .base import GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 
+ANCHOR = "anchor"
+
 
 @dataclass
 class FedBasisConfig:
@@ -74,6 +76,13 @@ class FedBasis(Algorithm):
 
     def key_role(self, key, default):
         return PRIVATE if default == GLOBAL and key.startswith("coef.") else default
+
+    def init_server_state(self):
+        # part "anchor": the non-major bases as the warm start left them (the k-means centroids), kept in the server
+        # state so that the B3.3 diagnostic survives a resume and is the same on every process; it never travels
+        state = super().init_server_state()
+        return {**state, ANCHOR: {k: v.clone() for k, v in state[MODEL].items()
+                                  if k.startswith("bases.") and not k.startswith("bases.0.")}}
 
     def warm_rounds(self) -> int:
         """At least one warm-start round (when there are >= 2 rounds and warm_fraction > 0): bases that start
@@ -163,7 +172,8 @@ class FedBasis(Algorithm):
                         new[kk] = cents[b - 1, off:off + num].view_as(mean[k]).to(mean[k].dtype)
                         off += num
             if cents is not None:
-                self._anchor = {k: new[k].clone() for k in new if k.startswith("bases.") and not k.startswith("bases.0.")}
+                anchor = {k: new[k].clone() for k in server_state[ANCHOR]}
+                return {**server_state, MODEL: new, ANCHOR: anchor}
         return {**server_state, MODEL: new}
 
     def extra_metrics(self, round_idx, server_state):
@@ -174,21 +184,22 @@ class FedBasis(Algorithm):
         vec = [torch.cat([s[k].flatten().double() for k in sorted(s) if k.startswith(f"bases.{b}.")])
                for b in range(1, K + 1)]
         out = {"basis_cosine": _mean_cos(vec)}
-        anchor = getattr(self, "_anchor", None)
-        if anchor:
+        anchor = server_state.get(ANCHOR)
+        if anchor and round_idx >= self.warm_rounds():
             d = [v - torch.cat([anchor[k].flatten().double() for k in sorted(s) if k.startswith(f"bases.{b}.")])
                  for b, v in zip(range(1, K + 1), vec)]
             if all(float(x.norm()) > 0 for x in d):
                 out["basis_update_cosine"] = _mean_cos(d)
         ents = []
-        for i in range(self.ctx.num_clients):
+        for i in range(self.ctx.num_clients):     # this process's clients; gathered, in one order for any process count
             st = self.ctx.private_state(i)
             if st and st.get(MODEL):
-                for k, psi in st[MODEL].items():
+                for k, psi in sorted(st[MODEL].items()):
                     a = torch.softmax(psi.double(), 0)
-                    ents.append(float(-(a * a.clamp_min(1e-12).log()).sum() / math.log(K)))
+                    ents.append((i, k, float(-(a * a.clamp_min(1e-12).log()).sum() / math.log(K))))
+        ents = sorted(self.ctx.gather(ents))
         if ents:
-            out["alpha_entropy"] = float(np.mean(ents))   # normalised: 1 = uniform alpha
+            out["alpha_entropy"] = float(np.mean([e for _, _, e in ents]))   # normalised: 1 = uniform alpha
         return out
 
     # ------------------------------------------------------------------ new clients (Algorithm 2)

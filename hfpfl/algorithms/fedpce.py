@@ -187,14 +187,24 @@ class FedPCE(_PCELoop):
     def adapt_lr(self, hp):
         return self.config.lr_embedding_new
 
-    def embeddings(self) -> dict[int, torch.Tensor]:
-        """This process's clients' learned embeddings (for the PCA map)."""
+    def _local_embeddings(self) -> dict[int, torch.Tensor]:
         out = {}
         for i in range(self.ctx.num_clients):
             s = self.ctx.private_state(i)
             if s and s.get(MODEL):
                 out[i] = s[MODEL][EMBEDDING_KEY].clone()
         return out
+
+    def extra_metrics(self, round_idx, server_state):
+        # every process calls this at each evaluation: collect every client's embedding here (the PCA map is drawn
+        # by the main process alone, which holds only its own clients under several processes)
+        self._gathered = dict(self.ctx.gather(sorted(self._local_embeddings().items())))
+        return {}
+
+    def embeddings(self) -> dict[int, torch.Tensor]:
+        """Every client's learned embedding as of the last evaluation (for the PCA map); this process's clients'
+        current ones when there was no evaluation yet."""
+        return dict(getattr(self, "_gathered", None) or self._local_embeddings())
 
 
 @register

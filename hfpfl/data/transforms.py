@@ -54,6 +54,56 @@ def _degrade_one(img, kind: str, sev: int, r: np.random.Generator):
     raise ValueError(f"unknown degradation {kind!r}; expected one of {DEGRADATIONS}")
 
 
+def _jitter_fixed(img, factors, r: np.random.Generator):
+    """The paper's ColorJitter with fixed factors (brightness b, contrast c, saturation s, hue h in [-0.5, 0.5] of
+    the hue circle, as torchvision's adjust_*), the four operations applied in a random order per image."""
+    from PIL import Image as PILImage
+    from PIL import ImageEnhance
+
+    b, c, s, h = factors
+    img = img.convert("RGB")
+    for op in r.permutation(4):
+        if op == 0:
+            img = ImageEnhance.Brightness(img).enhance(b)
+        elif op == 1:
+            img = ImageEnhance.Contrast(img).enhance(c)
+        elif op == 2:
+            img = ImageEnhance.Color(img).enhance(s)
+        else:
+            hsv = np.asarray(img.convert("HSV")).copy()
+            hsv[..., 0] = (hsv[..., 0].astype(np.int16) + int(round(h * 255))) % 256
+            img = PILImage.fromarray(hsv, mode="HSV").convert("RGB")
+    return img
+
+
+def color_jitter_fixed(ds: Dataset, factors, seed: int = 0) -> Dataset:
+    """Every image of ``ds`` jittered with the same ``factors`` = (brightness, contrast, saturation, hue) in a random
+    order per image (deterministic per ``seed``): FedPCE's per-client ColorJitter (paper 000 section 4.2)."""
+    gens = np.random.default_rng([int(seed) & 0xFFFFFFFF, 29]).spawn(len(ds))
+    factors = tuple(float(f) for f in factors)
+
+    def fn(batch, idx):
+        return {"image": [_jitter_fixed(im, factors, gens[i]) for im, i in zip(batch["image"], idx)]}
+
+    return ds.map(fn, batched=True, with_indices=True, batch_size=256, features=ds.features)
+
+
+def add_input_noise(ds: Dataset, std: float, seed: int = 0) -> Dataset:
+    """Additive pixel-wise Gaussian noise N(0, std^2) on the [0, 1] image scale, added to model inputs
+    (``pixel_values`` in [-1, 1], so 2 * std there) and **not clamped**: FedPCE's Gaussian-noise clients (paper 000
+    section 4.2, variances linspace(0.005, 1, M); no clamping as in spec fedpce.md section 6 #18). One fixed draw
+    per image (deterministic per ``seed``; the paper resamples at every load)."""
+    gens = np.random.default_rng([int(seed) & 0xFFFFFFFF, 31]).spawn(len(ds))
+
+    def fn(batch, idx):
+        x = np.asarray(batch["pixel_values"], dtype=np.float32)
+        noise = np.stack([gens[i].standard_normal(x.shape[1:]) for i in idx]).astype(np.float32)
+        return {"pixel_values": x + np.float32(2.0 * std) * noise}
+
+    return ds.with_format("numpy").map(fn, batched=True, with_indices=True, batch_size=512,
+                                       features=ds.features).with_format("torch")
+
+
 def degrade(ds: Dataset, kind: str, severity: int = 3, seed: int = 0, domain_suffix: bool = False) -> Dataset:
     """Degrade every image of ``ds`` (columns ``image``, optional ``domain``); deterministic per ``seed``."""
     if kind not in DEGRADATIONS:
