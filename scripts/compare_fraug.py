@@ -5,7 +5,8 @@ held / not held for each claim.
     python scripts/compare_fraug.py --seeds 0 1 2 --num_rounds 30
     python scripts/compare_fraug.py --variants fraug fedbn -- --dataset digits+noise --num_clients 8
 
-Extra flags after `--` go to every run (any RunArguments / DataArguments option). Writes <output_dir>/comparison.json,
+Extra flags after `--` go to every run (any RunArguments / DataArguments option; FRAug-only options such as
+--gen_lr reach only the FRAug variants). Writes <output_dir>/comparison.json,
 curves.png (mean personal accuracy per round, mean over seeds) and domains.png, and prints the table.
 CPU scale (tiny HF ResNet, 16 px, 600 images per domain, 30 rounds): orderings, not the paper's absolute numbers.
 """
@@ -66,6 +67,24 @@ def main():
     runs = {}
     for f in a.from_runs or []:
         runs.update(json.loads(Path(f).read_text()))
+    import dataclasses
+
+    from hfpfl.algorithms.fraug import FRAugConfig
+    fraug_only = {f"--{f.name}" for f in dataclasses.fields(FRAugConfig)}
+
+    def for_method(method, flags):
+        """The extra flags a method accepts: FRAug-only options (--gen_lr ...) are dropped for the baselines."""
+        if method == "fraug":
+            return flags
+        out, i = [], 0
+        while i < len(flags):
+            if flags[i] in fraug_only:
+                i += 2
+                continue
+            out.append(flags[i])
+            i += 1
+        return out
+
     for name in ([] if a.from_runs else a.variants):
         method, flags = VARIANTS[name]
         for seed in a.seeds:
@@ -73,7 +92,7 @@ def main():
             run, data, mcfg = parse_run_args(["--method", method, *COMMON, "--seed", str(seed), "--num_rounds",
                                               str(a.num_rounds), "--output_dir", str(out), "--overwrite_output_dir",
                                               "true", "--checkpoint_every", "0", "--progress", "false", *flags,
-                                              *extra])
+                                              *for_method(method, extra)])
             if method == "fraug":
                 mcfg.plot_embeddings = seed == a.seeds[0]
             sim = Simulation(run, data, mcfg)
