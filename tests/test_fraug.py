@@ -329,3 +329,34 @@ def test_two_processes_give_the_same_results(tmp_path):
     assert r2["world_size"] == 2
     assert r1["per_client_accuracy"] == r2["per_client_accuracy"] and r1["final"] == r2["final"]
     assert (tmp_path / "two" / "fraug_embeddings.png").exists()
+
+
+# ------------------------------------------------------------------------------------------------ same optimizer policy
+def test_fedbn_keeps_momentum_only_when_asked(run_sim):
+    """FedBN's --keep_optimizer_state (FRAug's comparisons under one optimizer-state policy): round 1 is identical
+    either way (momentum starts empty), round 2 differs only through the kept momentum, and with momentum 0 keeping
+    the (empty) state changes nothing."""
+    from hfpfl.algorithms.fedbn import FedBNConfig
+    kw = dict(num_rounds=2, local_steps=2, lr=0.05, momentum=0.9)
+    runs = {}
+    for keep in (False, True):
+        for rounds in (1, 2):
+            runs[keep, rounds] = run_sim("fedbn", method_config=FedBNConfig(keep_optimizer_state=keep),
+                                         output_dir=f"bn-{keep}-{rounds}", **{**kw, "num_rounds": rounds})[0]
+
+    def uploads(sim):
+        return {u.client_id: u.upload[MODEL] for u in sim.last_updates}
+
+    def same(a, b):
+        return all(torch.equal(a[c][k], b[c][k]) for c in a for k in a[c])
+
+    assert same(uploads(runs[False, 1]), uploads(runs[True, 1]))
+    assert not same(uploads(runs[False, 2]), uploads(runs[True, 2]))
+    kept = runs[True, 2].store.get(0)
+    assert "optim" in kept and any("momentum_buffer" in k for k in kept["optim"])
+    assert "optim" not in runs[False, 2].store.get(0)
+    a, _ = run_sim("fedbn", method_config=FedBNConfig(keep_optimizer_state=False), output_dir="bn-m0-f",
+                   **{**kw, "momentum": 0.0})
+    b, _ = run_sim("fedbn", method_config=FedBNConfig(keep_optimizer_state=True), output_dir="bn-m0-k",
+                   **{**kw, "momentum": 0.0})
+    assert same(uploads(a), uploads(b))
