@@ -54,7 +54,9 @@ def main(argv=None):
         if getattr(known, name) < 20:
             print(f"recipes/feddat.py: error: --{name} must be >= 20, got {getattr(known, name)}", file=sys.stderr)
             raise SystemExit(2)
-    defaults = {**DEFAULTS, "model": known.backbone}
+    from hfpfl.models.vqa import BACKBONES
+
+    defaults = {**DEFAULTS, "model": BACKBONES[known.backbone]}
     return run_recipe(method="feddat", argv=rest, defaults=defaults, script="recipes/feddat.py", name=f"feddat-{known.vqa_split}",
                       description=__doc__,
                       data_fn=lambda run, data: build_data(run, data, known.vqa_split, known.train_per_client,
