@@ -45,15 +45,26 @@ def build_data(run, data, split, train_n, test_n):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--backbone", choices=["vilt", "blip"], default="vilt")
-    pre.add_argument("--vqa_split", choices=["function", "scene", "domain"], default="scene")
-    pre.add_argument("--train_per_client", type=int, default=300)
-    pre.add_argument("--test_per_client", type=int, default=200)
+    pre.add_argument("--backbone", default="vilt")
+    pre.add_argument("--vqa_split", default="scene")
+    pre.add_argument("--train_per_client", default="300")
+    pre.add_argument("--test_per_client", default="200")
     known, rest = pre.parse_known_args(argv)
+
+    def bad(name, allowed):
+        print(f"recipes/feddat.py: error: --{name} must be {allowed}, got {getattr(known, name)!r}", file=sys.stderr)
+        raise SystemExit(2)
+    if known.backbone not in ("vilt", "blip"):
+        bad("backbone", "vilt or blip (or pass --model <Hub id>)")
+    if known.vqa_split not in ("function", "scene", "domain"):
+        bad("vqa_split", "function, scene or domain")
     for name in ("train_per_client", "test_per_client"):
+        try:
+            setattr(known, name, int(getattr(known, name)))
+        except ValueError:
+            bad(name, "an integer >= 20")
         if getattr(known, name) < 20:
-            print(f"recipes/feddat.py: error: --{name} must be >= 20, got {getattr(known, name)}", file=sys.stderr)
-            raise SystemExit(2)
+            bad(name, "an integer >= 20")
     from hfpfl.models.vqa import BACKBONES
 
     defaults = {**DEFAULTS, "model": BACKBONES[known.backbone]}
