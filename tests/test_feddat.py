@@ -22,11 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def vqa_fed():
-    """The domain-like split, 5 clients, 24 training questions each (client 0 cut to 12: unequal N_k)."""
+    """The domain-like split, 5 clients, 16 training questions each (client 0 cut to 9: unequal N_k)."""
     from hfpfl.data.vqa import vqa_benchmark
 
-    fed = vqa_benchmark("domain", seed=0, train_per_client=24, test_per_client=20)
-    fed.clients[0].train = fed.clients[0].train.select(range(12))
+    fed = vqa_benchmark("domain", seed=0, train_per_client=16, test_per_client=20)
+    fed.clients[0].train = fed.clients[0].train.select(range(9))
     return fed
 
 
@@ -34,8 +34,8 @@ def vqa_fed():
 def sim_for(vqa_fed, tmp_path):
     from hfpfl.federated.engine import Simulation
 
-    def make(method, model="tiny-vilt", **cfg):
-        run = RunArguments(method=method, model=model, random_backbone_ok=True, num_rounds=2, batch_size=8, lr=1e-2,
+    def make(method, model="tiny-vilt", rounds=2, **cfg):
+        run = RunArguments(method=method, model=model, random_backbone_ok=True, num_rounds=rounds, batch_size=8, lr=1e-2,
                            optimizer="adamw", weight_decay=0.01, output_dir=str(tmp_path / f"{method}-{model}"),
                            progress=False, overwrite_output_dir=True, checkpoint_every=0, eval_batch_size=64)
         return Simulation(run, None, get_algorithm(method).Config(**cfg), fed_data=vqa_fed, keep_uploads=True)
@@ -124,7 +124,7 @@ def test_gradient_isolation_of_the_two_losses(sim_for, vqa_fed):
 
 # ------------------------------------------------------------------------------------------------ check 4 + 7
 def test_payload_is_the_shared_adapter_only_and_equals_the_adapter_baseline(sim_for):
-    dat, ada = sim_for("feddat"), sim_for("vqa_adapter")
+    dat, ada = sim_for("feddat", rounds=1), sim_for("vqa_adapter", rounds=1)
     init_local = {k: v.clone() for k, v in dat.model_state.items() if ".local." in k}
     dat.run()
     ada.run()
@@ -136,7 +136,7 @@ def test_payload_is_the_shared_adapter_only_and_equals_the_adapter_baseline(sim_
     res_a = json.loads((ada.output_dir / "results.json").read_text())["communication"]
     assert res_d["bytes_up"] == res_a["bytes_up"] > 0 and res_d["bytes_down"] == res_a["bytes_down"]
     n_shared = sum(dat.model_state[k].numel() for k in shared_keys)
-    assert res_d["bytes_up"] == 2 * 5 * 4 * n_shared                 # 2 rounds x 5 clients x float32
+    assert res_d["bytes_up"] == 5 * 4 * n_shared                     # 5 clients x float32, one round
     # A_c and the head persist per client (private, trained, different between clients)
     priv = [dat.store.get(c)[MODEL] for c in range(5)]
     assert set(priv[0]) == set(dat.model.local_keys()) | set(dat.model.head_keys())
@@ -296,7 +296,7 @@ def test_hub_vqa_ids_fail_fast_offline_and_local_parquet_loads(tmp_path, monkeyp
 
 
 def test_blip_trains_with_feddat(sim_for):
-    sim = sim_for("feddat", model="tiny-blip")
+    sim = sim_for("feddat", model="tiny-blip", rounds=1)
     res = sim.run()
     assert 0 <= res["final"]["personal_accuracy"] <= 1 and "inference_dat" in res["final"]
     assert sim.keys_by_role["private"] == sim.model.local_keys()       # BLIP: no head, A_c only
