@@ -34,6 +34,8 @@ import numpy as np
 import datasets
 from datasets import Array3D, Dataset, Features, Image, Sequence, Value
 
+from .federated import FederatedData
+
 ANSWERS_SHAPE = ("circle", "rectangle", "triangle")
 QUESTION_TYPES = ("shape", "color", "yesno-shape", "yesno-color")
 CLIENT_STYLES = ("texture", "photo", "palette", "blur", "noise")
@@ -277,7 +279,7 @@ def vqa_benchmark(split: str = "scene", *, tokenizer=None, seed: int = 0, train_
                   test_per_client: int = 200, image_size: int = 32):
     """A :class:`~hfpfl.data.federated.FederatedData` for one of FedDAT's heterogeneity splits (see module doc).
     Each client draws its own images (disjoint between clients and between its train and test splits)."""
-    from .federated import ClientData, FederatedData
+    from .federated import ClientData
 
     tokenizer = tokenizer or vqa_tokenizer()
     rows, answers = _easy_vqa_raw()
@@ -307,14 +309,17 @@ def vqa_benchmark(split: str = "scene", *, tokenizer=None, seed: int = 0, train_
         tests.append(parts["test"])
     global_test = datasets.concatenate_datasets(tests).with_format("torch")
     public = pretraining_pool(tokenizer, image_size, max_questions=1000, seed=seed)
-    return FederatedData(clients=clients, new_clients=[], global_test=global_test, public=public,
-                         num_labels=len(answers), label_names=list(answers), image_size=image_size, num_channels=3)
+    return VQAFederatedData(clients=clients, new_clients=[], global_test=global_test, public=public,
+                            num_labels=len(answers), label_names=list(answers), image_size=image_size, num_channels=3)
 
 
-def client_answer_histograms(fed) -> np.ndarray:
-    rows = [np.bincount(np.asarray(c.train.with_format(None)["answer"]), minlength=fed.num_labels)
-            for c in fed.clients]
-    return np.stack(rows)
+class VQAFederatedData(FederatedData):
+    """FederatedData whose targets are the ``answer`` column (summary, heatmap and save_to_disk work as for images)."""
+
+    def label_histograms(self, which: str = "train", include_new: bool = True) -> np.ndarray:
+        rows = [np.bincount(np.asarray(getattr(c, which).with_format(None)["answer"]), minlength=self.num_labels)
+                for c in self.clients + (self.new_clients if include_new else [])]
+        return np.stack(rows) if rows else np.zeros((0, self.num_labels), np.int64)
 
 
 __all__ = ["load_vqa_source", "vqa_benchmark", "pretraining_pool", "apply_style", "easy_vqa_images",
