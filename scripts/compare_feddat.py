@@ -54,7 +54,7 @@ def mean_std(xs):
 
 def fmt(xs):
     m, s = mean_std(xs)
-    return "-" if m is None else f"{m:.3f} ± {s:.3f}"
+    return "-" if m is None else f"{m:.3f} ± {s:.3f} (n={len([x for x in xs if x is not None])})"
 
 
 def load_run(path: Path) -> dict | None:
