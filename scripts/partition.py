@@ -7,6 +7,7 @@ Examples::
     python scripts/partition.py --dataset mnist --partition dirichlet --alpha 0.1 --num_clients 20 --output_dir out/d
     python scripts/partition.py --dataset digits --degradations noise,rotation --output_dir out/dn
     python scripts/partition.py --config partition.yaml                          # any flag, from YAML/JSON
+    python scripts/partition.py --vqa_split scene --image_size 32 --output_dir out/vqa_scene    # FedDAT easy-vqa
 
 Writes to ``--output_dir``:
 
@@ -43,6 +44,11 @@ class PartitionScriptArguments:
         default=None, metadata={"help": "Optional repo id: publish dataset/ to the local Hub cache (repo_type=dataset)."}
     )
     num_threads: int = field(default=1, metadata={"help": "torch threads."})
+    vqa_split: str | None = field(default=None, metadata={
+        "help": "Write FedDAT's easy-vqa benchmark instead: function | scene | domain (hfpfl.data.vqa; the data "
+                "flags above are then unused)."})
+    vqa_train_per_client: int = field(default=300, metadata={"help": "--vqa_split: training questions per client."})
+    vqa_test_per_client: int = field(default=200, metadata={"help": "--vqa_split: test questions per client."})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Replace a federated dataset already saved in --output_dir (files this script did not write are kept)."})
 
@@ -146,7 +152,15 @@ def run(data_args, args) -> int:
 
     torch.set_num_threads(args.num_threads)
     t0 = time.time()
-    fed = build_federated_dataset(data_args, seed=args.seed)  # before anything is written: bad input writes nothing
+    if args.vqa_split:
+        from hfpfl.data.vqa import SPLITS, vqa_benchmark
+
+        if args.vqa_split not in SPLITS:
+            raise ValueError(f"--vqa_split must be one of {', '.join(SPLITS)}, got {args.vqa_split!r}")
+        fed = vqa_benchmark(args.vqa_split, seed=args.seed, train_per_client=args.vqa_train_per_client,
+                            test_per_client=args.vqa_test_per_client, image_size=data_args.image_size)
+    else:
+        fed = build_federated_dataset(data_args, seed=args.seed)  # before anything is written: bad input writes nothing
     build_s = time.time() - t0
     summary = fed.summary()
     print(summary)

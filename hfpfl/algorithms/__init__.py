@@ -5,6 +5,7 @@ from . import ditto, fedavg, fedavg_ft, fedbn, fedper, fedprox, local, scaffold 
 from . import feddf, fednova, perada  # noqa: F401  (registration)
 from . import central, fedbip  # noqa: F401  (registration)
 from . import fedbasis, fedpce, fraug  # noqa: F401  (registration)
+from . import feddat  # noqa: F401  (registration)
 from .fedavg import FedAvg
 
 __all__ = ["Algorithm", "Update", "NoConfig", "HParams", "REGISTRY", "get_algorithm", "register", "weighted_average",

@@ -1,0 +1,316 @@
+"""FedDAT (Chen et al., AAAI 2024; dissertation ch. 3): federated dual-adapter teacher, and its PEFT baselines.
+
+Spec: ``specs/fraug_feddat.md`` section 2. Methods (all on :class:`hfpfl.models.vqa.VQAModel`, a frozen pretrained
+ViLT or BLIP; the ViLT head is per client and private in every method, spec 2.3):
+
+==========================  =========================================================================================
+``feddat``                  A_s (global: the only thing that travels, 1/K mean), A_c + head private, Â_s = frozen copy
+                            of the received A_s re-copied every round; per batch: (1) A_s step on
+                            CE(z_s) + alpha KD(z_s <- z_DAT), (2) A_c step on CE(z_DAT) + beta KD(z_DAT <- z_s);
+                            inference with A_s. ``--mutual false``: the "w/o MKD" ablation (beta = 0, only DAT -> A_s).
+                            ``--teacher local|frozen``: Table 4's "w/o Â_s" / "w/o A_c" teachers.
+``vqa_adapter``             Adapter: one adapter per block (= A_s), FedAvg (spec Eq. 2-3, 1/K as [C]), head private.
+``vqa_adapter_local``       Adapter-L: the same adapter trained locally only (nothing travels).
+``vqa_peft``                ``--peft lora|prompt|bias|full|head``: LoRA / prompt / bias / full fine-tuning / clf-L with
+                            FedAvg of the PEFT module (the head stays local); ``--local_only true`` for the -L variants.
+==========================  =========================================================================================
+
+Choices (spec 2.10; where spec and paper disagree the paper wins and it is said here):
+
+* KD: standard KD with teacher detached, ``T^2 KL(softmax(teacher/T) || softmax(student/T))``, T = 3 ([C]; #1, #2).
+* alpha = beta = exp(-5 (1 - t/T0)) [D App. B.2], t = the client's cumulative local steps, T0 = R x steps per round
+  (#3); ``--kd_schedule round`` restarts t every round, ``constant`` is [C]'s fixed 1 with the global 1/2.
+* Update order as [C] (#4): A_s first (teacher = DAT before the update), then A_c (teacher = the z_s of step 1).
+* Two AdamW optimizers (A_s + head, A_c + head), betas (0.9, 0.98), weight decay 0.01, each with warm-up 10% + linear
+  decay to 0 over exactly one round's local steps, restarted every round ([D]; #5, #11). The baselines use the same
+  optimizer and schedule. The schedule needs the optimizers, which ``ctx.train`` creates and does not expose, so the
+  methods build them here and run the engine's one loop :func:`hfpfl.training.train_local` directly.
+* Server mean 1/K (Alg. 1, #9); ``--weighting samples`` for N_k.
+* CE on the single answer (easy-vqa has one answer per question; #10).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+from ..models.vqa import MODES, PEFT_KINDS, AnswerAccuracy, build_vqa_peft_model, kd_loss, kd_ramp
+from ..training import model_inputs, train_local
+from .base import FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
+
+KD_SCHEDULES = ("ramp", "round", "constant")
+
+
+def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Batches of :func:`hfpfl.training.iterate_batches` (a trailing batch of one joins the previous one)."""
+    k = math.ceil(n / batch_size)
+    return k - 1 if k > 1 and n % batch_size == 1 else k
+
+
+def warmup_linear(total: int, warmup: float = 0.1):
+    w = max(1, int(round(warmup * total)))
+    return lambda s: (s + 1) / w if s < w else max(0.0, (total - s) / max(1, total - w))
+
+
+class _Schedulers:
+    def __init__(self, optimizers, total):
+        self.s = [torch.optim.lr_scheduler.LambdaLR(o, warmup_linear(total)) for o in optimizers]
+
+    def step(self):
+        for s in self.s:
+            s.step()
+
+
+@dataclass
+class VQAPeftConfig:
+    peft: str = field(default="adapter", metadata={"help": f"PEFT module: {' | '.join(PEFT_KINDS)} (head = clf-L)."})
+    local_only: bool = field(default=False, metadata={"help": "Train locally only, nothing travels (Adapter-L, ...)."})
+    weighting: str = field(default="uniform", metadata={
+        "help": "Server mean: uniform (1/K, Alg. 1 and [C]) | samples (N_k, Eq. 3)."})
+    reduction: int = field(default=16, metadata={"help": "Adapter reduction factor (r = d / reduction)."})
+    adapter_init: str = field(default="normal", metadata={"help": "normal (N(0,0.02), [C]) | zero (W_up = 0)."})
+    head_init: str = field(default="random", metadata={
+        "help": "ViLT client head: random (spec 2.5 init_head) | pretrained (the foundation model's pool head)."})
+    warmup: float = field(default=0.1, metadata={"help": "LR warm-up fraction of each round's local steps."})
+
+    def __post_init__(self):
+        if self.peft not in PEFT_KINDS:
+            raise ValueError(f"--peft must be one of {', '.join(PEFT_KINDS)}, got {self.peft!r}")
+        if self.weighting not in ("uniform", "samples"):
+            raise ValueError(f"--weighting must be uniform or samples, got {self.weighting!r}")
+        if self.adapter_init not in ("normal", "zero"):
+            raise ValueError(f"--adapter_init must be normal or zero, got {self.adapter_init!r}")
+        if self.head_init not in ("random", "pretrained"):
+            raise ValueError(f"--head_init must be random or pretrained, got {self.head_init!r}")
+
+
+@register
+class VQAPeft(Algorithm):
+    """PEFT of a frozen VQA foundation model with FedAvg of the PEFT module (head local); spec 2.6 baselines."""
+
+    name = "vqa_peft"
+    Config = VQAPeftConfig
+    has_global_model = False      # every client scores with its own head (spec 2.7: client-local test accuracy)
+
+    # ----------------------------------------------------------------- model and roles
+    def build_model(self):
+        from ..runtime import preserved_rng
+
+        with preserved_rng():
+            return build_vqa_peft_model(self.ctx.args.model, list(self.ctx.data.label_names), peft=self.peft_kind(),
+                                        reduction=self.config.reduction, lora_r=self.ctx.args.lora_r,  # the run's --lora_r (paper: 16 on d = 768)
+                                        
+                                        adapter_init=self.config.adapter_init, head_init=self.config.head_init)
+
+    def peft_kind(self) -> str:
+        return self.config.peft
+
+    def key_role(self, key, default):
+        if key.startswith("backbone.classifier."):
+            return PRIVATE                                  # the client head never travels
+        if self.config.local_only and default == GLOBAL:
+            return PRIVATE
+        if key.startswith("backbone.") and default == PRIVATE:
+            return FROZEN       # tied, frozen weights (BLIP's decoder = word embeddings) are not client state
+        return default
+
+    def metric(self):
+        return AnswerAccuracy()
+
+    def aggregation_weights(self, client_ids):
+        if self.config.weighting == "uniform":
+            return {c: 1.0 for c in client_ids}
+        return super().aggregation_weights(client_ids)
+
+    def reduce(self, server_state, sums, round_idx):
+        if not self.global_keys:
+            return server_state                             # local-only: nothing to aggregate
+        return super().reduce(server_state, sums, round_idx)
+
+    # ----------------------------------------------------------------- local training
+    def set_mode(self, mode: str) -> None:
+        self.model.mode = mode if self.model.peft == "adapter" else "none"
+
+    def optimizer(self, params, hp):
+        params = [p for p in params if p.requires_grad]
+        return torch.optim.AdamW(params, lr=hp.lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=hp.weight_decay)
+
+    def round_steps(self, client_id) -> tuple[int, int]:
+        hp = self.ctx.hparams(client_id)
+        per_epoch = steps_per_epoch(len(self.ctx.train_data(client_id)), hp.batch_size)
+        steps = hp.local_steps or per_epoch * hp.local_epochs
+        return steps, per_epoch
+
+    def run_local(self, client_id, round_idx, optimizers, loss_fns) -> dict:
+        """The engine's one loop with this round's warm-up + linear-decay schedule on every optimizer."""
+        hp = self.ctx.hparams(client_id)
+        steps, _ = self.round_steps(client_id)
+        t0 = time.perf_counter()
+        m = train_local(self.model, self.ctx.train_data(client_id), optimizers if len(optimizers) > 1 else optimizers[0],
+                        batch_size=hp.batch_size, epochs=hp.local_epochs, max_steps=hp.local_steps,
+                        generator=self.ctx.generator(round_idx, client_id), device=self.ctx.device,
+                        backward=self.ctx.accelerator.backward, loss_fn=loss_fns if len(loss_fns) > 1 else loss_fns[0],
+                        scheduler=_Schedulers(optimizers, steps))
+        m["ms_per_step"] = 1000 * (time.perf_counter() - t0) / max(1, m["steps"])
+        return m
+
+    def client_update(self, client_id, down, private, round_idx):
+        self.load_client(down, private)
+        self.set_mode("shared")
+        hp = self.ctx.hparams(client_id)
+        opt = self.optimizer(self.trainable_parameters(), hp)
+        metrics = self.run_local(client_id, round_idx, [opt], [lambda m, b: m(**b).loss])
+        return Update(client_id, upload={MODEL: self.ctx.snapshot(self.global_keys)},
+                      num_samples=len(self.ctx.train_data(client_id)),
+                      private={MODEL: self.ctx.snapshot(self.private_keys)}, metrics=metrics)
+
+    def load_personal(self, client_id, server_state, private, round_idx):
+        model = super().load_personal(client_id, server_state, private, round_idx)
+        self.set_mode("shared")                             # inference path: A_s (+ the client head)
+        return model
+
+
+@register
+class VQAAdapter(VQAPeft):
+    """Adapter: FedAvg of one bottleneck adapter per block (spec Eq. 2-3), head local."""
+
+    name = "vqa_adapter"
+
+    def peft_kind(self):
+        return "adapter"
+
+
+@register
+class VQAAdapterLocal(VQAAdapter):
+    """Adapter-L: the adapter trained on local data only; nothing travels."""
+
+    name = "vqa_adapter_local"
+
+    def key_role(self, key, default):
+        return PRIVATE if default == GLOBAL else super().key_role(key, default)
+
+
+@dataclass
+class FedDATConfig(VQAPeftConfig):
+    temperature: float = field(default=3.0, metadata={"help": "KD temperature T ([C]: 3; the paper gives none)."})
+    kd_schedule: str = field(default="ramp", metadata={
+        "help": "alpha = beta: ramp (exp(-5(1-t/T0)), t over all rounds, [D]) | round (t restarts each round) | "
+                "constant ([C]: (CE + KD) / 2)."})
+    mutual: bool = field(default=True, metadata={
+        "help": "Mutual KD; false = the 'w/o MKD' ablation (only DAT -> A_s, no A_s -> DAT term)."})
+    teacher: str = field(default="dat", metadata={
+        "help": "Teacher path: dat (1/2 Â_s + 1/2 A_c) | local ('w/o Â_s': A_c only) | frozen ('w/o A_c': Â_s only)."})
+    eval_variants: bool = field(default=True, metadata={
+        "help": "At the last round also score the DAT and A_c inference paths (Table 4) besides A_s."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.peft != "adapter":
+            raise ValueError("feddat is built on adapters: --peft must be adapter")
+        if self.kd_schedule not in KD_SCHEDULES:
+            raise ValueError(f"--kd_schedule must be one of {', '.join(KD_SCHEDULES)}, got {self.kd_schedule!r}")
+        if self.teacher not in ("dat", "local", "frozen"):
+            raise ValueError(f"--teacher must be dat, local or frozen, got {self.teacher!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"--temperature must be > 0, got {self.temperature}")
+
+
+@register
+class FedDAT(VQAAdapter):
+    """FedDAT: dual-adapter teacher + mutual KD; only the shared adapter A_s travels and is used at inference."""
+
+    name = "feddat"
+    Config = FedDATConfig
+
+    def build_model(self):
+        model = super().build_model()
+        for slot in model.adapters:
+            slot.local.requires_grad_(True)                 # A_c trains (private)
+        return model
+
+    def key_role(self, key, default):
+        if ".local." in key and key.startswith("adapters."):
+            return PRIVATE                                  # A_c persists on the client, never sent
+        return super().key_role(key, default)
+
+    def kd_weight(self, client_id, round_idx, step) -> float:
+        steps, _ = self.round_steps(client_id)
+        if self.config.kd_schedule == "constant":
+            return 1.0
+        if self.config.kd_schedule == "round":
+            return kd_ramp(step, steps)
+        return kd_ramp((round_idx - 1) * steps + step, self.ctx.args.num_rounds * steps)
+
+    def client_update(self, client_id, down, private, round_idx):
+        self.load_client(down, private)                    # A_s <- global, A_c + head <- this client's
+        model = self.model
+        model.copy_shared_to_frozen()                      # Â_s <- the received A_s, every round
+        hp = self.ctx.hparams(client_id)
+        head = [p for k, p in model.named_parameters() if k.startswith("backbone.classifier.")]
+        shared = [p for k, p in model.named_parameters() if ".shared." in k]
+        local = [p for k, p in model.named_parameters() if ".local." in k]
+        opt_s, opt_c = self.optimizer(shared + head, hp), self.optimizer(local + head, hp)
+        cfg, state = self.config, {"step": 0, "kd_s": 0.0, "kd_dat": 0.0}
+        half = 0.5 if cfg.kd_schedule == "constant" else 1.0
+
+        def loss_s(m, batch):                              # L^s = CE(z_s) + alpha KD(z_s <- z_DAT): trains A_s (+head)
+            x, y = model_inputs(batch), batch["answer"]
+            a = self.kd_weight(client_id, round_idx, state["step"])
+            with torch.no_grad():
+                m.mode = cfg.teacher
+                z_t = m(**x).logits
+            m.mode = "shared"
+            z_s = m(**x).logits
+            state["z_s"] = z_s.detach()
+            kd = kd_loss(z_s, z_t, cfg.temperature)
+            state["kd_s"] += float(kd.detach())
+            return half * (F.cross_entropy(z_s, y) + a * kd)
+
+        def loss_dat(m, batch):                            # L^DAT = CE(z_DAT) + beta KD(z_DAT <- z_s): trains A_c (+head)
+            x, y = model_inputs(batch), batch["answer"]
+            b = self.kd_weight(client_id, round_idx, state["step"]) if cfg.mutual else 0.0
+            state["step"] += 1
+            m.mode = cfg.teacher
+            z_t = m(**x).logits
+            m.mode = "shared"
+            kd = kd_loss(z_t, state.pop("z_s"), cfg.temperature)
+            state["kd_dat"] += float(kd.detach())
+            return half * (F.cross_entropy(z_t, y) + b * kd)
+
+        metrics = self.run_local(client_id, round_idx, [opt_s, opt_c], [loss_s, loss_dat])
+        n = max(1, metrics["steps"])
+        metrics.update(kd_s=state["kd_s"] / n, kd_dat=state["kd_dat"] / n,
+                       kd_weight=self.kd_weight(client_id, round_idx, state["step"] - 1))
+        self.set_mode("shared")
+        return Update(client_id, upload={MODEL: self.ctx.snapshot(self.global_keys)},
+                      num_samples=len(self.ctx.train_data(client_id)),
+                      private={MODEL: self.ctx.snapshot(self.private_keys)}, metrics=metrics)
+
+    def inference_variants(self, server_state) -> dict:
+        """Table 4's inference rows: per-client accuracy with A_s (default), DAT (Â_s = the final global A_s, + A_c)
+        and A_c alone."""
+        rows = []
+        for cid in self.ctx.owned(range(self.ctx.num_clients)):
+            private = self.ctx.private_state(cid)
+            self.load_personal(cid, server_state, private, self.ctx.round)
+            self.model.copy_shared_to_frozen()
+            accs = {}
+            for mode in ("shared", "dat", "local"):
+                self.model.mode = mode
+                accs[mode] = self.ctx.evaluate(self.model, self.ctx.test_data(cid))["accuracy"]
+            rows.append((cid, accs))
+            self.set_mode("shared")
+        rows = sorted(self.ctx.gather(rows))
+        return {f"inference_{mode}": sum(r[1][mode] for r in rows) / max(1, len(rows)) for mode in ("shared", "dat",
+                                                                                                 "local")}
+
+    def extra_metrics(self, round_idx, server_state):
+        if not self.config.eval_variants or round_idx < self.ctx.args.num_rounds:
+            return {}
+        return self.inference_variants(server_state)
+
+
+__all__ = ["FedDAT", "VQAAdapter", "VQAAdapterLocal", "VQAPeft", "steps_per_epoch", "MODES"]

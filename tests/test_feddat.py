@@ -1,0 +1,342 @@
+"""FedDAT (spec fraug_feddat.md 2.11 unit checks 1-9) on tiny random ViLT/BLIP models and a small easy-vqa
+federation; the VQA data path (easy-vqa offline, Hub ids fail fast, a local parquet fixture); resume and 2 processes."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from hfpfl.algorithms import MODEL, get_algorithm
+from hfpfl.config import RunArguments
+from hfpfl.models.vqa import (BottleneckAdapter, DualAdapter, adapter_param_count, build_vqa_peft_model, kd_loss,
+                              kd_ramp)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def vqa_fed():
+    """The domain-like split, 5 clients, 16 training questions each (client 0 cut to 9: unequal N_k)."""
+    from hfpfl.data.vqa import vqa_benchmark
+
+    fed = vqa_benchmark("domain", seed=0, train_per_client=16, test_per_client=20)
+    fed.clients[0].train = fed.clients[0].train.select(range(9))
+    return fed
+
+
+@pytest.fixture
+def sim_for(vqa_fed, tmp_path):
+    from hfpfl.federated.engine import Simulation
+
+    def make(method, model="tiny-vilt", rounds=2, **cfg):
+        run = RunArguments(method=method, model=model, random_backbone_ok=True, num_rounds=rounds, batch_size=8, lr=1e-2,
+                           optimizer="adamw", weight_decay=0.01, output_dir=str(tmp_path / f"{method}-{model}"),
+                           progress=False, overwrite_output_dir=True, checkpoint_every=0, eval_batch_size=64)
+        return Simulation(run, None, get_algorithm(method).Config(**cfg), fed_data=vqa_fed, keep_uploads=True)
+    return make
+
+
+def batch_of(fed, cid=0, n=6):
+    b = fed.clients[cid].train[:n]
+    return {k: v for k, v in b.items()}
+
+
+def logits(model, batch, mode):
+    model.mode = mode
+    with torch.no_grad():
+        return model(**{k: v for k, v in batch.items() if k != "answer"}).logits
+
+
+# ------------------------------------------------------------------------------------------------ check 1
+def test_adapter_parameter_formula_and_shapes():
+    assert adapter_param_count(12, 768, 48) == 894_528          # ViLT-B, Table 2's 0.89M
+    assert adapter_param_count(24, 768, 48) == 1_789_056        # VAuLT, 1.79M
+    a = BottleneckAdapter(768, 48)
+    assert sum(p.numel() for p in a.parameters()) == 2 * 768 * 48 + 768 + 48
+    h = torch.randn(2, 7, 768)
+    assert a(h).shape == (2, 7, 768)
+    for name in ("tiny-vilt", "tiny-blip"):
+        m = build_vqa_peft_model(name, [str(i) for i in range(13)] if name == "tiny-vilt" else
+                                 ["circle", "green", "red", "gray", "yes", "teal", "black", "rectangle", "yellow",
+                                  "triangle", "brown", "blue", "no"])
+        cfg = m.backbone.config
+        d = cfg.hidden_size if name == "tiny-vilt" else cfg.text_config.hidden_size
+        layers = cfg.num_hidden_layers if name == "tiny-vilt" else (cfg.vision_config.num_hidden_layers +
+                                                                  2 * cfg.text_config.num_hidden_layers)
+        shared = sum(p.numel() for k, p in m.named_parameters() if ".shared." in k)
+        assert shared == adapter_param_count(layers, d, d // 16)
+
+
+# ------------------------------------------------------------------------------------------------ check 2
+def test_dat_is_the_average_of_the_two_adapters_and_identity_when_equal(vqa_fed):
+    torch.manual_seed(0)
+    slot = DualAdapter(8, 2)
+    slot.shared.up.weight.data.normal_()
+    slot.copy_shared_to_frozen()
+    h = torch.randn(3, 4, 8)
+    by_hand = 0.5 * (torch.relu(h @ slot.shared.down.weight.T + slot.shared.down.bias) @ slot.shared.up.weight.T
+                     + slot.shared.up.bias) + 0.5 * slot.local(h)
+    assert torch.allclose(slot.delta(h, "dat"), by_hand, atol=1e-6)
+    m = build_vqa_peft_model("tiny-vilt", list(vqa_fed.label_names))
+    b = batch_of(vqa_fed)
+    with torch.no_grad():
+        for s in m.adapters:
+            s.shared.up.weight.normal_(std=0.5)        # make the adapters matter
+            s.local.load_state_dict(s.shared.state_dict())
+    m.copy_shared_to_frozen()
+    assert torch.allclose(logits(m, b, "dat"), logits(m, b, "shared"), atol=1e-5)
+    assert not torch.allclose(logits(m, b, "none"), logits(m, b, "shared"), atol=1e-3)  # the adapters do act
+    with torch.no_grad():
+        for s in m.adapters:
+            s.local.up.weight.normal_(std=0.5)
+    assert not torch.allclose(logits(m, b, "dat"), logits(m, b, "shared"), atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------ check 3
+def test_gradient_isolation_of_the_two_losses(sim_for, vqa_fed):
+    sim = sim_for("feddat")
+    m = sim.model
+    b = batch_of(vqa_fed)
+    x = {k: v for k, v in b.items() if k != "answer"}
+    shared = [p for k, p in m.named_parameters() if ".shared." in k]
+    local = [p for k, p in m.named_parameters() if ".local." in k]
+    backbone = [p for k, p in m.named_parameters() if k.startswith("backbone.") and "classifier" not in k]
+    frozen_bufs = [v for k, v in m.named_buffers() if ".frozen_" in k or "frozen_" in k.split(".")[-1]]
+    assert frozen_bufs and all(not v.requires_grad for v in frozen_bufs)
+    assert all(not p.requires_grad for p in backbone)
+    m.zero_grad(set_to_none=True)
+    m.mode = "dat"
+    F.cross_entropy(m(**x).logits, b["answer"]).backward()           # L^DAT
+    assert all(p.grad is None for p in shared) and all(p.grad is None for p in backbone)
+    assert all(p.grad is not None for p in local) and sum(p.grad.abs().sum() for p in local) > 0
+    m.zero_grad(set_to_none=True)
+    m.mode = "shared"
+    F.cross_entropy(m(**x).logits, b["answer"]).backward()           # L^s
+    assert all(p.grad is None for p in local) and all(p.grad is None for p in backbone)
+    assert all(p.grad is not None for p in shared) and sum(p.grad.abs().sum() for p in shared) > 0
+
+
+# ------------------------------------------------------------------------------------------------ check 4 + 7
+def test_payload_is_the_shared_adapter_only_and_equals_the_adapter_baseline(sim_for):
+    dat, ada = sim_for("feddat", rounds=1), sim_for("vqa_adapter", rounds=1)
+    init_local = {k: v.clone() for k, v in dat.model_state.items() if ".local." in k}
+    dat.run()
+    ada.run()
+    shared_keys = set(dat.model.shared_keys())
+    for u in dat.last_updates:
+        assert set(u.upload) == {MODEL} and set(u.upload[MODEL]) == shared_keys
+    assert set(ada.last_updates[0].upload[MODEL]) == set(ada.model.shared_keys()) == shared_keys
+    res_d = json.loads((dat.output_dir / "results.json").read_text())["communication"]
+    res_a = json.loads((ada.output_dir / "results.json").read_text())["communication"]
+    assert res_d["bytes_up"] == res_a["bytes_up"] > 0 and res_d["bytes_down"] == res_a["bytes_down"]
+    n_shared = sum(dat.model_state[k].numel() for k in shared_keys)
+    assert res_d["bytes_up"] == 5 * 4 * n_shared                     # 5 clients x float32, one round
+    # A_c and the head persist per client (private, trained, different between clients)
+    priv = [dat.store.get(c)[MODEL] for c in range(5)]
+    assert set(priv[0]) == set(dat.model.local_keys()) | set(dat.model.head_keys())
+    k = dat.model.local_keys()[0]
+    assert not torch.equal(priv[0][k], init_local[k]) and not torch.equal(priv[0][k], priv[1][k])
+    # aggregation: the server A_s is the 1/K mean of the uploads (client 0 holds half the data of the others)
+    mean = {k: torch.stack([u.upload[MODEL][k] for u in dat.last_updates]).mean(0) for k in shared_keys}
+    for k in shared_keys:
+        assert torch.allclose(dat.server_state[MODEL][k], mean[k], atol=1e-6)
+    n = [len(dat.train_data(c)) for c in range(5)]
+    gap = max((dat.server_state[MODEL][k] - sum(u.upload[MODEL][k] * n_i for u, n_i in zip(dat.last_updates, n))
+               / sum(n)).abs().max().item() for k in shared_keys)
+    assert gap > 1e-5                                                  # not the N_k-weighted mean
+
+
+def test_frozen_copy_is_recopied_every_round_and_private_state_persists(sim_for):
+    sim = sim_for("feddat")
+    sim.setup()
+    algo, ctx = sim.algorithm, sim.ctx
+    private = algo.init_private_state(1)
+    for r in (1, 2):
+        down = {MODEL: {k: v + 0.01 * r for k, v in sim.server_state[MODEL].items()}}   # a new global A_s
+        ctx.load(private[MODEL])
+        upd = algo.client_update(1, down, private, r)
+        for i, slot in enumerate(sim.model.adapters):
+            assert torch.equal(slot.frozen_down_weight, down[MODEL][f"adapters.{i}.shared.down.weight"])
+            assert torch.equal(slot.frozen_up_bias, down[MODEL][f"adapters.{i}.shared.up.bias"])
+        k = sim.model.local_keys()[0]
+        assert not torch.equal(upd.private[MODEL][k], private[MODEL][k])      # A_c trained, kept for next round
+        private = upd.private
+
+
+# ------------------------------------------------------------------------------------------------ check 5 + 6
+def test_kd_sanity_and_temperature_scaling():
+    torch.manual_seed(0)
+    z = torch.randn(8, 13)
+    assert kd_loss(z, z).abs() < 1e-6
+    t = torch.randn(8, 13, requires_grad=True)
+    s = torch.randn(8, 13, requires_grad=True)
+    loss = kd_loss(s, t)
+    assert loss > 0
+    loss.backward()
+    assert t.grad is None and s.grad is not None                      # the teacher is detached
+    by_hand = 9 * (F.softmax(t / 3, -1) * (F.log_softmax(t / 3, -1) - F.log_softmax(s / 3, -1))).sum(-1).mean()
+    assert torch.allclose(loss, by_hand, atol=1e-5)
+
+    def grad_norm(temp, scale=True):
+        s = (0.5 * torch.randn(64, 13, generator=torch.Generator().manual_seed(1))).requires_grad_()
+        tt = 0.5 * torch.randn(64, 13, generator=torch.Generator().manual_seed(2))
+        loss = kd_loss(s, tt, temp) / (1.0 if scale else temp * temp)
+        loss.backward()
+        return s.grad.norm().item()
+    g3, g10 = grad_norm(3.0), grad_norm(10.0)
+    assert 0.7 < g10 / g3 < 1.3                                       # T^2 keeps the gradients comparable
+    assert grad_norm(10.0, scale=False) / grad_norm(3.0, scale=False) < 0.2   # without it they shrink ~ 1/T^2
+
+
+def test_kd_ramp():
+    assert kd_ramp(0, 100) == pytest.approx(math.exp(-5)) and kd_ramp(0, 100) == pytest.approx(0.0067, abs=1e-4)
+    assert kd_ramp(100, 100) == 1.0
+    xs = [kd_ramp(t, 100) for t in range(101)]
+    assert all(a < b for a, b in zip(xs, xs[1:]))
+
+
+# ------------------------------------------------------------------------------------------------ check 8
+def test_inference_uses_only_the_shared_adapter(sim_for, vqa_fed):
+    sim = sim_for("feddat")
+    sim.setup()
+    algo = sim.algorithm
+    b = batch_of(vqa_fed, 2)
+    model = algo.load_personal(2, sim.server_state, algo.init_private_state(2), 1)
+    x = {k: v for k, v in b.items() if k != "answer"}
+
+    def test_logits():
+        torch.manual_seed(0)          # ViLT draws its patch order at random (as the engine does, evaluation is seeded)
+        with torch.no_grad():
+            return model(**x).logits.clone()
+    before = test_logits()
+    with torch.no_grad():
+        for s in model.adapters:
+            s.local.up.weight.normal_(std=1.0)
+            s.local.down.weight.normal_(std=1.0)
+    assert torch.equal(test_logits(), before)                         # A_c does not touch test logits
+    with torch.no_grad():
+        model.adapters[0].shared.up.weight.normal_(std=1.0)
+    assert not torch.allclose(test_logits(), before, atol=1e-4)       # A_s does
+
+
+# ------------------------------------------------------------------------------------------------ check 9
+def test_baseline_payloads_match_their_formulas(sim_for, vqa_fed):
+    d, L, inter = 32, 2, 64                                           # the tiny ViLT config
+    def upload_numel(method, **cfg):
+        sim = sim_for(method, **cfg)
+        return sum(sim.model_state[k].numel() for k in sim.keys_by_role["global"]), sim
+    lora_r = RunArguments().lora_r
+    n, _ = upload_numel("vqa_peft", peft="lora")
+    assert n == 2 * L * 2 * d * lora_r                                # query + value, A and B
+    n, _ = upload_numel("vqa_peft", peft="prompt")
+    assert n == 5 * d + (d * (d // 4) + d // 4) + ((d // 4) * d + d)  # embedding + reparameterisation MLP
+    n, sim = upload_numel("vqa_peft", peft="bias")
+    per_layer = 3 * d + d + inter + d + 2 * d                          # qkv, proj, fc1, fc2, two LNs
+    layer_biases = sum(p.numel() for k, p in sim.model.named_parameters() if ".encoder.layer." in k
+                       and k.endswith(".bias"))
+    assert layer_biases == L * per_layer
+    assert n == sum(p.numel() for k, p in sim.model.backbone.named_parameters()
+                    if k.endswith(".bias") and not k.startswith("classifier."))
+    n, sim = upload_numel("vqa_peft", peft="full")
+    assert n == sum(p.numel() for k, p in sim.model.backbone.named_parameters() if not k.startswith("classifier."))
+    n, _ = upload_numel("vqa_adapter_local")
+    assert n == 0
+    n, _ = upload_numel("vqa_peft", peft="head")
+    assert n == 0
+
+
+# ------------------------------------------------------------------------------------------------ data
+def test_easy_vqa_source_splits_and_styles(vqa_fed):
+    from hfpfl.data.vqa import (QUESTION_TYPES, apply_style, client_specs, load_vqa_source,
+                                pool_and_client_images)
+
+    ds = load_vqa_source("easy-vqa")
+    assert set(ds.column_names) == {"image", "question", "answer", "question_type", "image_id"}
+    assert len(ds) == 48_248 and set(ds.unique("question_type")) == set(QUESTION_TYPES)
+    pool, clients = pool_and_client_images()
+    assert not set(pool.tolist()) & set(clients.tolist())
+    assert [s.families for s in client_specs("function")] == [(f,) for f in QUESTION_TYPES]
+    assert len({s.style for s in client_specs("scene")}) == 5
+    img = np.full((2, 8, 8, 3), 240, np.uint8)
+    img[:, 2:5, 2:5] = (200, 0, 0)
+    assert np.array_equal(apply_style(img, "palette", 0)[0, 3, 3], [0, 200, 0])
+    tex = apply_style(img, "texture", 0)
+    assert np.array_equal(tex[:, 2:5, 2:5], img[:, 2:5, 2:5]) and not np.array_equal(tex[:, 0, 0], img[:, 0, 0])
+    # yes/no clients only see yes/no answers; clients do not share images with each other
+    names = vqa_fed.label_names
+    ans = [set(np.asarray(c.train.with_format(None)["answer"]).tolist()) for c in vqa_fed.clients]
+    assert {names[i] for i in ans[2]} <= {"yes", "no"}
+
+
+def test_hub_vqa_ids_fail_fast_offline_and_local_parquet_loads(tmp_path, monkeypatch):
+    from PIL import Image
+
+    from hfpfl.data.sources import SourceUnavailableError
+    from hfpfl.data.vqa import load_vqa_source
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SourceUnavailableError, match="hf download HuggingFaceM4/VQAv2"):
+        load_vqa_source("HuggingFaceM4/VQAv2")
+    import datasets
+    ims = [Image.fromarray(np.full((8, 8, 3), i * 40, np.uint8)) for i in range(3)]
+    datasets.Dataset.from_dict({"image": ims, "question": ["what color?"] * 3,
+                                "multiple_choice_answer": ["red", "blue", "red"]},
+                               features=datasets.Features({"image": datasets.Image(), "question": datasets.Value(
+                                   "string"), "multiple_choice_answer": datasets.Value("string")})
+                               ).to_parquet(str(tmp_path / "vqa.parquet"))
+    ds = load_vqa_source(f"parquet:{tmp_path}/vqa.parquet")
+    assert ds["answer"] == ["red", "blue", "red"] and ds["question_type"] == ["all"] * 3
+    assert ds[0]["image"].size == (8, 8)
+
+
+def test_blip_trains_with_feddat(sim_for):
+    sim = sim_for("feddat", model="tiny-blip", rounds=1)
+    res = sim.run()
+    assert 0 <= res["final"]["personal_accuracy"] <= 1 and "inference_dat" in res["final"]
+    assert sim.keys_by_role["private"] == sim.model.local_keys()       # BLIP: no head, A_c only
+
+
+# ------------------------------------------------------------------------------------------------ resume, processes
+def test_resume_from_state_gives_the_same_run(sim_for):
+    a = sim_for("feddat")
+    for _ in range(2):
+        a.step()
+    b = sim_for("feddat")
+    b.step()
+    state = b.state_dict()
+    c = sim_for("feddat")
+    c.load_state_dict(state)
+    c.step()
+    for k, v in a.server_state[MODEL].items():
+        assert torch.equal(v, c.server_state[MODEL][k])
+    for cid in range(5):
+        for k, v in a.store.get(cid)[MODEL].items():
+            assert torch.equal(v, c.store.get(cid)[MODEL][k])
+    assert a.history[-1]["personal_accuracy"] == c.history[-1]["personal_accuracy"]
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_results(tmp_path):
+    args = [str(ROOT / "recipes" / "feddat.py"), "--model", "tiny-vilt", "--random_backbone_ok", "true",
+            "--num_rounds", "2", "--train_per_client", "24", "--test_per_client", "20", "--progress", "false",
+            "--vqa_split", "domain"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    one = subprocess.run([sys.executable, *args, "--output_dir", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    two = subprocess.run([*launcher, *args, "--output_dir", str(tmp_path / "two")], env={**env,
+                         "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-2000:]
+    r1, r2 = (json.loads((tmp_path / w / "results.json").read_text()) for w in ("one", "two"))
+    assert r2["world_size"] == 2
+    assert r1["final"] == r2["final"] and r1["per_client_accuracy"] == r2["per_client_accuracy"]
+    assert r1["communication"]["bytes_up"] == r2["communication"]["bytes_up"]
