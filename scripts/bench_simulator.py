@@ -18,6 +18,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,7 +88,7 @@ def worker(a) -> dict:
             return build_model(a.model, 1, size)
 
     run = RunArguments(method="bench_fedavg", num_rounds=a.rounds, batch_size=a.batch_size, lr=0.01, momentum=0.0,
-                       checkpoint_every=0, progress=False, output_dir=f"/tmp/hfpfl_bench/{a.model}-{n_clients}",
+                       checkpoint_every=0, progress=False, output_dir=tempfile.mkdtemp(prefix=f"hfpfl_bench_{a.model}_{n_clients}_"),
                        overwrite_output_dir=True)
     n_train = [len(c.train) for c in fed.clients]
     if a.impl == "hfpfl":

@@ -10,15 +10,28 @@ import torch
 from .comm import Parts, TensorDict
 
 
+class Fresh(dict):
+    """A tensor dict of fresh CPU copies that nothing else references (what :func:`snapshot` returns): the client
+    store keeps it as it is instead of copying it again."""
+
+
 def snapshot(model_state: TensorDict, keys) -> TensorDict:
     """Detached CPU copies of `keys` from a (cached) state dict."""
-    return {k: model_state[k].detach().to("cpu", copy=True) for k in keys}
+    return Fresh({k: model_state[k].detach().to("cpu", copy=True) for k in keys})
 
 
 @torch.no_grad()
-def load_into(model_state: TensorDict, values: TensorDict) -> None:
-    """Copy `values` into the model's tensors in place (state dict entries share storage with the model)."""
+def load_into(model_state: TensorDict, values: TensorDict, memo: dict | None = None) -> None:
+    """Copy `values` into the model's tensors in place (state dict entries share storage with the model).
+
+    ``memo`` (a dict kept by the caller across calls) skips the copy of a key whose model tensor still holds exactly
+    the value last copied into it: the same source tensor, unchanged (its version counter), and the model tensor
+    unchanged since (its version counter; optimizers, ``copy_`` and BatchNorm updates all bump it)."""
     for k, v in values.items():
+        if memo is not None:
+            seen = memo.get(k)
+            if seen is not None and seen[0] is v and seen[1] == v._version and seen[2] == model_state[k]._version:
+                continue
         try:
             target = model_state[k]
         except KeyError:
@@ -28,6 +41,8 @@ def load_into(model_state: TensorDict, values: TensorDict) -> None:
             raise ValueError(f"shape mismatch for {k!r}: model has {tuple(target.shape)}, got {tuple(v.shape)}; "
                              "the state comes from a different model config")
         target.copy_(v)
+        if memo is not None:
+            memo[k] = (v, v._version, target._version)
 
 
 class ClientStateStore:
@@ -44,9 +59,11 @@ class ClientStateStore:
         return self._states.get(client_id)
 
     def put(self, client_id: int, state: Parts | None) -> None:
+        """Keep CPU copies of ``state`` (parts that are :class:`Fresh` snapshots are kept as they are)."""
         if state is None:
             return
-        self._states[client_id] = {p: {k: v.detach().to("cpu", copy=True) for k, v in d.items()}
+        self._states[client_id] = {p: dict(d) if isinstance(d, Fresh) else
+                                   {k: v.detach().to("cpu", copy=True) for k, v in d.items()}
                                    for p, d in state.items()}
 
     def clear(self) -> None:
