@@ -60,6 +60,10 @@ class RunArguments:
         "help": "Train the sampled clients of a round together in batched (torch.func.vmap) calls: auto (when the "
                 "method's local update can be vectorized and the model is small enough to be overhead-bound) | on "
                 "(whenever the method can be vectorized) | off. Same numbers either way (float tolerance)."})
+    max_state_mb: float = field(default=2048.0, metadata={
+        "help": "Most MiB of client private state (adapters, heads, optimizer state) kept in memory; the least "
+                "recently used clients' states beyond it are written to <output_dir>/client_states/*.safetensors "
+                "and read back when needed (0 = no cap, everything in memory)."})
     data_cache_mb: float = field(default=1024.0, metadata={
         "help": "Most MiB of client tensors kept in memory (images as uint8); the least recently used client splits "
                 "are converted again when needed (0 = no cap)."})
@@ -94,6 +98,7 @@ class RunArguments:
              "a whole number >= 1 or a fraction in (0, 1) (or None = all)"),
             ("vectorize", self.vectorize in ("auto", "on", "off"), "one of auto, on, off"),
             ("data_cache_mb", self.data_cache_mb >= 0, ">= 0 (0 = no cap)"),
+            ("max_state_mb", self.max_state_mb >= 0, ">= 0 (0 = no cap)"),
             ("new_client_epochs", self.new_client_epochs >= 0, ">= 0"),
             ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)"),
             ("keep_checkpoints", self.keep_checkpoints >= 1, ">= 1"),

@@ -186,3 +186,37 @@ def test_eval_clients_subset_then_everyone_at_the_end(ragged, tmp_path):
         RunArguments(eval_clients=2.5)
     with pytest.raises(ValueError, match="--vectorize"):
         RunArguments(vectorize="yes")
+
+
+def test_client_store_spills_least_recently_used_to_disk(tmp_path):
+    from hfpfl.federated.state import ClientStateStore
+    store = ClientStateStore(max_bytes=2500, spill_dir=tmp_path / "spill")
+    states = {c: {"model": {"w": torch.full((250,), float(c)), "n": torch.tensor([c])}, "empty": {}} for c in range(5)}
+    for c, s in states.items():
+        store.put(c, s)
+    assert store.in_memory_bytes <= 2500 and len(store) == 5
+    spilled = sorted(int(p.stem) for p in (tmp_path / "spill").glob("*.safetensors"))
+    assert spilled == [0, 1, 2]  # least recently used first
+    got = store.get(0)  # read back from disk, exactly, with its empty part
+    assert torch.equal(got["model"]["w"], states[0]["model"]["w"]) and got["empty"] == {}
+    assert not (tmp_path / "spill" / "0.safetensors").exists() and (tmp_path / "spill" / "3.safetensors").exists()
+    flat = store.flatten()  # checkpoints see every client, in memory or not
+    assert {k.split("::")[0] for k in flat} == {str(c) for c in range(5)}
+    assert store.nbytes() == 5 * (250 * 4 + 8)
+    store.clear()
+    assert len(store) == 0 and not list((tmp_path / "spill").glob("*.safetensors"))
+
+
+def test_spilling_changes_no_numbers(ragged, tmp_path):
+    @register
+    class TinyLocal(_TinyModel, FedBN):
+        name = "tiny_local_spill"
+
+    ref, rr = _run(ragged, tmp_path, "tiny_local_spill", "off", num_rounds=2)
+    small, rs = _run(ragged, tmp_path / "s", "tiny_local_spill", "off", num_rounds=2, max_state_mb=0.0001)
+    assert small.store.in_memory_bytes <= 200 and len(small.store) == 4
+    assert any((tmp_path / "s").rglob("*.safetensors"))
+    for c in range(4):
+        for k, v in ref.store.get(c)["model"].items():
+            assert torch.equal(v, small.store.get(c)["model"][k])
+    assert rr["final"] == rs["final"]

@@ -35,7 +35,7 @@ logger = logging.getLogger("hfpfl")
 # run settings that do not change what a run computes (they may differ on resume)
 _NOT_FINGERPRINTED = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "num_rounds", "progress",
                       "report_to", "num_threads", "checkpoint_every", "keep_checkpoints", "eval_clients", "vectorize",
-                      "data_cache_mb"}
+                      "data_cache_mb", "max_state_mb"}
 
 
 class Simulation:
@@ -85,7 +85,10 @@ class Simulation:
         self.initial_private = snapshot(self.model_state, self.keys_by_role[PRIVATE])
         self._frozen_buffers = self._frozen_buffer_keys()
         self._frozen_reference = snapshot(self.model_state, self._frozen_buffers)
-        self.store = ClientStateStore()
+        cap = getattr(run_args, "max_state_mb", 0)
+        self.store = ClientStateStore(max_bytes=int(cap * 2**20) if cap else None,
+                                      spill_dir=self.output_dir / "client_states" /
+                                      f"rank{self.accelerator.process_index}")
         self.ledger = CommLedger()
         self.history: list[dict] = []
         self._tensors: OrderedDict[tuple, TensorData] = OrderedDict()  # least recently used first
