@@ -285,11 +285,13 @@ def evaluate(model: nn.Module, data: TensorData, *, batch_size: int = 256, devic
              metric: Metric | None = None) -> dict:
     """Score a model on a split with ``metric`` (default: accuracy and mean cross-entropy)."""
     was_training = model.training
-    model.eval()
+    if was_training:  # (walking the module tree costs as much as a small model's forward)
+        model.eval()
     metric = metric or Metric()
     metric.reset()
     for batch in iterate_batches(data, batch_size, shuffle=False, drop_singleton=False):
         batch = {k: v.to(device) for k, v in batch.items()}
         metric.update(model(**model_inputs(batch)).logits, batch)
-    model.train(was_training)
+    if was_training:
+        model.train()
     return metric.compute()

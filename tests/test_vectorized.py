@@ -81,13 +81,14 @@ def _close(a: dict, b: dict, atol=2e-5):
 
 @pytest.mark.parametrize("method", ["tiny_fedavg", "tiny_fedprox", "tiny_fedbn"])
 def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
-    calls = []
-    real = vectorized.train_chunk
+    calls, evals = [], []
+    real, real_eval = vectorized.train_chunk, vectorized.evaluate_clients
     monkeypatch.setattr(vectorized, "train_chunk", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    monkeypatch.setattr(vectorized, "evaluate_clients", lambda *a, **k: evals.append(len(a[1])) or real_eval(*a, **k))
     seq, rs = _run(ragged, tmp_path, method, "off")
     assert calls == []
     vec, rv = _run(ragged, tmp_path, method, "on")
-    assert calls == [4, 4]  # both rounds, all four clients in one batched chunk
+    assert calls == [4, 4] and evals == [4, 4]  # both rounds, all four clients in one batched chunk
     _close(seq.server_state["model"], vec.server_state["model"])
     for c in range(4):  # private state (FedBN: every client's own BatchNorm affine and running statistics)
         _close(seq.store.get(c).get("model", {}), vec.store.get(c).get("model", {}))
@@ -98,6 +99,7 @@ def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
     for hs, hv in zip(seq.history, vec.history):
         assert hs["train_loss"] == pytest.approx(hv["train_loss"], abs=1e-5)
     assert rs["final"]["personal_accuracy"] == pytest.approx(rv["final"]["personal_accuracy"], abs=1e-9)
+    assert rs["per_client_accuracy"] == rv["per_client_accuracy"]  # evaluated in one batched call, same scores
 
 
 @pytest.mark.parametrize("opt", [dict(optimizer="adam", weight_decay=0.01, lr=0.01),

@@ -269,6 +269,12 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
             state[k].copy_(P[k][-1])
         for k in buffer_keys:
             state[k].copy_(B[k][-1])
+    # finiteness of every client's result at once (a float64 sum of finite values is finite)
+    with torch.no_grad():
+        ok = torch.ones(len(clients), dtype=torch.bool)
+        for t in (*P.values(), *(v for v in B.values() if torch.is_floating_point(v))):
+            ok &= t.reshape(len(clients), -1).sum(1, dtype=torch.float64).isfinite().cpu()
+        ok &= loss_sums.isfinite()
     out = []
     gkeys, pkeys = algo.global_keys, algo.private_keys
     for i, c in enumerate(clients):
@@ -281,7 +287,9 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
         upload = {MODEL: {k: view(k).cpu() for k in gkeys}}
         private = {MODEL: Fresh({k: view(k).to("cpu", copy=True) for k in pkeys})}
         metrics = {"train_loss": float(loss_sums[i] / max(n_steps[i], 1)), "steps": n_steps[i]}
-        out.append(Update(c, upload=upload, num_samples=len(datas[c]), private=private, metrics=metrics))
+        upd = Update(c, upload=upload, num_samples=len(datas[c]), private=private, metrics=metrics)
+        upd.finite = bool(ok[i])  # checked here for the whole chunk (the engine checks only what is not)
+        out.append(upd)
     return out
 
 
@@ -301,3 +309,77 @@ def chunks_of(sim, clients: list[int]) -> list[list[int]]:
         for i in range(0, len(members), size):
             out.append(members[i:i + size])
     return out
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def can_vectorize_eval(sim) -> bool:
+    """Personal models are the base protocol's (download + private state) and the run may vectorize."""
+    cls = type(sim.algorithm)
+    return (getattr(sim.args, "vectorize", "off") != "off" and cls.load_personal is Algorithm.load_personal
+            and cls.load_client is Algorithm.load_client and vectorize_reason(sim) is None
+            and should_vectorize(sim))
+
+
+@torch.no_grad()
+def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> list[tuple[int, float, int]]:
+    """(client, accuracy, num_samples) of every client's personal model on its test split, many clients per
+    batched call: each client's state stacked, test sets padded to the chunk's longest (evaluation-mode models
+    score every sample on its own, so padding changes nothing), scored with the method's metric on the real rows
+    in the sequential path's batch slices."""
+    from torch.func import functional_call, vmap
+
+    algo, model, device = sim.algorithm, sim.model, sim.device
+    per_client_keys = set(algo.global_keys) | set(algo.private_keys)
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    keys = [k for k in named if k in per_client_keys]
+    shared = {k: v.detach() for k, v in named.items() if k not in per_client_keys}
+    was_training = model.training
+    model.eval()
+    rows = []
+    bs = sim.args.eval_batch_size
+
+    def logits_of(s, inputs):
+        return functional_call(model, ({**shared, **s}), args=(), kwargs=inputs, strict=False,
+                               tie_weights=False).logits
+
+    vlogits = vmap(logits_of, in_dims=(0, 0), randomness="error")
+    try:
+        for chunk in chunks_of(sim, clients):
+            downs = {c: algo.download(server_state, c) for c in chunk}
+            privs = {}
+            for c in chunk:
+                privs[c] = sim.store.get(c) or algo.init_private_state(c)
+
+            def value(c, k):
+                priv, down = privs[c].get(MODEL) or {}, downs[c].get(MODEL, {})
+                for src in (priv, down, sim.initial_private):
+                    if k in src:
+                        return src[k]
+                return sim.model_state[k]
+
+            S = {k: _stack([value(c, k) for c in chunk], device).to(named[k].dtype) for k in keys}
+            datas = [sim.test_data(c) for c in chunk]
+            n_max = max(len(d) for d in datas)
+            metrics = [algo.metric() for _ in chunk]
+            for m in metrics:
+                m.reset()
+            for s in range(0, n_max, bs):
+                e = min(s + bs, n_max)
+                idx = torch.arange(s, e)
+                sel = [d.select(idx.clamp(max=len(d) - 1)) for d in datas]  # padding repeats the last row
+                batch = {k: torch.stack([b[k] for b in sel]).to(device) for k in sel[0]}
+                logits = vlogits(S, model_inputs(batch))
+                for i, d in enumerate(datas):
+                    n = min(e, len(d)) - s
+                    if n > 0:
+                        metrics[i].update(logits[i, :n], {k: v[i, :n] for k, v in batch.items()})
+            for c, m in zip(chunk, metrics):
+                res = m.compute()
+                if "loss" in res and not torch.isfinite(torch.tensor(res["loss"])):
+                    from .protocol import NonFiniteError
+                    raise NonFiniteError(f"training diverged by round {sim.round}: client {c}'s model has a "
+                                         f"non-finite evaluation loss; lower --lr (now {sim.args.lr}) or --server_lr")
+                rows.append((c, res["accuracy"], res["num_samples"]))
+    finally:
+        model.train(was_training)
+    return rows
