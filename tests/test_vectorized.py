@@ -222,3 +222,14 @@ def test_spilling_changes_no_numbers(ragged, tmp_path):
         for k, v in ref.store.get(c)["model"].items():
             assert torch.equal(v, small.store.get(c)["model"][k])
     assert rr["final"] == rs["final"]
+
+
+def test_instance_level_wrappers_are_respected(ragged, tmp_path):
+    sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "on", num_rounds=1)
+    seen = []
+    original = sim.algorithm.client_update
+    sim.algorithm.client_update = lambda c, d, p, r: seen.append(c) or original(c, d, p, r)  # FedPop's scorer does this
+    assert "instance" in vectorized.vectorize_reason(sim)
+    sim.args = dataclasses.replace(sim.args, num_rounds=2)
+    sim.step()
+    assert seen == [0, 1, 2, 3]  # the wrapper saw every client: the sequential path ran

@@ -44,6 +44,9 @@ def vectorize_reason(sim) -> str | None:
     """None when this run's local updates can be vectorized, else why not (logged once)."""
     algo = sim.algorithm
     cls = type(algo)
+    for name in ("client_update", "local_train", "load_client", "local_hooks", "functional_hooks"):
+        if name in vars(algo):  # replaced on the instance (e.g. FedPop's scoring wrapper around client_update)
+            return f"{cls.__name__}.{name} is replaced on the instance"
     for name in ("client_update", "local_train", "load_client"):
         if getattr(cls, name) is not getattr(Algorithm, name):
             return f"{cls.__name__} overrides {name}"
@@ -316,6 +319,7 @@ def can_vectorize_eval(sim) -> bool:
     """Personal models are the base protocol's (download + private state) and the run may vectorize."""
     cls = type(sim.algorithm)
     return (getattr(sim.args, "vectorize", "off") != "off" and cls.load_personal is Algorithm.load_personal
+            and "load_personal" not in vars(sim.algorithm)
             and cls.load_client is Algorithm.load_client and vectorize_reason(sim) is None
             and should_vectorize(sim))
 
