@@ -52,7 +52,21 @@ class RunArguments:
     server_momentum: float = field(default=0.0, metadata={"help": "Server optimizer momentum (FedAvgM)."})
     server_lr_decay: float = field(default=1.0, metadata={"help": "Server lr multiplied by this every round."})
     eval_every: int = field(default=1, metadata={"help": "Evaluate every N rounds (and always after the last)."})
+    eval_clients: float | None = field(default=None, metadata={
+        "help": "Clients evaluated at the evaluations before the last: N (>= 1) clients or a fraction in (0, 1), "
+                "drawn per round from the seed; default all. The final evaluation always scores every client."})
     eval_batch_size: int = field(default=256, metadata={"help": "Evaluation batch size."})
+    vectorize: str = field(default="auto", metadata={
+        "help": "Train the sampled clients of a round together in batched (torch.func.vmap) calls: auto (when the "
+                "method's local update can be vectorized and the model is small enough to be overhead-bound) | on "
+                "(whenever the method can be vectorized) | off. Same numbers either way (float tolerance)."})
+    max_state_mb: float = field(default=2048.0, metadata={
+        "help": "Most MiB of client private state (adapters, heads, optimizer state) kept in memory; the least "
+                "recently used clients' states beyond it are written to <output_dir>/client_states/*.safetensors "
+                "and read back when needed (0 = no cap, everything in memory)."})
+    data_cache_mb: float = field(default=1024.0, metadata={
+        "help": "Most MiB of client tensors kept in memory (images as uint8); the least recently used client splits "
+                "are converted again when needed (0 = no cap)."})
     new_client_epochs: int = field(default=3, metadata={"help": "Fine-tuning epochs for held-out new clients."})
     checkpoint_every: int = field(default=1, metadata={"help": "Checkpoint every N rounds (0 = never)."})
     keep_checkpoints: int = field(default=2, metadata={"help": "How many round checkpoints to keep."})
@@ -79,6 +93,12 @@ class RunArguments:
             ("weight_decay", self.weight_decay >= 0, ">= 0"),
             ("eval_every", self.eval_every >= 1, ">= 1"),
             ("eval_batch_size", self.eval_batch_size >= 1, ">= 1"),
+            ("eval_clients", self.eval_clients is None or (self.eval_clients > 0 and (self.eval_clients < 1 or
+                                                                                      float(self.eval_clients).is_integer())),
+             "a whole number >= 1 or a fraction in (0, 1) (or None = all)"),
+            ("vectorize", self.vectorize in ("auto", "on", "off"), "one of auto, on, off"),
+            ("data_cache_mb", self.data_cache_mb >= 0, ">= 0 (0 = no cap)"),
+            ("max_state_mb", self.max_state_mb >= 0, ">= 0 (0 = no cap)"),
             ("new_client_epochs", self.new_client_epochs >= 0, ">= 0"),
             ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)"),
             ("keep_checkpoints", self.keep_checkpoints >= 1, ">= 1"),

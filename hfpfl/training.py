@@ -23,13 +23,31 @@ from torch import nn
 LABEL_KEYS = ("labels",)
 
 
+# images in [-1, 1] that came from 8-bit pixels: x = u * (2/255) - 1 exactly (transforms.to_model_inputs)
+def _decode_uint8(u: torch.Tensor) -> torch.Tensor:
+    return u.float() * (2.0 / 255.0) - 1.0
+
+
+def encode_uint8(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as the 8-bit pixels it was made from (``x = u * 2/255 - 1``), or None when that is not exact: a
+    client's images take a quarter of the memory and are converted per batch, bit for bit the same floats."""
+    if x.dtype != torch.float32 or x.numel() == 0:
+        return None
+    u = ((x + 1.0) * 127.5).round_()
+    if not bool(((u >= 0) & (u <= 255)).all()):
+        return None
+    u = u.to(torch.uint8)
+    return u if torch.equal(_decode_uint8(u), x) else None
+
+
 class TensorData:
     """A split as in-memory tensors, one per column, batched together (fast batching, no per-row Arrow decoding).
 
     ``TensorData(pixel_values, labels)`` for the classic image-classification split; ``TensorData.of(**columns)``
     for any dict of same-length tensors (VQA: input_ids, attention_mask, pixel_values, labels). ``extras`` are more
-    per-sample columns (e.g. teacher logits for distillation). Images may be stored as uint8 (``stored_dtype``) and
-    are converted per batch, which keeps 10,000 clients' data small."""
+    per-sample columns (e.g. teacher logits for distillation). ``TensorData.from_dataset`` stores images that came
+    from 8-bit pixels as uint8 and converts them per batch (exactly the same floats), which keeps 10,000 clients'
+    data small; ``columns`` / ``pixel_values`` always give the model-input floats."""
 
     def __init__(self, pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                  extras: dict[str, torch.Tensor] | None = None):
@@ -44,41 +62,64 @@ class TensorData:
         n = {len(v) for v in cols.values()}
         if len(n) != 1:
             raise ValueError(f"TensorData columns differ in length: { {k: len(v) for k, v in cols.items()} }")
-        self.columns: dict[str, torch.Tensor] = cols
+        self._stored: dict[str, torch.Tensor] = cols
+        self._encoded: set[str] = set()      # columns stored as uint8 pixels
 
     @classmethod
     def of(cls, **columns: torch.Tensor) -> "TensorData":
         return cls(extras=columns)
 
+    def compress(self) -> "TensorData":
+        """Store float image columns that came from 8-bit pixels as uint8 (in place; returns self)."""
+        for k, v in list(self._stored.items()):
+            if k not in self._encoded and k == "pixel_values":
+                u = encode_uint8(v)
+                if u is not None:
+                    self._stored[k] = u
+                    self._encoded.add(k)
+        return self
+
+    def _col(self, k: str, idx=None) -> torch.Tensor:
+        v = self._stored[k] if idx is None else self._stored[k][idx]
+        return _decode_uint8(v) if k in self._encoded else v
+
+    @property
+    def columns(self) -> dict[str, torch.Tensor]:
+        return {k: self._col(k) for k in self._stored}
+
     @property
     def pixel_values(self) -> torch.Tensor:
-        return self.columns["pixel_values"]
+        return self._col("pixel_values")
 
     @property
     def labels(self) -> torch.Tensor:
-        return self.columns["labels"]
+        return self._col("labels")
 
     @property
     def extras(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self.columns.items() if k not in ("pixel_values", "labels")}
+        return {k: self._col(k) for k in self._stored if k not in ("pixel_values", "labels")}
 
     def __len__(self) -> int:
-        return len(next(iter(self.columns.values())))
+        return len(next(iter(self._stored.values())))
 
     def select(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {k: v[idx] for k, v in self.columns.items()}
+        return {k: self._col(k, idx) for k in self._stored}
 
     def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for v in self.columns.values())
+        """Bytes held (uint8 images count one byte per pixel)."""
+        return sum(v.numel() * v.element_size() for v in self._stored.values())
 
     @classmethod
-    def from_dataset(cls, ds, columns: Sequence[str] | None = None) -> "TensorData":
-        """All (or the named) tensor columns of a ``datasets.Dataset`` in model-input format."""
+    def from_dataset(cls, ds, columns: Sequence[str] | None = None, compress: bool = True) -> "TensorData":
+        """All (or the named) tensor columns of a ``datasets.Dataset`` in model-input format (images from 8-bit
+        pixels stored as uint8 unless ``compress=False``)."""
         if len(ds) == 0:
             raise ValueError("a client split is empty; use fewer clients, a larger alpha or min_partition_size")
         columns = list(columns) if columns is not None else [c for c in ("pixel_values", "labels")
                                                                if c in ds.column_names] or list(ds.column_names)
-        cols = ds.with_format("torch", columns=columns)[:]
+        cols = _arrow_columns(ds, columns)
+        if cols is None:
+            cols = ds.with_format("torch", columns=columns)[:]
         out = {}
         for k in columns:
             v = cols[k]
@@ -87,7 +128,37 @@ class TensorData:
             elif k == "labels" and not torch.is_floating_point(v):
                 v = v.long()
             out[k] = v.contiguous()
-        return cls(extras=out)
+        data = cls(extras=out)
+        return data.compress() if compress else data
+
+
+def _arrow_columns(ds, columns) -> dict | None:
+    """Numeric and fixed-shape array columns straight from the Arrow table (one numpy view per column, instead of
+    the torch formatter's per-row conversion, which costs ~1 ms per image); None if a column is anything else."""
+    try:
+        import pyarrow as pa
+        table = ds.with_format("arrow")[:]
+        out = {}
+        for k in columns:
+            col = table.column(k).combine_chunks()
+            shape = getattr(col.type, "shape", None)
+            arr = col.storage if isinstance(col, pa.ExtensionArray) else col
+            while pa.types.is_list(arr.type) or pa.types.is_fixed_size_list(arr.type) or pa.types.is_large_list(arr.type):
+                if arr.null_count:
+                    return None
+                arr = arr.flatten()
+            if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)) or arr.null_count:
+                return None
+            x = arr.to_numpy(zero_copy_only=False)
+            n = len(table)
+            if shape is not None:
+                x = x.reshape(n, *shape)
+            elif len(x) != n:
+                return None
+            out[k] = torch.from_numpy(x.copy())
+        return out
+    except Exception:  # noqa: BLE001 - any other layout: the datasets formatter
+        return None
 
 
 def iterate_batches(data: TensorData, batch_size: int, *, shuffle: bool, generator: torch.Generator | None = None,
@@ -245,11 +316,13 @@ def evaluate(model: nn.Module, data: TensorData, *, batch_size: int = 256, devic
              metric: Metric | None = None) -> dict:
     """Score a model on a split with ``metric`` (default: accuracy and mean cross-entropy)."""
     was_training = model.training
-    model.eval()
+    if was_training:  # (walking the module tree costs as much as a small model's forward)
+        model.eval()
     metric = metric or Metric()
     metric.reset()
     for batch in iterate_batches(data, batch_size, shuffle=False, drop_singleton=False):
         batch = {k: v.to(device) for k, v in batch.items()}
         metric.update(model(**model_inputs(batch)).logits, batch)
-    model.train(was_training)
+    if was_training:
+        model.train()
     return metric.compute()

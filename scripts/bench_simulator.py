@@ -18,6 +18,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,7 +77,7 @@ def worker(a) -> dict:
     n_clients = a.clients[0]
     size = 28 if a.model == "cnn" else 8
     data_args = DataArguments(dataset="mnist", partition="iid", num_clients=n_clients, max_per_domain=None,
-                              image_size=size, num_channels=1, test_fraction=0.25)
+                              image_size=size, num_channels=1, test_fraction=a.test_fraction)
     fed = build_federated_dataset(data_args, seed=0)
 
     @register
@@ -87,7 +88,8 @@ def worker(a) -> dict:
             return build_model(a.model, 1, size)
 
     run = RunArguments(method="bench_fedavg", num_rounds=a.rounds, batch_size=a.batch_size, lr=0.01, momentum=0.0,
-                       checkpoint_every=0, progress=False, output_dir=f"/tmp/hfpfl_bench/{a.model}-{n_clients}",
+                       checkpoint_every=0, vectorize=a.vectorize, eval_every=a.eval_every,
+                       eval_clients=a.eval_clients, progress=False, output_dir=tempfile.mkdtemp(prefix=f"hfpfl_bench_{a.model}_{n_clients}_"),
                        overwrite_output_dir=True)
     n_train = [len(c.train) for c in fed.clients]
     if a.impl == "hfpfl":
@@ -139,28 +141,41 @@ def main():
     p.add_argument("--batch_size", type=int, default=10)
     p.add_argument("--impl", choices=["hfpfl", "bare"], help=argparse.SUPPRESS)
     p.add_argument("--only", choices=["hfpfl", "bare"], help="measure one side only")
+    p.add_argument("--vectorize", nargs="+", choices=["auto", "on", "off"], default=["off", "on"],
+                   help="hfpfl's --vectorize settings to measure (each its own run)")
+    p.add_argument("--eval_every", type=int, default=1, help="hfpfl evaluates every N rounds (1: every round, "
+                   "every client, as PFLlib does)")
+    p.add_argument("--eval_clients", type=float, default=None, help="hfpfl's --eval_clients (default: all)")
+    p.add_argument("--test_fraction", type=float, default=0.25, help="per-client test fraction")
     a = p.parse_args()
     if a.impl:  # worker mode
+        a.vectorize = a.vectorize[0]
         print(json.dumps(worker(a)))
         return
-    print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread, real MNIST iid")
-    print(f"{'clients':>8} {'train/client':>12} {'hfpfl s/round':>14} {'bare s/round':>13} {'ratio':>6} "
-          f"{'hfpfl RSS GB':>13} {'bare RSS GB':>12}")
+    print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread, real MNIST iid; hfpfl evaluates every "
+          f"{a.eval_every} round(s), {'all' if a.eval_clients is None else a.eval_clients} clients; "
+          f"load average {os.getloadavg()[0]:.2f} at start")
+    print(f"{'clients':>8} {'train/client':>12} {'run':>16} {'s/round':>8} {'ratio to bare':>13} {'peak RSS GB':>11}")
     for n in a.clients:
         res = {}
-        for impl in [a.only] if a.only else ("hfpfl", "bare"):
+        runs = ([("bare", "off")] if a.only != "hfpfl" else []) + \
+               ([("hfpfl", v) for v in a.vectorize] if a.only != "bare" else [])
+        for impl, vec in runs:
             cmd = [sys.executable, __file__, "--impl", impl, "--clients", str(n), "--model", a.model,
-                   "--rounds", str(a.rounds), "--batch_size", str(a.batch_size)]
+                   "--rounds", str(a.rounds), "--batch_size", str(a.batch_size), "--vectorize", vec,
+                   "--eval_every", str(a.eval_every), "--test_fraction", str(a.test_fraction)]
+            if a.eval_clients is not None:
+                cmd += ["--eval_clients", str(a.eval_clients)]
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
             if out.returncode != 0:
                 sys.exit(f"{impl} with {n} clients failed:\n{out.stderr[-2000:]}")
-            res[impl] = json.loads(out.stdout.strip().splitlines()[-1])
-        if a.only:
-            print(n, json.dumps(res[a.only]))
-            continue
-        h, b = res["hfpfl"], res["bare"]
-        print(f"{n:>8} {h['mean_train_per_client']:>12.1f} {h['s_per_round']:>14.2f} {b['s_per_round']:>13.2f} "
-              f"{h['s_per_round'] / b['s_per_round']:>6.2f} {h['peak_rss_gb']:>13.2f} {b['peak_rss_gb']:>12.2f}")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            res[(impl, vec)] = r
+            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}"
+            ratio = r["s_per_round"] / res[("bare", "off")]["s_per_round"] if ("bare", "off") in res else float("nan")
+            print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>16} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
+                  f"{r['peak_rss_gb']:>11.2f}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":

@@ -30,3 +30,8 @@ class FedProx(Algorithm):
     def local_hooks(self, client_id, down, private):
         anchor = {k: v.detach().to(self.ctx.device, copy=True) for k, v in down[MODEL].items()}
         return {"regularizer": lambda model: proximal_term(model, anchor, self.config.mu)}
+
+    def functional_hooks(self, client_id, down, private):
+        mu = self.config.mu  # the same proximal term on one client's parameters and its download (vectorized)
+        return {"regularizer": lambda params, anchor: 0.5 * mu * torch.stack(
+            [((params[k] - a) ** 2).sum() for k, a in anchor.items() if k in params]).sum()}

@@ -11,6 +11,7 @@ import logging
 import shutil
 import time
 import zlib
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,8 @@ logger = logging.getLogger("hfpfl")
 
 # run settings that do not change what a run computes (they may differ on resume)
 _NOT_FINGERPRINTED = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "num_rounds", "progress",
-                      "report_to", "num_threads", "checkpoint_every", "keep_checkpoints"}
+                      "report_to", "num_threads", "checkpoint_every", "keep_checkpoints", "eval_clients", "vectorize",
+                      "data_cache_mb", "max_state_mb"}
 
 
 class Simulation:
@@ -83,10 +85,15 @@ class Simulation:
         self.initial_private = snapshot(self.model_state, self.keys_by_role[PRIVATE])
         self._frozen_buffers = self._frozen_buffer_keys()
         self._frozen_reference = snapshot(self.model_state, self._frozen_buffers)
-        self.store = ClientStateStore()
+        cap = getattr(run_args, "max_state_mb", 0)
+        self.store = ClientStateStore(max_bytes=int(cap * 2**20) if cap else None,
+                                      spill_dir=self.output_dir / "client_states" /
+                                      f"rank{self.accelerator.process_index}")
         self.ledger = CommLedger()
         self.history: list[dict] = []
-        self._tensors: dict[tuple, TensorData] = {}
+        self._tensors: OrderedDict[tuple, TensorData] = OrderedDict()  # least recently used first
+        self._tensor_bytes = 0
+        self._load_memo: dict | None = None   # set while evaluating: skips re-loading unchanged tensors
         self._elapsed_before = 0.0
         self.round = 0                        # the last completed round
         self.server_state: dict | None = None
@@ -152,9 +159,27 @@ class Simulation:
 
     # ------------------------------------------------------------------ data, seeds, hyperparameters
     def _tensor_data(self, key, ds) -> TensorData:
-        if key not in self._tensors:
-            self._tensors[key] = TensorData.from_dataset(ds)
-        return self._tensors[key]
+        """A split's tensors, cached (images as uint8) under an LRU cap of ``--data_cache_mb``."""
+        t = self._tensors.get(key)
+        if t is not None:
+            self._tensors.move_to_end(key)
+            return t
+        t = TensorData.from_dataset(ds)
+        self._tensors[key] = t
+        self._tensor_bytes += t.nbytes()
+        cap = getattr(self.args, "data_cache_mb", 0) * 2**20
+        while cap and self._tensor_bytes > cap and len(self._tensors) > 1:
+            _, old = self._tensors.popitem(last=False)
+            self._tensor_bytes -= old.nbytes()
+        return t
+
+    def seed_torch(self, seed: int) -> None:
+        """``torch.manual_seed`` for this process's device. On the CPU only the CPU generator is seeded: the
+        same numbers, without the CUDA lazy-seeding bookkeeping that costs milliseconds per call."""
+        if self.device.type == "cpu":
+            torch.default_generator.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
 
     def client(self, client_id: int):
         if client_id < self.num_clients:
@@ -214,6 +239,35 @@ class Simulation:
         return sorted(int(c) for c in rng.choice(n, size=m, replace=False))
 
     # ------------------------------------------------------------------ one round
+    def _client_updates(self, cids: list[int], round_idx: int, server_state: dict):
+        """The sampled clients' updates, in order: vectorized in chunks where that applies (``--vectorize``),
+        else one client after another."""
+        from . import vectorized
+        if len(cids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.should_vectorize(self):
+            algo = self.algorithm
+            for chunk in vectorized.chunks_of(self, cids):
+                downs, privs = {}, {}
+                for cid in chunk:
+                    downs[cid] = algo.download(server_state, cid)
+                    privs[cid] = self.store.get(cid)
+                    if privs[cid] is None:
+                        privs[cid] = algo.init_private_state(cid)
+                try:
+                    ups = vectorized.train_chunk(self, chunk, downs, privs, round_idx)
+                except Exception as e:  # noqa: BLE001 - an op vmap cannot batch: the sequential path is exact
+                    logger.warning("vectorized training failed (%s: %s); training clients one by one",
+                                   type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                    self._vector_failed = True
+                    ups = [self._client_work(cid, round_idx, server_state) for cid in chunk]
+                    yield from ups
+                    continue
+                self.seed_torch(self.seed_for(round_idx, chunk[-1], "client"))  # the RNG as the sequential path leaves it
+                for upd in ups:
+                    yield self._finish_update(upd, downs[upd.client_id], round_idx)
+            return
+        for cid in cids:
+            yield self._client_work(cid, round_idx, server_state)
+
     def _client_work(self, cid: int, round_idx: int, server_state: dict) -> Update:
         """One client's round: download, swap its private state in, local update, swap it out, checks."""
         algo = self.algorithm
@@ -223,14 +277,20 @@ class Simulation:
             private = algo.init_private_state(cid)
         # the engine, not the method, swaps the client's private model keys in: nothing leaks between clients
         self.ctx.load(private.get(MODEL) or self.initial_private)
-        torch.manual_seed(self.seed_for(round_idx, cid, "client"))
+        self.seed_torch(self.seed_for(round_idx, cid, "client"))
         upd = algo.client_update(cid, down, private, round_idx)
+        return self._finish_update(upd, down, round_idx)
+
+    def _finish_update(self, upd: Update, down: dict, round_idx: int) -> Update:
+        """Checks, the private state into the store, the upload to the CPU, bytes counted."""
+        cid = upd.client_id
         if upd.private is None:
             upd.private = {}
         if self.keys_by_role[PRIVATE] and MODEL not in upd.private:
             upd.private[MODEL] = snapshot(self.model_state, self.keys_by_role[PRIVATE])
         self._check_frozen(f"round {round_idx}, client {cid}")
-        self._check_finite(upd, round_idx)
+        if not getattr(upd, "finite", False):  # vectorized chunks checked every client at once
+            self._check_finite(upd, round_idx)
         self.store.put(cid, upd.private)
         upd.private = None  # private state never leaves the client
         upd.upload = {p: {k: v.detach().cpu() for k, v in d.items()} for p, d in upd.upload.items()}
@@ -242,8 +302,9 @@ class Simulation:
         if self.algorithm.on_non_finite != "error":
             return
         loss = upd.metrics.get("train_loss")
+        # a float64 sum of finite float32/16 values is finite: one pass, no boolean copy of the upload
         bad = [f"{p}/{k}" for p, d in upd.upload.items() for k, v in d.items()
-               if torch.is_floating_point(v) and not bool(torch.isfinite(v).all())]
+               if torch.is_floating_point(v) and not bool(v.sum(dtype=torch.float64).isfinite())]
         if bad or (loss is not None and not np.isfinite(loss)):
             what = f"upload {bad[0]!r}" if bad else f"train loss {loss}"
             raise NonFiniteError(f"training diverged in round {round_idx} on client {upd.client_id}: non-finite "
@@ -255,8 +316,7 @@ class Simulation:
         gather = algo.needs_all_uploads or type(algo).aggregate is not Algorithm.aggregate
         kept: list[Update] = []
         if gather:
-            for cid in owned(sampled, acc):
-                kept.append(self._client_work(cid, round_idx, server_state))
+            kept.extend(self._client_updates(owned(sampled, acc), round_idx, server_state))
             everything = gather_to_main(kept, acc)
             if acc.is_main_process:  # server work once, then every process gets the result
                 everything = sorted(everything, key=lambda u: u.client_id)
@@ -273,8 +333,8 @@ class Simulation:
                 raise ValueError("aggregation weights sum to zero (every sampled client has no data)")
             sums = WeightedSums()
             meta = []
-            for cid in owned(sampled, acc):
-                upd = self._client_work(cid, round_idx, server_state)
+            for upd in self._client_updates(owned(sampled, acc), round_idx, server_state):
+                cid = upd.client_id
                 algo.accumulate(sums, upd, weights[cid] / total)
                 sums.count += 1
                 meta.append((cid, upd.num_samples, upd.metrics))
@@ -310,6 +370,18 @@ class Simulation:
                                  f"lower --lr (now {self.args.lr}) or --server_lr")
         return res
 
+    def eval_client_ids(self, round_idx: int, final: bool = False) -> list[int]:
+        """The clients scored at this evaluation: all at the final one, else ``--eval_clients`` of them (drawn from
+        the seed and the round, the same on every process)."""
+        n, k = self.num_clients, getattr(self.args, "eval_clients", None)
+        if final or k is None:
+            return list(range(n))
+        m = min(n, max(1, int(round(k * n))) if k < 1 else int(k))
+        if m >= n:
+            return list(range(n))
+        rng = np.random.default_rng([self.args.seed, round_idx, 7])
+        return sorted(int(c) for c in rng.choice(n, size=m, replace=False))
+
     def evaluate(self, round_idx: int, server_state: dict, final: bool = False) -> dict:
         algo, acc = self.algorithm, self.accelerator
         out: dict = {}
@@ -318,13 +390,31 @@ class Simulation:
         if model is not None:
             out["global_accuracy"] = self._eval(model, self.global_test_data(), "the global model")["accuracy"]
         rows = []
-        for cid in owned(range(self.num_clients), acc):
-            torch.manual_seed(self.seed_for(round_idx, cid, "eval"))
-            private = self.store.get(cid)
-            self.ctx.load((private or {}).get(MODEL) or self.initial_private)
-            model = algo.load_personal(cid, server_state, private, round_idx)
-            res = self._eval(model, self.test_data(cid), f"client {cid}'s model")
-            rows.append((cid, res["accuracy"], res["num_samples"]))
+        ids = owned(self.eval_client_ids(round_idx, final), acc)
+        from . import vectorized
+        if len(ids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.can_vectorize_eval(self):
+            try:
+                rows = vectorized.evaluate_clients(self, ids, server_state, round_idx)
+                self.seed_torch(self.seed_for(round_idx, ids[-1], "eval"))  # the RNG as the loop leaves it
+                ids = []
+            except NonFiniteError:
+                raise
+            except Exception as e:  # noqa: BLE001 - an op vmap cannot batch: evaluate one by one
+                logger.warning("vectorized evaluation failed (%s: %s); evaluating clients one by one",
+                               type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self._vector_failed = True
+                rows = []
+        self._load_memo = {}  # the same global tensors are loaded for every client: copy them once
+        try:
+            for cid in ids:
+                self.seed_torch(self.seed_for(round_idx, cid, "eval"))
+                private = self.store.get(cid)
+                self.ctx.load((private or {}).get(MODEL) or self.initial_private)
+                model = algo.load_personal(cid, server_state, private, round_idx)
+                res = self._eval(model, self.test_data(cid), f"client {cid}'s model")
+                rows.append((cid, res["accuracy"], res["num_samples"]))
+        finally:
+            self._load_memo = None
         rows = sorted(all_gather(rows, acc))
         if rows:
             out["personal_accuracy"] = float(np.mean([r[1] for r in rows]))  # mean per-client accuracy
@@ -335,7 +425,7 @@ class Simulation:
             new_rows = []
             for j in owned(range(len(self.data.new_clients)), acc):
                 cid = self.num_clients + j
-                torch.manual_seed(self.seed_for(round_idx, cid, "new-client"))
+                self.seed_torch(self.seed_for(round_idx, cid, "new-client"))
                 self.ctx.load(self.initial_private)
                 model = algo.personalize_new_client(cid, server_state, self.train_data(cid), round_idx)
                 new_rows.append((cid, self._eval(model, self.test_data(cid))["accuracy"]))

@@ -165,7 +165,7 @@ class MethodContext:
         return self._sim.initial_private
 
     def load(self, values: TensorDict) -> None:
-        load_into(self._sim.model_state, values)
+        load_into(self._sim.model_state, values, getattr(self._sim, "_load_memo", None))
 
     def snapshot(self, keys) -> TensorDict:
         return snapshot(self._sim.model_state, keys)
@@ -300,7 +300,7 @@ class MethodContext:
 class WeightedSums:
     """Running sums of uploads, O(model) memory however many clients upload: float tensors accumulate
     ``coef * tensor`` in float64 (FedAvg's order of operations, so one process gives the same bits as holding every
-    upload); integer tensors (BatchNorm step counters) keep the running max. Across processes the partial sums are
+    upload and averaging them with :func:`weighted_average`); integer tensors (BatchNorm step counters) keep the running max. Across processes the partial sums are
     all-reduced (sum / max)."""
 
     def __init__(self):
@@ -316,7 +316,7 @@ class WeightedSums:
             if torch.is_floating_point(v):
                 if k not in acc:
                     acc[k] = torch.zeros(v.shape, dtype=torch.float64)
-                acc[k] += v.double().cpu() * coef
+                acc[k].add_(v.cpu(), alpha=coef)  # float64 accumulation, no float64 copy of the upload
             else:
                 acc[k] = v.cpu().clone() if k not in acc else torch.maximum(acc[k], v.cpu())
 
@@ -476,6 +476,13 @@ class Algorithm:
     def local_hooks(self, client_id: int, down: Parts, private: Parts | None) -> dict:
         """Extra arguments for the local training loop (e.g. a proximal `regularizer`); none for FedAvg."""
         return {}
+
+    def functional_hooks(self, client_id: int, down: Parts, private: Parts | None) -> dict | None:
+        """:meth:`local_hooks` as pure functions, for vectorized training of many clients at once (``--vectorize``):
+        ``{"regularizer": fn(params, anchor) -> loss}`` where ``params`` are the trainable parameters by name and
+        ``anchor`` the download's ``"model"`` part, both for one client. None: the hooks cannot be vectorized (the
+        default when ``local_hooks`` is overridden), and the engine trains this method's clients one by one."""
+        return {} if type(self).local_hooks is Algorithm.local_hooks else None
 
     def local_train(self, client_id: int, round_idx: int, **kwargs) -> dict:
         """The engine's training loop on this client's data (see :meth:`MethodContext.train`)."""

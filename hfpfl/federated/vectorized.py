@@ -1,0 +1,389 @@
+"""Vectorized local training: many sampled clients trained together in batched ``torch.func.vmap`` calls.
+
+Small models are overhead-bound: a step of an MLP 64-64-10 on 10 images costs about as much Python and dispatch as
+arithmetic, so stepping 100 clients one after another is ~10x slower than stepping them as one batched call. This
+module runs the local training of a chunk of clients as stacked tensors (``[clients, *shape]`` per parameter,
+buffer and optimizer state) with ``torch.func.functional_call`` + ``vmap(grad_and_value(...))``, with exactly the
+per-client semantics of the sequential loop (:func:`hfpfl.training.train_local`):
+
+* each client's own data order (the same seeded generator and ``randperm`` per epoch), own batches (the trailing
+  singleton merged away), own number of steps: at every step only the clients that still have a batch step, grouped
+  by batch size (a client that has finished is simply not in the group: its parameters and optimizer state stay);
+* each client's own optimizer state (SGD with momentum / weight decay, Adam, AdamW: torch's update rules written out
+  on stacked tensors), created fresh every round as ``ctx.train`` does;
+* BatchNorm running statistics per client (buffers are stacked too and updated in place under ``vmap``);
+* the method's local hooks in functional form (:meth:`Algorithm.functional_hooks`, e.g. FedProx's proximal term).
+
+What cannot be vectorized falls back to the sequential loop automatically (:func:`vectorize_reason` says why):
+methods that override ``client_update`` / ``local_train`` / ``load_client`` or whose hooks have no functional form,
+models with active dropout (its random masks would differ from the sequential path), persistent optimizer state.
+The numbers match the sequential path within float tolerance (batched kernels sum in another order).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..training import model_inputs
+from .protocol import MODEL, Algorithm, HParams, Update
+from .state import Fresh
+
+logger = logging.getLogger("hfpfl")
+
+# auto mode: vectorize models up to this many trainable parameters (measured on 2 CPU cores, 1 thread: an MLP
+# 64-64-10 steps 20 clients 4-5x faster vmapped; PFLlib's CNN (0.58 M) at batch 10 is compute-bound, 0.9x)
+AUTO_MAX_PARAMS = 200_000
+# stacked client states per chunk (parameters + buffers + optimizer state), bytes
+CHUNK_BYTES = 256 * 2**20
+
+
+def vectorize_reason(sim) -> str | None:
+    """None when this run's local updates can be vectorized, else why not (logged once)."""
+    algo = sim.algorithm
+    cls = type(algo)
+    for name in ("client_update", "local_train", "load_client", "local_hooks", "functional_hooks"):
+        if name in vars(algo):  # replaced on the instance (e.g. FedPop's scoring wrapper around client_update)
+            return f"{cls.__name__}.{name} is replaced on the instance"
+    for name in ("client_update", "local_train", "load_client"):
+        if getattr(cls, name) is not getattr(Algorithm, name):
+            return f"{cls.__name__} overrides {name}"
+    hooks_owner, functional_owner = _owner(cls, "local_hooks"), _owner(cls, "functional_hooks")
+    if not issubclass(functional_owner, hooks_owner):  # local hooks newer than their functional form
+        return f"{cls.__name__}'s local hooks have no functional form (Algorithm.functional_hooks)"
+    for m in sim.model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and (m.p > 0 or sim.args.dropout):
+            return "the model has dropout (random masks differ from the sequential path)"
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None:
+            return "BatchNorm with cumulative averaging (momentum=None)"
+    return None
+
+
+def _owner(cls, name):
+    return next(k for k in cls.__mro__ if name in vars(k))
+
+
+def should_vectorize(sim) -> bool:
+    mode = getattr(sim.args, "vectorize", "off")
+    if mode == "off":
+        return False
+    reason = vectorize_reason(sim)
+    if reason is not None:
+        if mode == "on" and not getattr(sim, "_vector_warned", False):
+            logger.warning("--vectorize on: falling back to sequential client training (%s)", reason)
+            sim._vector_warned = True
+        return False
+    if mode == "on":
+        return True
+    n = sum(p.numel() for p in sim.algorithm.trainable_parameters())
+    return n <= AUTO_MAX_PARAMS
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+def batch_schedule(n: int, batch_size: int, epochs: int, max_steps: int | None,
+                   generator: torch.Generator) -> list[torch.Tensor]:
+    """The index batches :func:`hfpfl.training.train_local` would draw, in order (same generator calls)."""
+    out = []
+    while True:
+        order = torch.randperm(n, generator=generator)
+        starts = list(range(0, n, batch_size))
+        if len(starts) > 1 and n - starts[-1] == 1:
+            starts.pop()
+        for i, s in enumerate(starts):
+            e = starts[i + 1] if i + 1 < len(starts) else n
+            out.append(order[s:e])
+            if max_steps is not None and len(out) >= max_steps:
+                return out
+        epochs -= 1
+        if max_steps is None and epochs <= 0:
+            return out
+
+
+# ---------------------------------------------------------------------------------------------- optimizers
+@dataclass
+class _Opt:
+    hp: HParams
+    state: dict  # name -> {field: stacked tensor}
+
+    def step(self, params: dict, grads: dict, idx, step: int) -> None:
+        """Update ``params[k][idx]`` in place, as torch's SGD / Adam / AdamW would for each client."""
+        hp = self.hp
+        for k, g in grads.items():
+            p = params[k] if idx is None else params[k][idx]
+            st = self.state.setdefault(k, {})
+            if hp.optimizer == "sgd":
+                if hp.weight_decay:
+                    g = g.add(p, alpha=hp.weight_decay)
+                if hp.momentum:
+                    if "momentum_buffer" not in st:
+                        st["momentum_buffer"] = torch.zeros_like(params[k])
+                        st["_started"] = torch.zeros(len(params[k]), dtype=torch.bool, device=p.device)
+                    buf_all, started = st["momentum_buffer"], st["_started"]
+                    buf = buf_all if idx is None else buf_all[idx]
+                    first = ~(started if idx is None else started[idx])
+                    shape = (-1,) + (1,) * (g.dim() - 1)
+                    # first step: buf = g (torch.clone(grad)); later: buf = momentum * buf + g
+                    buf = torch.where(first.view(shape), g, buf.mul(hp.momentum).add(g))
+                    if idx is None:
+                        buf_all.copy_(buf)
+                        started.fill_(True)
+                    else:
+                        buf_all[idx] = buf
+                        started[idx] = True
+                    g = buf
+                p = p.add(g, alpha=-hp.lr)
+            else:  # adam / adamw (torch's non-amsgrad update, betas (0.9, 0.999), eps 1e-8)
+                beta1, beta2, eps = 0.9, 0.999, 1e-8
+                if "exp_avg" not in st:
+                    st["exp_avg"] = torch.zeros_like(params[k])
+                    st["exp_avg_sq"] = torch.zeros_like(params[k])
+                m = st["exp_avg"] if idx is None else st["exp_avg"][idx]
+                v = st["exp_avg_sq"] if idx is None else st["exp_avg_sq"][idx]
+                if hp.weight_decay:
+                    if hp.optimizer == "adamw":
+                        p = p.mul(1 - hp.lr * hp.weight_decay)
+                    else:
+                        g = g.add(p, alpha=hp.weight_decay)
+                m = m.lerp(g, 1 - beta1)
+                v = v.mul(beta2).addcmul(g, g, value=1 - beta2)
+                bc1 = 1 - beta1 ** step
+                bc2_sqrt = (1 - beta2 ** step) ** 0.5
+                denom = (v.sqrt() / bc2_sqrt).add_(eps)
+                p = p.addcdiv(m, denom, value=-(hp.lr / bc1))
+                if idx is None:
+                    st["exp_avg"].copy_(m)
+                    st["exp_avg_sq"].copy_(v)
+                else:
+                    st["exp_avg"][idx] = m
+                    st["exp_avg_sq"][idx] = v
+            if idx is None:
+                params[k].copy_(p)
+            else:
+                params[k][idx] = p
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+def _stack(values: list[torch.Tensor], device) -> torch.Tensor:
+    return torch.stack([v.to(device) for v in values])
+
+
+def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[int, dict],
+                round_idx: int) -> list[Update]:
+    """Local training of ``clients`` (same hyperparameters) as stacked tensors; one :class:`Update` per client
+    with the uploads and private state the base ``client_update`` would produce (views into the stacks)."""
+    from torch.func import functional_call, grad_and_value, vmap
+
+    algo, model, device = sim.algorithm, sim.model, sim.device
+    hp = sim.client_hparams(clients[0])
+    state = sim.model_state
+    params_all = dict(model.named_parameters())
+    trainable = [n for n, p in params_all.items()
+                 if p.requires_grad and n in set(algo.global_keys) | set(algo.private_keys)]
+    trainable_set = set(trainable)
+    buffers_all = dict(model.named_buffers())
+    per_client_keys = set(algo.global_keys) | set(algo.private_keys)
+    # per-client tensors: trainable parameters and the buffers that are state (global / private); frozen ones shared
+    buffer_keys = [k for k in buffers_all if k in per_client_keys]
+    shared = {k: v for k, v in {**params_all, **buffers_all}.items() if k not in trainable_set and k not in buffer_keys}
+
+    def client_value(cid, k):
+        priv, down = privates[cid].get(MODEL) or {}, downs[cid].get(MODEL, {})
+        if k in priv:
+            return priv[k]
+        if k in down:
+            return down[k]
+        if k in sim.initial_private:
+            return sim.initial_private[k]
+        return state[k]
+
+    with torch.no_grad():
+        P = {k: _stack([client_value(c, k) for c in clients], device).to(params_all[k].dtype) for k in trainable}
+        B = {k: _stack([client_value(c, k) for c in clients], device) for k in buffer_keys}
+    shared = {k: v.detach() for k, v in shared.items()}
+
+    hooks = {}
+    for c in clients:
+        h = algo.functional_hooks(c, downs[c], privates[c])
+        if h is None:
+            raise RuntimeError("functional_hooks returned None")  # vectorize_reason rules this out
+        hooks = h
+    reg = hooks.get("regularizer")
+    # what the regularizer reads per client: the download's model part (shared when every client got the same)
+    anchor_keys = sorted(downs[clients[0]].get(MODEL, {})) if reg is not None else []
+    anchors, anchor_dims = {}, {}
+    for k in anchor_keys:
+        vals = [downs[c][MODEL][k] for c in clients]
+        if all(v is vals[0] for v in vals):
+            anchors[k], anchor_dims[k] = vals[0].to(device), None
+        else:
+            anchors[k], anchor_dims[k] = _stack(vals, device), 0
+
+    def loss_fn(p, b, anchor, batch):
+        out = functional_call(model, ({**shared, **p, **b}), args=(), kwargs={**model_inputs(batch),
+                                                                              "labels": batch["labels"]},
+                              strict=False, tie_weights=False)
+        task = out.loss
+        loss = task + reg(p, anchor) if reg is not None else task
+        return loss, task
+
+    def _grad(p, b, anchor, batch):
+        def f(p_, b_):  # buffers are an input (BatchNorm updates them in place), not differentiated
+            return loss_fn(p_, b_, anchor, batch)
+        g, (_, task) = grad_and_value(f, argnums=0, has_aux=True)(p, b)
+        return g, task
+
+    vstep = vmap(_grad, in_dims=(0, 0, anchor_dims, 0), randomness="error")
+
+    # schedules: every client's batches, drawn as the sequential loop draws them
+    epochs, steps = hp.local_epochs, hp.local_steps
+    datas = {c: sim.train_data(c) for c in clients}
+    scheds = [batch_schedule(len(datas[c]), hp.batch_size, epochs or 1, steps,
+                             sim.generator(round_idx, c, "")) for c in clients]
+    n_steps = [len(s) for s in scheds]
+    loss_sums = torch.zeros(len(clients), dtype=torch.float64)
+    opt = _Opt(hp, {})
+    model.train()
+    for s in range(max(n_steps)):
+        groups: dict[int, list[int]] = {}
+        for i, sch in enumerate(scheds):
+            if s < len(sch):
+                groups.setdefault(len(sch[s]), []).append(i)
+        for _, members in sorted(groups.items()):
+            everyone = len(members) == len(clients)
+            idx = None if everyone else torch.tensor(members, device=device)
+            sel = [datas[clients[i]].select(scheds[i][s]) for i in members]
+            batch = {k: torch.stack([b[k] for b in sel]).to(device) for k in sel[0]}
+            p = P if everyone else {k: v[idx] for k, v in P.items()}
+            b = B if everyone else {k: v[idx] for k, v in B.items()}
+            a = {k: (v if anchor_dims[k] is None or everyone else v[idx]) for k, v in anchors.items()}
+            grads, task = vstep(p, b, a, batch)  # BatchNorm statistics update ``b`` in place
+            if not everyone:  # ``b`` was a gathered copy: scatter it back
+                with torch.no_grad():
+                    for k in B:
+                        B[k][idx] = b[k]
+            with torch.no_grad():
+                opt.step(P, grads, idx, s + 1)
+            loss_sums[members] += task.detach().double().cpu()
+    # the model ends as the sequential loop leaves it: holding the last client's state
+    with torch.no_grad():
+        for k in trainable:
+            state[k].copy_(P[k][-1])
+        for k in buffer_keys:
+            state[k].copy_(B[k][-1])
+    # finiteness of every client's result at once (a float64 sum of finite values is finite)
+    with torch.no_grad():
+        ok = torch.ones(len(clients), dtype=torch.bool)
+        for t in (*P.values(), *(v for v in B.values() if torch.is_floating_point(v))):
+            ok &= t.reshape(len(clients), -1).sum(1, dtype=torch.float64).isfinite().cpu()
+        ok &= loss_sums.isfinite()
+    out = []
+    gkeys, pkeys = algo.global_keys, algo.private_keys
+    for i, c in enumerate(clients):
+        def view(k):
+            if k in P:
+                return P[k][i].detach()
+            if k in B:
+                return B[k][i]
+            return state[k].detach().to("cpu", copy=True)
+        upload = {MODEL: {k: view(k).cpu() for k in gkeys}}
+        private = {MODEL: Fresh({k: view(k).to("cpu", copy=True) for k in pkeys})}
+        metrics = {"train_loss": float(loss_sums[i] / max(n_steps[i], 1)), "steps": n_steps[i]}
+        upd = Update(c, upload=upload, num_samples=len(datas[c]), private=private, metrics=metrics)
+        upd.finite = bool(ok[i])  # checked here for the whole chunk (the engine checks only what is not)
+        out.append(upd)
+    return out
+
+
+def chunks_of(sim, clients: list[int]) -> list[list[int]]:
+    """Clients with the same hyperparameters, in chunks whose stacked state fits :data:`CHUNK_BYTES`."""
+    per_client = 0
+    for n, p in sim.model.named_parameters():
+        if p.requires_grad:
+            per_client += 4 * p.numel() * p.element_size()  # parameter, gradient, two optimizer slots
+    per_client += sum(b.numel() * b.element_size() for b in sim.model.buffers())
+    size = max(1, CHUNK_BYTES // max(per_client, 1))
+    by_hp: dict[HParams, list[int]] = {}
+    for c in clients:
+        by_hp.setdefault(sim.client_hparams(c), []).append(c)
+    out = []
+    for members in by_hp.values():
+        for i in range(0, len(members), size):
+            out.append(members[i:i + size])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def can_vectorize_eval(sim) -> bool:
+    """Personal models are the base protocol's (download + private state) and the run may vectorize."""
+    cls = type(sim.algorithm)
+    return (getattr(sim.args, "vectorize", "off") != "off" and cls.load_personal is Algorithm.load_personal
+            and "load_personal" not in vars(sim.algorithm)
+            and cls.load_client is Algorithm.load_client and vectorize_reason(sim) is None
+            and should_vectorize(sim))
+
+
+@torch.no_grad()
+def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> list[tuple[int, float, int]]:
+    """(client, accuracy, num_samples) of every client's personal model on its test split, many clients per
+    batched call: each client's state stacked, test sets padded to the chunk's longest (evaluation-mode models
+    score every sample on its own, so padding changes nothing), scored with the method's metric on the real rows
+    in the sequential path's batch slices."""
+    from torch.func import functional_call, vmap
+
+    algo, model, device = sim.algorithm, sim.model, sim.device
+    per_client_keys = set(algo.global_keys) | set(algo.private_keys)
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    keys = [k for k in named if k in per_client_keys]
+    shared = {k: v.detach() for k, v in named.items() if k not in per_client_keys}
+    was_training = model.training
+    model.eval()
+    rows = []
+    bs = sim.args.eval_batch_size
+
+    def logits_of(s, inputs):
+        return functional_call(model, ({**shared, **s}), args=(), kwargs=inputs, strict=False,
+                               tie_weights=False).logits
+
+    vlogits = vmap(logits_of, in_dims=(0, 0), randomness="error")
+    try:
+        for chunk in chunks_of(sim, clients):
+            downs = {c: algo.download(server_state, c) for c in chunk}
+            privs = {}
+            for c in chunk:
+                privs[c] = sim.store.get(c) or algo.init_private_state(c)
+
+            def value(c, k):
+                priv, down = privs[c].get(MODEL) or {}, downs[c].get(MODEL, {})
+                for src in (priv, down, sim.initial_private):
+                    if k in src:
+                        return src[k]
+                return sim.model_state[k]
+
+            S = {k: _stack([value(c, k) for c in chunk], device).to(named[k].dtype) for k in keys}
+            datas = [sim.test_data(c) for c in chunk]
+            n_max = max(len(d) for d in datas)
+            metrics = [algo.metric() for _ in chunk]
+            for m in metrics:
+                m.reset()
+            for s in range(0, n_max, bs):
+                e = min(s + bs, n_max)
+                idx = torch.arange(s, e)
+                sel = [d.select(idx.clamp(max=len(d) - 1)) for d in datas]  # padding repeats the last row
+                batch = {k: torch.stack([b[k] for b in sel]).to(device) for k in sel[0]}
+                logits = vlogits(S, model_inputs(batch))
+                for i, d in enumerate(datas):
+                    n = min(e, len(d)) - s
+                    if n > 0:
+                        metrics[i].update(logits[i, :n], {k: v[i, :n] for k, v in batch.items()})
+            for c, m in zip(chunk, metrics):
+                res = m.compute()
+                if "loss" in res and not torch.isfinite(torch.tensor(res["loss"])):
+                    from .protocol import NonFiniteError
+                    raise NonFiniteError(f"training diverged by round {sim.round}: client {c}'s model has a "
+                                         f"non-finite evaluation loss; lower --lr (now {sim.args.lr}) or --server_lr")
+                rows.append((c, res["accuracy"], res["num_samples"]))
+    finally:
+        model.train(was_training)
+    return rows

@@ -1,0 +1,235 @@
+"""Vectorized client training (``--vectorize``) gives the sequential loop's numbers; the per-client overhead cuts
+(uint8 client data, LRU data cache, evaluation subsets, skipped re-loads) change nothing they should not."""
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from transformers.modeling_outputs import ImageClassifierOutput
+
+from hfpfl.algorithms import get_algorithm, register
+from hfpfl.algorithms.fedavg import FedAvg
+from hfpfl.algorithms.fedbn import FedBN
+from hfpfl.algorithms.fedprox import FedProx
+from hfpfl.config import RunArguments
+from hfpfl.federated import vectorized
+from hfpfl.federated.engine import Simulation
+from hfpfl.training import TensorData, encode_uint8, iterate_batches
+
+
+class TinyNet(nn.Module):
+    """A plain nn.Module (no HF config) with BatchNorm: conv 3->4, BN, ReLU, pool, linear."""
+
+    def __init__(self, num_labels=10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)  # a bias before BN has no gradient: Adam amplifies noise
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4 * 4 * 4, num_labels)
+
+    def forward(self, pixel_values, labels=None):
+        x = nn.functional.max_pool2d(torch.relu(self.bn(self.conv(pixel_values))), 4)
+        logits = self.head(x.flatten(1))
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return ImageClassifierOutput(loss=loss, logits=logits)
+
+
+class _TinyModel:
+    def build_model(self):
+        torch.manual_seed(0)
+        return TinyNet(self.ctx.num_labels)
+
+
+@register
+class TinyFedAvg(_TinyModel, FedAvg):
+    name = "tiny_fedavg"
+
+
+@register
+class TinyFedProx(_TinyModel, FedProx):
+    name = "tiny_fedprox"
+
+
+@register
+class TinyFedBN(_TinyModel, FedBN):
+    name = "tiny_fedbn"
+
+
+@pytest.fixture(scope="module")
+def ragged(small_digits):
+    """The small Digits federation with clients of different sizes (56, 49, 42, 35 training images)."""
+    data_args, fed = small_digits
+    clients = [dataclasses.replace(c, train=c.train.select(range(len(c.train) - 7 * i)))
+               for i, c in enumerate(fed.clients)]
+    return data_args, dataclasses.replace(fed, clients=clients, new_clients=[])
+
+
+def _run(ragged, tmp_path, method, vectorize, **kw):
+    data_args, fed = ragged
+    run = dict(method=method, num_rounds=2, batch_size=10, lr=0.05, momentum=0.5, progress=False,
+               checkpoint_every=0, output_dir=str(tmp_path / f"{method}-{vectorize}"), overwrite_output_dir=True,
+               vectorize=vectorize)
+    run.update(kw)
+    sim = Simulation(RunArguments(**run), data_args, get_algorithm(method).Config(), fed_data=fed)
+    return sim, sim.run()
+
+
+def _close(a: dict, b: dict, atol=2e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k].double(), b[k].double(), atol=atol, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
+
+
+@pytest.mark.parametrize("method", ["tiny_fedavg", "tiny_fedprox", "tiny_fedbn"])
+def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
+    calls, evals = [], []
+    real, real_eval = vectorized.train_chunk, vectorized.evaluate_clients
+    monkeypatch.setattr(vectorized, "train_chunk", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    monkeypatch.setattr(vectorized, "evaluate_clients", lambda *a, **k: evals.append(len(a[1])) or real_eval(*a, **k))
+    seq, rs = _run(ragged, tmp_path, method, "off")
+    assert calls == []
+    vec, rv = _run(ragged, tmp_path, method, "on")
+    assert calls == [4, 4] and evals == [4, 4]  # both rounds, all four clients in one batched chunk
+    _close(seq.server_state["model"], vec.server_state["model"])
+    for c in range(4):  # private state (FedBN: every client's own BatchNorm affine and running statistics)
+        _close(seq.store.get(c).get("model", {}), vec.store.get(c).get("model", {}))
+    if method == "tiny_fedbn":
+        assert seq.keys_by_role["private"] and vec.store.get(0)["model"]["bn.running_mean"].abs().sum() > 0
+        # clients differ: their statistics are their own, not averaged
+        assert not torch.allclose(vec.store.get(0)["model"]["bn.running_mean"], vec.store.get(3)["model"]["bn.running_mean"])
+    for hs, hv in zip(seq.history, vec.history):
+        assert hs["train_loss"] == pytest.approx(hv["train_loss"], abs=1e-5)
+    assert rs["final"]["personal_accuracy"] == pytest.approx(rv["final"]["personal_accuracy"], abs=1e-9)
+    assert rs["per_client_accuracy"] == rv["per_client_accuracy"]  # evaluated in one batched call, same scores
+
+
+@pytest.mark.parametrize("opt", [dict(optimizer="adam", weight_decay=0.01, lr=0.01),
+                                 dict(optimizer="adamw", weight_decay=0.1, lr=0.01),
+                                 dict(optimizer="sgd", momentum=0.9, weight_decay=0.01, local_steps=7)])
+def test_vectorized_optimizers_match(ragged, tmp_path, opt):
+    seq, _ = _run(ragged, tmp_path, "tiny_fedavg", "off", num_rounds=1, **opt)
+    vec, _ = _run(ragged, tmp_path, "tiny_fedavg", "on", num_rounds=1, **opt)
+    _close(seq.server_state["model"], vec.server_state["model"])
+    torch.manual_seed(0)
+    assert not torch.allclose(seq.server_state["model"]["head.weight"], TinyNet().head.weight, atol=1e-3)  # it trained
+
+
+def test_methods_that_cannot_vectorize_fall_back(ragged, tmp_path):
+    @register
+    class HookedProx(FedProx):  # new local hooks without a functional form: must not reuse FedProx's
+        name = "tiny_hooked"
+
+        def build_model(self):
+            torch.manual_seed(0)
+            return TinyNet(self.ctx.num_labels)
+
+        def local_hooks(self, client_id, down, private):
+            return {}
+
+    seq, _ = _run(ragged, tmp_path, "tiny_hooked", "off")
+    vec, _ = _run(ragged, tmp_path, "tiny_hooked", "on")
+    assert "functional form" in vectorized.vectorize_reason(vec)
+    for k, v in seq.server_state["model"].items():  # the sequential path itself: the same bits
+        assert torch.equal(v, vec.server_state["model"][k])
+
+
+def test_auto_rule_and_dropout_rule(ragged, tmp_path):
+    sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "auto", num_rounds=1)
+    assert vectorized.should_vectorize(sim)  # 1 k parameters: overhead-bound, vectorized
+    sim.model.add_module("drop", nn.Dropout(0.1))
+    assert "dropout" in vectorized.vectorize_reason(sim) and not vectorized.should_vectorize(sim)
+
+
+def test_batch_schedule_is_the_training_loops():
+    data = TensorData(torch.arange(23).float()[:, None], torch.zeros(23, dtype=torch.long))
+    for epochs, steps in ((2, None), (1, 5), (1, 1)):
+        g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        sched = vectorized.batch_schedule(23, 5, epochs, steps, g1)
+        ref = []
+        while True:
+            for b in iterate_batches(data, 5, shuffle=True, generator=g2):
+                ref.append(b["pixel_values"][:, 0].long())
+                if steps and len(ref) >= steps:
+                    break
+            epochs -= 1
+            if (steps and len(ref) >= steps) or (not steps and epochs <= 0):
+                break
+        assert [s.tolist() for s in sched] == [r.tolist() for r in ref]
+    assert [len(s) for s in vectorized.batch_schedule(11, 5, 1, None, torch.Generator())] == [5, 6]  # no singleton
+
+
+def test_uint8_storage_is_exact_and_quarter_size(small_digits):
+    _, fed = small_digits
+    ds = fed.clients[0].train
+    small, full = TensorData.from_dataset(ds), TensorData.from_dataset(ds, compress=False)
+    assert small._stored["pixel_values"].dtype == torch.uint8
+    assert torch.equal(small.pixel_values, full.pixel_values)
+    idx = torch.tensor([3, 1, 2])
+    assert torch.equal(small.select(idx)["pixel_values"], full.select(idx)["pixel_values"])
+    assert small.nbytes() < 0.3 * full.nbytes()
+    assert encode_uint8(torch.tensor([0.1234])) is None  # not 8-bit pixels: kept as floats
+
+
+def test_data_cache_is_capped_lru(ragged, tmp_path):
+    sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "off", num_rounds=1, data_cache_mb=0.05)  # ~50 kB: 2-3 splits
+    assert sim._tensor_bytes <= 0.05 * 2**20 or len(sim._tensors) == 1
+    assert len(sim._tensors) < 8  # 4 clients x (train, test) + global test would be 9
+    again = sim.train_data(0)
+    assert torch.equal(again.pixel_values, TensorData.from_dataset(sim.client(0).train).pixel_values)
+
+
+def test_eval_clients_subset_then_everyone_at_the_end(ragged, tmp_path):
+    sim, res = _run(ragged, tmp_path, "tiny_fedavg", "off", num_rounds=3, eval_clients=2)
+    assert [len(h["per_client"]) for h in sim.history] == [2, 2, 4]
+    assert len(res["per_client_accuracy"]) == 4
+    assert sim.eval_client_ids(1) == sim.eval_client_ids(1) and len(sim.eval_client_ids(1)) == 2
+    half, _ = _run(ragged, tmp_path, "tiny_fedavg", "off", num_rounds=1, eval_clients=0.5)
+    assert len(half.eval_client_ids(1)) == 2 and len(half.eval_client_ids(1, final=True)) == 4
+    with pytest.raises(ValueError, match="--eval_clients"):
+        RunArguments(eval_clients=2.5)
+    with pytest.raises(ValueError, match="--vectorize"):
+        RunArguments(vectorize="yes")
+
+
+def test_client_store_spills_least_recently_used_to_disk(tmp_path):
+    from hfpfl.federated.state import ClientStateStore
+    store = ClientStateStore(max_bytes=2500, spill_dir=tmp_path / "spill")
+    states = {c: {"model": {"w": torch.full((250,), float(c)), "n": torch.tensor([c])}, "empty": {}} for c in range(5)}
+    for c, s in states.items():
+        store.put(c, s)
+    assert store.in_memory_bytes <= 2500 and len(store) == 5
+    spilled = sorted(int(p.stem) for p in (tmp_path / "spill").glob("*.safetensors"))
+    assert spilled == [0, 1, 2]  # least recently used first
+    got = store.get(0)  # read back from disk, exactly, with its empty part
+    assert torch.equal(got["model"]["w"], states[0]["model"]["w"]) and got["empty"] == {}
+    assert not (tmp_path / "spill" / "0.safetensors").exists() and (tmp_path / "spill" / "3.safetensors").exists()
+    flat = store.flatten()  # checkpoints see every client, in memory or not
+    assert {k.split("::")[0] for k in flat} == {str(c) for c in range(5)}
+    assert store.nbytes() == 5 * (250 * 4 + 8)
+    store.clear()
+    assert len(store) == 0 and not list((tmp_path / "spill").glob("*.safetensors"))
+
+
+def test_spilling_changes_no_numbers(ragged, tmp_path):
+    @register
+    class TinyLocal(_TinyModel, FedBN):
+        name = "tiny_local_spill"
+
+    ref, rr = _run(ragged, tmp_path, "tiny_local_spill", "off", num_rounds=2)
+    small, rs = _run(ragged, tmp_path / "s", "tiny_local_spill", "off", num_rounds=2, max_state_mb=0.0001)
+    assert small.store.in_memory_bytes <= 200 and len(small.store) == 4
+    assert any((tmp_path / "s").rglob("*.safetensors"))
+    for c in range(4):
+        for k, v in ref.store.get(c)["model"].items():
+            assert torch.equal(v, small.store.get(c)["model"][k])
+    assert rr["final"] == rs["final"]
+
+
+def test_instance_level_wrappers_are_respected(ragged, tmp_path):
+    sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "on", num_rounds=1)
+    seen = []
+    original = sim.algorithm.client_update
+    sim.algorithm.client_update = lambda c, d, p, r: seen.append(c) or original(c, d, p, r)  # FedPop's scorer does this
+    assert "instance" in vectorized.vectorize_reason(sim)
+    sim.args = dataclasses.replace(sim.args, num_rounds=2)
+    sim.step()
+    assert seen == [0, 1, 2, 3]  # the wrapper saw every client: the sequential path ran
