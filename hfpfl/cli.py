@@ -50,13 +50,14 @@ def fail(e: BaseException) -> None:
 
 def run_recipe(method: str | None = None, argv: list[str] | None = None, defaults: dict | None = None,
                name: str | None = None, data_fn=None, after=None, script: str | None = None,
-               description: str | None = None) -> dict | None:
+               description: str | None = None, recipe_settings: dict | None = None) -> dict | None:
     """Parse flags (+ --config YAML), run one simulation, print the result table. User errors exit with code 2 and
     one line; SIGINT/SIGTERM leave the last round checkpoint and print the command that resumes.
     ``defaults`` are the recipe's own option defaults (below YAML and flags); ``name`` names the default output
     folder ``outputs/<name>-<timestamp>`` (default: the method). A recipe with its own benchmark passes
     ``data_fn(run, data) -> FederatedData`` and ``after(sim, results)`` (extra plots, main process only);
-    ``script`` names the recipe in messages when ``argv`` is given explicitly."""
+    ``script`` names the recipe in messages when ``argv`` is given explicitly; ``recipe_settings`` are the recipe's own
+    options that shape its data (checked on resume)."""
     import dataclasses
 
     from .config import parse_run_args
@@ -76,7 +77,8 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
                 run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, name or run.method))
                 with cleanup_on_failure(run.output_dir):
                     from .federated.engine import Simulation
-                    sim = Simulation(run, data, method_cfg, fed_data=data_fn(run, data) if data_fn else None)
+                    sim = Simulation(run, data, method_cfg, fed_data=data_fn(run, data) if data_fn else None,
+                                     recipe_settings=recipe_settings)
                     results = sim.run()
                     if after is not None and sim.accelerator.is_main_process:
                         after(sim, results)

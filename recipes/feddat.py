@@ -71,7 +71,8 @@ def main(argv=None):
     return run_recipe(method="feddat", argv=rest, defaults=defaults, script="recipes/feddat.py", name=f"feddat-{known.vqa_split}",
                       description=__doc__,
                       data_fn=lambda run, data: build_data(run, data, known.vqa_split, known.train_per_client,
-                                                           known.test_per_client))
+                                                           known.test_per_client),
+                      recipe_settings=vars(known))
 
 
 if __name__ == "__main__":

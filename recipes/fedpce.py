@@ -55,6 +55,7 @@ def main(argv=None):
     return run_recipe(method="fedpce", argv=rest, defaults=DEFAULTS, script="recipes/fedpce.py", description=__doc__,
                       data_fn=lambda run, data: build_data(data, run.seed, known.benchmark, known.new_client_budget,
                                                            known.held_out_domain, known.levels),
+                      recipe_settings=vars(known),
                       after=lambda sim, results: plot_embeddings(sim, sim.data) if sim.args.method == "fedpce" else None)
 
 

@@ -34,8 +34,10 @@ def run_sim(small_digits, tmp_path):
                   progress=False, new_client_epochs=1, overwrite_output_dir=True)
         kw.update(overrides)
         kw["output_dir"] = str(tmp_path / kw["output_dir"])  # always inside the test's tmp dir
+        recipe_settings = kw.pop("recipe_settings", None)
         cfg = method_config if method_config is not None else get_algorithm(method).Config()
-        sim = Simulation(RunArguments(**kw), data_args, cfg, fed_data=fed, keep_uploads=True)
+        sim = Simulation(RunArguments(**kw), data_args, cfg, fed_data=fed, keep_uploads=True,
+                         recipe_settings=recipe_settings)
         return sim, (sim.run() if run else None)
 
     return _run

@@ -114,6 +114,11 @@ def test_corrupt_and_mismatched_checkpoints(run_sim, tmp_path):
     # mismatched: a different method cannot resume this checkpoint
     with pytest.raises(ValueError, match="other settings.*method"):
         run_sim("fedbn", num_rounds=3, output_dir="ck", resume_from_checkpoint="latest", overwrite_output_dir=False)
+    # a recipe's own data options (FedPCE's --levels, FedDAT's --vqa_split) are part of what a checkpoint computed
+    run_sim("fedavg", num_rounds=1, output_dir="rk", recipe_settings={"levels": "paper"})
+    with pytest.raises(ValueError, match="other settings.*levels.*'paper'.*'cycled'"):
+        run_sim("fedavg", num_rounds=2, output_dir="rk", resume_from_checkpoint="latest", overwrite_output_dir=False,
+                recipe_settings={"levels": "cycled"})
     # corrupt: truncated safetensors
     data = (latest / "server.safetensors").read_bytes()
     (latest / "server.safetensors").write_bytes(data[: len(data) // 2])

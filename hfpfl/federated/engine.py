@@ -44,16 +44,19 @@ class Simulation:
     ``fed_data`` may be passed in (already built) to share it between simulations (FedPop, benchmarks).
     ``keep_uploads=True`` keeps the last round's uploads in ``last_updates`` (tests, debugging); by default uploads
     are folded into running sums as they arrive and dropped (O(model) memory for any number of clients).
+    ``recipe_settings`` are a recipe's own options that shape ``fed_data`` (e.g. FedPCE's ``--levels``): they join
+    the resume fingerprint, so a checkpoint is never continued on differently built data.
     """
 
     def __init__(self, run_args, data_args=None, method_config=None, *, fed_data=None,
-                 accelerator: Accelerator | None = None, keep_uploads: bool = False):
+                 accelerator: Accelerator | None = None, keep_uploads: bool = False, recipe_settings: dict | None = None):
         if not run_args.output_dir:  # default: outputs/<method>-<timestamp>, the same on every process
             from ..runtime import resolve_output_dir
             run_args = dataclasses.replace(run_args, output_dir=resolve_output_dir(None, run_args.method))
         self.args = run_args
         self.data_args = data_args
         self.keep_uploads = keep_uploads
+        self.recipe_settings = dict(recipe_settings or {})
         torch.set_num_threads(max(1, run_args.num_threads))
         log_with = None if run_args.report_to == "none" else run_args.report_to
         self.accelerator = accelerator or Accelerator(log_with=log_with, project_dir=run_args.output_dir)
@@ -473,8 +476,11 @@ class Simulation:
         def plain(dc):
             return {k: v for k, v in (dataclasses.asdict(dc) if dataclasses.is_dataclass(dc) else {}).items()}
         run = {k: v for k, v in plain(self.args).items() if k not in _NOT_FINGERPRINTED}
-        return {"run": run, "data": plain(self.data_args), "method": plain(self.algorithm.config),
-                "num_clients": self.num_clients}
+        fp = {"run": run, "data": plain(self.data_args), "method": plain(self.algorithm.config),
+              "num_clients": self.num_clients}
+        if self.recipe_settings:  # only when given, so checkpoints written without them still match
+            fp["recipe"] = self.recipe_settings
+        return fp
 
     def save_checkpoint(self, round_idx: int, server_state: dict, elapsed: float) -> None:
         acc = self.accelerator
