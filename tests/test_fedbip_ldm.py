@@ -45,11 +45,15 @@ def test_pretrained_ldm_plain_prompt_fidelity():
     ``HFPFL_TEST_PRETRAIN_LDM=1`` pretrains it here (minutes: too long for CI by default)."""
     from diffusers import StableDiffusionPipeline
 
-    from hfpfl.fedbip.ldm import DEFAULT_LDM_REPO, cached_snapshot, ensure_pretrained_ldm
+    from hfpfl.fedbip.ldm import (DEFAULT_LDM_REPO, LDM_RECIPE_VERSION, cached_snapshot, ensure_pretrained_ldm,
+                                  snapshot_recipe_version)
     from hfpfl.fedbip.quality import Judge, plain_prompt_fidelity
 
-    if cached_snapshot(DEFAULT_LDM_REPO) is None and os.environ.get("HFPFL_TEST_PRETRAIN_LDM") != "1":
-        pytest.skip(f"{DEFAULT_LDM_REPO} is not in the local Hub cache (set HFPFL_TEST_PRETRAIN_LDM=1 to pretrain)")
+    cached = cached_snapshot(DEFAULT_LDM_REPO)
+    if (cached is None or snapshot_recipe_version(cached) != LDM_RECIPE_VERSION) and \
+            os.environ.get("HFPFL_TEST_PRETRAIN_LDM") != "1":
+        pytest.skip(f"{DEFAULT_LDM_REPO} (recipe version {LDM_RECIPE_VERSION}) is not in the local Hub cache (set "
+                    f"HFPFL_TEST_PRETRAIN_LDM=1 to pretrain)")
     path = ensure_pretrained_ldm(DEFAULT_LDM_REPO)
     pipe = StableDiffusionPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)

@@ -715,7 +715,12 @@ with data seed 0) plus procedural styles (fonts, inversions, colours, scikit-ima
 stroke widths, blur, noise, low resolution) on public digit shapes. Captions name the digit and, half of the time,
 one generic or partial style word ("a blurry photo of the digit seven"); no caption names a client domain.
 
-**Training**: VAE {stats.get('config', {}).get('vae_steps')} steps, UNet + text encoder {stats.get('unet_steps')} steps
+**Training** (recipe version {stats.get('recipe_version')}): VAE {stats.get('config', {}).get('vae_steps')} steps; the
+CLIPTextModel as CLIP's text tower, {stats.get('config', {}).get('clip_steps')} contrastive steps against a frozen image
+CNN trained on the pool's labels (LiT), then frozen (mean-pooled cosine between captions that differ only in the
+digit word: {stats.get('text_tower', {}).get('before_pooled_cosine_between_digits', float('nan')):.3f} at random init,
+{stats.get('text_tower', {}).get('pooled_cosine_between_digits', float('nan')):.3f} after); the UNet (cross-attention
+and the global text path `addition_embed_type="text"`) {stats.get('unet_steps')} steps
 ({stats.get('total_seconds', 0):.0f} s wall, {stats.get('total_cpu_seconds', 0):.0f} s CPU on 1 thread).
 
 **Quality**: class fidelity of plain prompts "a photo of the digit d" judged by a CNN trained on the labelled
