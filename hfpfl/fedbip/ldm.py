@@ -529,7 +529,8 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print):
 
     stats = dict(recipe_version=LDM_RECIPE_VERSION, pool="hfpfl.fedbip.pool.build_pool (broad public pool)", n_images=n,
                  pool_styles=dict(Counter(pool["styles"])), vae_seconds=t_vae, vae_recon_mse=rec_mse,
-                 scaling_factor=sf, clip_seconds=t_clip, text_tower=clip_stats, unet_seconds=time.time() - t_unet0, unet_steps=step + 1, unet_loss_ema=ema,
+                 scaling_factor=sf, clip_seconds=t_clip, text_tower=clip_stats,
+                 unet_seconds=time.time() - t_unet0, unet_steps=step + 1, unet_loss_ema=ema,
                  total_seconds=time.time() - t_start, total_cpu_seconds=time.process_time() - cpu_start,
                  config={k: getattr(cfg, k) for k in cfg.__dataclass_fields__})
     log(f"[pretrain] UNet done: {stats['unet_steps']} steps in {stats['unet_seconds']:.0f}s, loss(ema) {ema:.4f}")
