@@ -8,8 +8,11 @@ local Hub cache.
 The pool is ``hfpfl.fedbip.pool.build_pool``: the public splits of every Digits domain plus procedural styles
 (fonts, colours, photo backgrounds/textures, inversions, strokes, blur, noise), captioned "a photo of the digit seven"
 or "a {generic style word} photo of the digit seven" (the LAION stand-in). Afterwards a judge CNN trained on the pool
-measures the class fidelity of plain prompts and grids per style are written (pretrain_stats.json, README.md). Stage 1 trains the AutoencoderKL (MSE + small KL), stage 2 the UNet2DConditionModel and
-CLIPTextModel on the text-conditioned denoising loss over unit-variance VAE latents (10% empty captions for CFG).
+measures the class fidelity of plain prompts and grids per style are written (pretrain_stats.json, README.md).
+Stage 1 trains the AutoencoderKL (MSE + small KL); stage 2 the CLIPTextModel as CLIP's text tower, contrastively
+against a frozen image CNN trained on the pool's labels (LiT), then freezes it; stage 3 the UNet2DConditionModel
+(cross-attention + the global text path ``addition_embed_type="text"``) on the text-conditioned denoising loss over
+unit-variance VAE latents (10% empty captions for classifier-free guidance).
 The pipeline is saved as a ``StableDiffusionPipeline`` (safety_checker=None), PNDM scheduler with SD-v1 betas.
 If the repo id is already cached, nothing is trained unless ``--force``.
 """
@@ -38,6 +41,8 @@ class PretrainArguments:
     vae_batch_size: int = field(default=16, metadata={"help": "VAE batch size."})
     vae_lr: float = field(default=2e-3, metadata={"help": "VAE AdamW learning rate (cosine decay)."})
     kl_weight: float = field(default=1e-6, metadata={"help": "Weight of the VAE KL term."})
+    clip_steps: int = field(default=600, metadata={"help": "Contrastive (LiT) text-tower steps; 0 = a frozen random "
+                                                           "text encoder (the UNet then ignores captions)."})
     unet_steps: int = field(default=1000, metadata={"help": "UNet + text-encoder optimisation steps."})
     unet_batch_size: int = field(default=48, metadata={"help": "UNet batch size."})
     unet_lr: float = field(default=2e-3, metadata={"help": "UNet AdamW learning rate (cosine decay)."})

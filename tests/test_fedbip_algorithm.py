@@ -310,3 +310,37 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     assert (out / "results.json").exists() and (out / "FedBiP-S" / "synthetic_grid.png").exists()
     printed = capsys.readouterr().out
     assert "FedBiP-L" in printed and "Central" in printed and "syn-fid" in printed
+
+
+def test_interrupted_comparison_leaves_no_unfinished_variant_folder(ldm_dir, tmp_path, monkeypatch):
+    """A comparison killed (SIGINT/SIGTERM) in a variant removes that variant's folder (it had config.yaml but no
+    results.json); finished variants keep theirs; a comparison killed in its first variant leaves no output folder."""
+    from pathlib import Path
+
+    from hfpfl.federated.engine import Simulation
+    from hfpfl.fedbip import compare
+
+    real_run = Simulation.run
+
+    def run_then_kill(self, *a, **k):
+        if Path(self.output_dir).name == kill_in:
+            self.setup()  # the variant has started: its folder holds config.yaml
+            assert (Path(self.output_dir) / "config.yaml").exists()
+            raise KeyboardInterrupt
+        return real_run(self, *a, **k)
+
+    monkeypatch.setattr(Simulation, "run", run_then_kill)
+    argv = ["--ldm", ldm_dir, "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3",
+            "--shots_per_class", "2", "--concept_steps", "2", "--num_inference_steps", "2", "--classifier_epochs", "1",
+            "--baseline_rounds", "1", "--progress", "false"]
+    kill_in, out = "prompt-only", tmp_path / "first"
+    with pytest.raises(SystemExit) as e:
+        compare.main(argv + ["--output_dir", str(out)])
+    assert e.value.code == 130 and not out.exists()
+
+    kill_in, out = "V-only", tmp_path / "second"
+    with pytest.raises(SystemExit) as e:
+        compare.main(argv + ["--output_dir", str(out)])
+    assert e.value.code == 130
+    assert sorted(p.name for p in out.iterdir()) == ["prompt-only"]
+    assert (out / "prompt-only" / "results.json").exists()

@@ -21,6 +21,7 @@ Ablations synthesise ``--multiplier`` (default 2) images per real image, like Fe
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -63,6 +64,9 @@ class RecipeArguments:
     data_seed: int = field(default=0, metadata={
         "help": "Split seed of the built-in data sources (train/test/public). Keep 0: the tiny LDM's pretraining "
                 "pool is the public split of data seed 0 and must share nothing with the clients."})
+    variants: str | None = field(default=None, metadata={
+        "help": "Comma-separated subset of the comparison's rows to run, e.g. prompt-only,instance-only,FedBiP-S,"
+                "FedBiP-L,FedAvg,Local-only,Central (default: all). syn-fid needs Central."})
     baseline_rounds: int | None = field(default=None, metadata={
         "help": "Rounds of FedAvg / Local-only (1 local epoch each) and Central epochs; default = classifier_epochs, "
                 "so every classifier sees its training data the same number of epochs."})
@@ -144,7 +148,31 @@ def variants(run, cfg, rec):
     rows.append(("Central", dataclasses.replace(run, method="central", output_dir=str(out_root / "Central"), **base,
                                                  **one),
                  CentralConfig(epochs=cfg.classifier_epochs)))
+    if rec.variants:
+        wanted = [v.strip() for v in rec.variants.split(",") if v.strip()]
+        unknown = sorted(set(wanted) - {r[0] for r in rows})
+        if unknown:
+            raise ValueError(f"--variants: unknown {', '.join(unknown)}; choose among {', '.join(r[0] for r in rows)}")
+        rows = [r for r in rows if r[0] in wanted]
     return rows
+
+
+@contextlib.contextmanager
+def variant_folder(path):
+    """A variant's folder exists only as a finished run: if the variant is interrupted (Ctrl-C, SIGTERM) or fails
+    before its ``results.json`` is written, the folder it created is removed again (a folder that existed before is
+    left alone), so that a killed comparison leaves no folder that looks like a started run. SIGKILL cannot be
+    caught; the LDM's pretraining (the long first step) runs before any variant folder is created."""
+    out = Path(path)
+    existed = out.exists()
+    try:
+        yield out
+    except BaseException:
+        if not existed and out.is_dir() and not (out / "results.json").exists():
+            import shutil  # the folder did not exist before this variant: everything in it is this variant's
+
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def summarize(name, sim, res, cfg) -> dict:
@@ -200,13 +228,18 @@ def run_comparison(run, data, cfg, rec, fed) -> dict:
     from hfpfl.federated.engine import Simulation
     from hfpfl.federated.training import TensorData, evaluate
 
+    from hfpfl.algorithms.fedbip import resolve_ldm
+
     t0 = time.perf_counter()
     rows, main_res, syn_sets = [], None, {}
     main_name = {2: "FedBiP-S", 5: "FedBiP-M", 10: "FedBiP-L"}.get(cfg.multiplier, "FedBiP-L")
+    # the LDM first (on a first run: minutes of pretraining), before any variant folder exists
+    resolve_ldm(cfg.ldm)
     for name, r_args, m_cfg in variants(run, cfg, rec):
         t = time.perf_counter()
-        sim = Simulation(r_args, data, m_cfg, fed_data=fed)
-        res = sim.run()
+        with variant_folder(r_args.output_dir):
+            sim = Simulation(r_args, data, m_cfg, fed_data=fed)
+            res = sim.run()
         rows.append(summarize(name, sim, res, m_cfg))
         if res["method"] == "fedbip":
             syn_sets[name] = sim.algorithm.synthetic
@@ -293,49 +326,77 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from hfpfl.cli import USER_ERRORS, _setup_logging, format_table
+    from hfpfl.cli import USER_ERRORS, _setup_logging
+    from hfpfl.runtime import Interrupted, interruptible
 
     _setup_logging()
+    started: dict = {}  # output_dir once resolved, and whether it existed before this run
     try:
-        import torch
-
-        from hfpfl import tracking
-        from hfpfl.data import build_federated_dataset
-        from hfpfl.federated.engine import Simulation
-
-        run, data, cfg, rec = parse(argv)
-        from hfpfl.runtime import check_output_dir, resolve_output_dir  # the one output-folder rule
-        run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, "fedbip"))
-        if rec.compare:  # a finished comparison (results.json) is reused only with --overwrite_output_dir
-            check_output_dir(run.output_dir, overwrite=run.overwrite_output_dir, resume=False)
-        torch.set_num_threads(max(1, run.num_threads))
-        split = build_federated_dataset(data, seed=rec.data_seed)
-        if not rec.compare:
-            fed = few_shot(split, rec.shots_per_class, run.seed)
-            print(fed.summary(), flush=True)
-            res = Simulation(run, data, cfg, fed_data=fed).run()
-            print(format_table(res))
-            print(f"results: {os.path.join(run.output_dir, 'results.json')}")
-            return res
-        seeds = [int(x) for x in rec.seeds.split(",")] if rec.seeds else [run.seed]
-        comparisons = []
-        for seed in seeds:
-            r = run if len(seeds) == 1 else dataclasses.replace(run, seed=seed,
-                                                                 output_dir=str(Path(run.output_dir) / f"seed{seed}"))
-            fed = few_shot(split, rec.shots_per_class, seed)
-            print(fed.summary(), flush=True)
-            comparisons.append(run_comparison(r, data, cfg, rec, fed))
-        if len(seeds) == 1:
-            return comparisons[0]
-        summary = aggregate_seeds(comparisons)
-        out = Path(run.output_dir)
-        tracking.atomic_write_text(out / "summary.json", json.dumps(
-            {"summary": summary, "claims": [{"claim": t, "held": ok} for t, ok in claims(summary)],
-             "paper_order": PAPER_ORDER}, indent=2))
-        print(format_summary(summary))
-        print(f"summary: {out / 'summary.json'}")
-        return {"summary": summary, "comparisons": comparisons}
+        with interruptible():
+            return _main(argv, started)
     except USER_ERRORS as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt as e:
+        if started.get("output_dir") and not started.get("existed"):
+            remove_empty_dirs(started["output_dir"])  # unfinished variants removed themselves (variant_folder)
+        print(f"interrupted ({e}): finished variants keep their folders; unfinished ones were removed",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + (e.signum if isinstance(e, Interrupted) else 2)) from None
+
+
+def remove_empty_dirs(root) -> None:
+    """Remove every empty folder under ``root`` (and ``root`` itself if it ends empty); files are never touched."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for d, _, _ in os.walk(root, topdown=False):  # children before parents
+        try:
+            os.rmdir(d)  # only succeeds on an empty folder
+        except OSError:
+            pass
+
+
+def _main(argv, started: dict):
+    import torch
+
+    from hfpfl import tracking
+    from hfpfl.cli import format_table
+    from hfpfl.data import build_federated_dataset
+    from hfpfl.federated.engine import Simulation
+    from hfpfl.runtime import check_output_dir, resolve_output_dir  # the one output-folder rule
+
+    run, data, cfg, rec = parse(argv)
+    run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, "fedbip"))
+    started.update(output_dir=run.output_dir, existed=Path(run.output_dir).exists())
+    if rec.compare:  # a finished comparison (results.json) is reused only with --overwrite_output_dir
+        variants(run, cfg, rec)  # a bad --variants fails here, before minutes of work
+        check_output_dir(run.output_dir, overwrite=run.overwrite_output_dir, resume=False)
+    torch.set_num_threads(max(1, run.num_threads))
+    split = build_federated_dataset(data, seed=rec.data_seed)
+    if not rec.compare:
+        fed = few_shot(split, rec.shots_per_class, run.seed)
+        print(fed.summary(), flush=True)
+        res = Simulation(run, data, cfg, fed_data=fed).run()
+        print(format_table(res))
+        print(f"results: {os.path.join(run.output_dir, 'results.json')}")
+        return res
+    seeds = [int(x) for x in rec.seeds.split(",")] if rec.seeds else [run.seed]
+    comparisons = []
+    for seed in seeds:
+        r = run if len(seeds) == 1 else dataclasses.replace(run, seed=seed,
+                                                             output_dir=str(Path(run.output_dir) / f"seed{seed}"))
+        fed = few_shot(split, rec.shots_per_class, seed)
+        print(fed.summary(), flush=True)
+        comparisons.append(run_comparison(r, data, cfg, rec, fed))
+    if len(seeds) == 1:
+        return comparisons[0]
+    summary = aggregate_seeds(comparisons)
+    out = Path(run.output_dir)
+    tracking.atomic_write_text(out / "summary.json", json.dumps(
+        {"summary": summary, "claims": [{"claim": t, "held": ok} for t, ok in claims(summary)],
+         "paper_order": PAPER_ORDER}, indent=2))
+    print(format_summary(summary))
+    print(f"summary: {out / 'summary.json'}")
+    return {"summary": summary, "comparisons": comparisons}

@@ -158,6 +158,13 @@ class TinyLDMConfig:
     text_layers: int = 2
     text_heads: int = 4
     max_length: int = 16
+    # A global text path beside cross-attention: diffusers' ``addition_embed_type="text"`` (TextTimeEmbedding:
+    # attention-pools the encoder's hidden states and adds them to the timestep embedding that every ResNet block
+    # reads; the DeepFloyd-IF / UnCLIP path). Measured (issue 8): with cross-attention alone the tiny UNet's
+    # denoising loss stayed equal for the right, a wrong and the empty caption at the CPU budget; the digit word
+    # changes one of 16 encoder tokens, which softmax cross-attention at init weighs 1/16.
+    text_time_embedding: bool = True
+    text_time_heads: int = 4
 
 
 def sd_v1_scheduler_config(num_train_timesteps: int = 1000) -> dict:
@@ -233,6 +240,8 @@ def build_tiny_ldm(
         cross_attention_dim=cfg.cross_attention_dim,
         attention_head_dim=8,
         norm_num_groups=min(32, cfg.unet_channels[0]),
+        **(dict(addition_embed_type="text", addition_embed_type_num_heads=cfg.text_time_heads)
+           if cfg.text_time_embedding else {}),
     )
     tokenizer = build_tiny_tokenizer(tokenizer_dir, model_max_length=cfg.max_length)
     text_encoder = CLIPTextModel(
@@ -283,12 +292,20 @@ class PretrainConfig:
     kl_weight: float = 1e-6
     unet_steps: int = 1000
     unet_batch_size: int = 48
-    # SD trains its UNet under a *frozen* text encoder. A from-scratch tiny CLIP trained jointly collapsed (measured:
-    # outputs for "three" vs "seven" differed by 0.025 mean-abs at std 1.0; the UNet ignored the caption), and a
-    # random one with CLIP's 0.02-std token embeddings barely separates words (0.078). So the text encoder stays
-    # frozen at a random init whose token embeddings have std ``token_embedding_std`` (words dominate positions).
-    train_text_encoder: bool = False
+    # SD trains its UNet under a *frozen* text encoder that CLIP pretrained contrastively on image-text pairs. Tried
+    # before (issue 8): a from-scratch tiny CLIP trained jointly with the UNet collapsed; a frozen *random* one (token
+    # std 0.02 or 1.0) was not read: its outputs for "...digit three" and "...digit seven" differ only at the digit's
+    # own position (cosine 0.16 there, 0.996 at the 10 padding positions, 0.99 mean-pooled), and the UNet's loss
+    # stayed equal for the right, a wrong and the empty caption. So, as CLIP before SD, the text tower is first
+    # trained contrastively against a tiny CLIPVisionModel on the pool's (image, caption) pairs (transformers
+    # ``CLIPModel``), then frozen for the UNet. The contrastive embedding is the mean over *all* token positions, so
+    # that every position (also the padding after the EOS) carries the caption.
+    train_text_encoder: bool = False  # jointly with the UNet (collapsed; kept for the record)
     token_embedding_std: float = 1.0
+    clip_steps: int = 600  # contrastive text-tower pretraining steps (0 = a frozen random text encoder)
+    clip_batch_size: int = 128
+    clip_lr: float = 3e-3
+    image_tower_epochs: int = 3  # the frozen image CNN of the LiT stage (trained on the pool's digit labels)
     unet_lr: float = 2e-3
     min_snr_gamma: float | None = 5.0  # min-SNR loss weighting (Hang et al. 2023): faster convergence per step
     ema_decay: float = 0.995  # the published UNet / text encoder are EMA weights (None/0 = last weights)
@@ -308,6 +325,71 @@ def pool_to_tensor(images, image_size: int = 32) -> torch.Tensor:
     if x.shape[-1] != image_size:
         x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False, antialias=True)
     return x.clamp(-1, 1).contiguous()
+
+
+def text_separation(te, tok) -> dict:
+    """How differently the text encoder encodes captions that differ only in the digit word: mean cosine between
+    digits of the mean-pooled output, and at the first padding position (1 = identical)."""
+    import torch.nn.functional as F
+
+    prompts = [digit_prompt(d) for d in range(10)]
+    ids = tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True,
+              return_tensors="pt").input_ids
+    with torch.no_grad():
+        h = te(ids.to(te.device))[0].float().cpu()
+    off = ~torch.eye(10, dtype=torch.bool)
+    pooled = F.normalize(h.mean(1), dim=-1)
+    last = int((ids[0] != tok.pad_token_id).sum()) + 1  # first position after the EOS
+    pad = F.normalize(h[:, min(last, h.shape[1] - 1)], dim=-1)
+    return {"pooled_cosine_between_digits": float((pooled @ pooled.T)[off].mean()),
+            "padding_cosine_between_digits": float((pad @ pad.T)[off].mean())}
+
+
+def pretrain_text_tower(te, tok, image_features: torch.Tensor, ids: torch.Tensor, captions, cfg, g,
+                        log=print) -> dict:
+    """CLIP's text tower in miniature, trained as in LiT (Zhai et al. 2022, "locked-image tuning"): the text encoder
+    ``te`` learns the symmetric contrastive loss against a *frozen* pretrained image tower (``image_features``: the
+    judge CNN's pooled features of the pool images; a trainable linear head on each side). Captions that are equal
+    count as positives of each other. The text embedding is the projected mean over all token positions, so that
+    every position (also the padding after the EOS) carries the caption. ``te`` ends frozen.
+
+    Tried first: a from-scratch two-tower CLIP (``CLIPModel`` with a tiny ``CLIPVisionModel``) for 300 steps stayed
+    at chance (loss 4.52 vs log(128) = 4.85) and left the digits' pooled text cosine at 0.994."""
+    import torch.nn.functional as F
+
+    d = te.config.hidden_size
+    text_head = torch.nn.Linear(d, d, bias=False)
+    image_head = torch.nn.Linear(image_features.shape[1], d, bias=False)
+    logit_scale = torch.nn.Parameter(torch.tensor(float(np.log(1 / 0.07))))
+    before = text_separation(te, tok)
+    cap_ids = {c: i for i, c in enumerate(dict.fromkeys(captions))}
+    cap = torch.as_tensor([cap_ids[c] for c in captions])
+    te.train().requires_grad_(True)
+    params = list(te.parameters()) + list(text_head.parameters()) + list(image_head.parameters()) + [logit_scale]
+    opt = torch.optim.AdamW(params, lr=cfg.clip_lr, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.clip_steps)
+    n, loss_ema = len(cap), None
+    for _ in range(cfg.clip_steps):
+        idx = torch.randint(0, n, (cfg.clip_batch_size,), generator=g)
+        t = F.normalize(text_head(te(ids[idx])[0].mean(1)), dim=-1)
+        v = F.normalize(image_head(image_features[idx]), dim=-1)
+        logits = logit_scale.exp().clamp(max=100) * t @ v.T
+        pos = (cap[idx][:, None] == cap[idx][None, :]).float()
+        target = pos / pos.sum(1, keepdim=True)
+        loss = 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+    te.eval().requires_grad_(False)
+    out = {"recipe": "LiT: contrastive against a frozen image CNN's features", "steps": cfg.clip_steps,
+           "contrastive_loss_ema": loss_ema, "chance_loss": float(np.log(cfg.clip_batch_size))}
+    out.update({"before_" + k: v for k, v in before.items()})
+    out.update(text_separation(te, tok))
+    log(f"[pretrain] text tower ({cfg.clip_steps} LiT steps): loss {loss_ema:.3f} (chance {out['chance_loss']:.2f}); "
+        + ", ".join(f"{k} {v:.3f}" for k, v in out.items() if "cosine" in k))
+    return out
 
 
 def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print):
@@ -375,10 +457,26 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print):
     vae.register_to_config(scaling_factor=sf)
     log(f"[pretrain] VAE done in {t_vae:.0f}s, recon mse {rec_mse:.4f}, scaling_factor {sf:.4f}")
 
-    # ---- UNet + text encoder --------------------------------------------------------------------------------
+    # ---- text tower: LiT-style contrastive pretraining against a frozen image CNN, then frozen ---------------
     enc = lambda texts: tok(list(texts), padding="max_length", max_length=tok.model_max_length,  # noqa: E731
                             truncation=True, return_tensors="pt").input_ids
     ids_all = enc(pool["captions"])
+    t_clip0 = time.time()
+    clip_stats = {}
+    if cfg.clip_steps:
+        from .quality import train_judge
+
+        # the image tower: a CNN trained on the pool's digit labels (its own seed: not the judge that measures
+        # the LDM's fidelity afterwards)
+        tower, tower_acc = train_judge(x_all, torch.as_tensor(pool["labels"]), epochs=cfg.image_tower_epochs,
+                                       seed=cfg.seed + 1)
+        with torch.no_grad():
+            feats = torch.cat([tower.features(x_all[i : i + 512]).mean((2, 3)) for i in range(0, n, 512)])
+        clip_stats = pretrain_text_tower(te, tok, feats, ids_all, pool["captions"], cfg, g, log)
+        clip_stats["image_tower_heldout_accuracy"] = tower_acc
+    t_clip = time.time() - t_clip0
+
+    # ---- UNet + text encoder --------------------------------------------------------------------------------
     empty_ids = enc([""])[0]
     noise_sched = DDPMScheduler.from_config(comps["scheduler"].config)
     params = list(unet.parameters()) + (list(te.parameters()) if cfg.train_text_encoder else [])
@@ -429,9 +527,10 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print):
     te.eval().requires_grad_(False)
     from collections import Counter
 
-    stats = dict(pool="hfpfl.fedbip.pool.build_pool (broad public pool)", n_images=n,
+    stats = dict(recipe_version=LDM_RECIPE_VERSION, pool="hfpfl.fedbip.pool.build_pool (broad public pool)", n_images=n,
                  pool_styles=dict(Counter(pool["styles"])), vae_seconds=t_vae, vae_recon_mse=rec_mse,
-                 scaling_factor=sf, unet_seconds=time.time() - t_unet0, unet_steps=step + 1, unet_loss_ema=ema,
+                 scaling_factor=sf, clip_seconds=t_clip, text_tower=clip_stats,
+                 unet_seconds=time.time() - t_unet0, unet_steps=step + 1, unet_loss_ema=ema,
                  total_seconds=time.time() - t_start, total_cpu_seconds=time.process_time() - cpu_start,
                  config={k: getattr(cfg, k) for k in cfg.__dataclass_fields__})
     log(f"[pretrain] UNet done: {stats['unet_steps']} steps in {stats['unet_seconds']:.0f}s, loss(ema) {ema:.4f}")
@@ -504,6 +603,20 @@ def cached_snapshot(repo_id: str, cache_dir=None, revision: str = "main") -> str
 
 # v2: broad pool + fixed BPE tokenizer; a new id so that caches holding the MNIST-only v1 model are not reused
 DEFAULT_LDM_REPO = "hfpfl/tiny-ldm-digits-broad"
+# The pretraining recipe's version, written to the snapshot's pretrain_stats.json: a cached copy of an older recipe
+# is retrained on first use. 3: LiT-pretrained frozen text tower + the UNet's global text path (issue 8).
+LDM_RECIPE_VERSION = 3
+
+
+def snapshot_recipe_version(path: str) -> int | None:
+    """``recipe_version`` of a pretrained tiny-LDM snapshot (None for snapshots older than version 3)."""
+    import json as _json
+
+    try:
+        with open(os.path.join(path, "pretrain_stats.json")) as f:
+            return _json.load(f).get("recipe_version")
+    except (OSError, ValueError):
+        return None
 
 
 def save_sample_grid(pipe, path: str, num_inference_steps: int = 20, guidance_scale: float = 3.0, seed: int = 0,
@@ -536,17 +649,24 @@ def ensure_pretrained_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, force
     from filelock import FileLock
     from huggingface_hub.constants import HF_HUB_CACHE
 
+    def current(path):  # the default repo id is retrained when its cached copy is of an older recipe
+        return path is not None and (repo_id != DEFAULT_LDM_REPO or
+                                     snapshot_recipe_version(path) == LDM_RECIPE_VERSION)
+
     if not force:
         path = cached_snapshot(repo_id, cache_dir)
-        if path is not None:
+        if current(path):
             return path
+        if path is not None:
+            log(f"[pretrain] cached {repo_id} is of recipe version {snapshot_recipe_version(path)}, not "
+                f"{LDM_RECIPE_VERSION}: retraining it")
     # one trainer at a time per repo id (several processes of a simulation may ask at once)
     lock_dir = os.path.join(str(cache_dir or HF_HUB_CACHE), ".locks")
     os.makedirs(lock_dir, exist_ok=True)
     with FileLock(os.path.join(lock_dir, "hfpfl-pretrain-" + repo_id.replace("/", "--") + ".lock")):
         if not force:
             path = cached_snapshot(repo_id, cache_dir)
-            if path is not None:
+            if current(path):
                 return path
         return _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, log)
 
@@ -596,7 +716,12 @@ with data seed 0) plus procedural styles (fonts, inversions, colours, scikit-ima
 stroke widths, blur, noise, low resolution) on public digit shapes. Captions name the digit and, half of the time,
 one generic or partial style word ("a blurry photo of the digit seven"); no caption names a client domain.
 
-**Training**: VAE {stats.get('config', {}).get('vae_steps')} steps, UNet + text encoder {stats.get('unet_steps')} steps
+**Training** (recipe version {stats.get('recipe_version')}): VAE {stats.get('config', {}).get('vae_steps')} steps; the
+CLIPTextModel as CLIP's text tower, {stats.get('config', {}).get('clip_steps')} contrastive steps against a frozen image
+CNN trained on the pool's labels (LiT), then frozen (mean-pooled cosine between captions that differ only in the
+digit word: {stats.get('text_tower', {}).get('before_pooled_cosine_between_digits', float('nan')):.3f} at random init,
+{stats.get('text_tower', {}).get('pooled_cosine_between_digits', float('nan')):.3f} after); the UNet (cross-attention
+and the global text path `addition_embed_type="text"`) {stats.get('unet_steps')} steps
 ({stats.get('total_seconds', 0):.0f} s wall, {stats.get('total_cpu_seconds', 0):.0f} s CPU on 1 thread).
 
 **Quality**: class fidelity of plain prompts "a photo of the digit d" judged by a CNN trained on the labelled
