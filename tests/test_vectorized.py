@@ -132,6 +132,17 @@ def test_methods_that_cannot_vectorize_fall_back(ragged, tmp_path):
         assert torch.equal(v, vec.server_state["model"][k])
 
 
+def test_option_dependent_override_vectorizes_only_when_inactive(ragged, tmp_path):
+    # FedBN overrides client_update for --keep_optimizer_state only: the default still vectorizes, the option does not
+    data_args, fed = ragged
+    fedbn = get_algorithm("tiny_fedbn")
+    for keep, vectorizes in ((False, True), (True, False)):
+        run = RunArguments(method="tiny_fedbn", num_rounds=1, progress=False, checkpoint_every=0, vectorize="on",
+                           output_dir=str(tmp_path / f"keep{keep}"), overwrite_output_dir=True)
+        sim = Simulation(run, data_args, fedbn.Config(keep_optimizer_state=keep), fed_data=fed)
+        assert (vectorized.vectorize_reason(sim) is None) is vectorizes
+
+
 def test_auto_rule_and_dropout_rule(ragged, tmp_path):
     sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "auto", num_rounds=1)
     assert vectorized.should_vectorize(sim)  # 1 k parameters: overhead-bound, vectorized

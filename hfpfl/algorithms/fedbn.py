@@ -36,6 +36,9 @@ class FedBN(Algorithm):
             return PRIVATE
         return default
 
+    def vectorizable(self):  # the client_update below differs from the default only when it keeps optimizer state
+        return not self.config.keep_optimizer_state
+
     def client_update(self, client_id, down, private, round_idx):
         if not self.config.keep_optimizer_state:
             return super().client_update(client_id, down, private, round_idx)

@@ -488,6 +488,14 @@ class Algorithm:
         """The engine's training loop on this client's data (see :meth:`MethodContext.train`)."""
         return self.ctx.train(client_id, round_idx, **kwargs)
 
+    def vectorizable(self) -> bool:
+        """Whether this run's local updates take the default path (``load_client`` → ``local_train`` with
+        :meth:`functional_hooks`, fresh optimizer), so ``--vectorize`` may train many clients in one batched call.
+        Default: the class overrides none of ``client_update`` / ``local_train`` / ``load_client``. A method whose
+        override only acts under an option (FedBN's ``keep_optimizer_state``) answers for that option here."""
+        cls = type(self)
+        return all(getattr(cls, n) is getattr(Algorithm, n) for n in ("client_update", "local_train", "load_client"))
+
     # ------------------------------------------------------------------ evaluation
     def load_global(self, server_state: Parts) -> nn.Module | None:
         """Put the global model in `self.model` and return it; None if the method has no global model.

@@ -47,9 +47,8 @@ def vectorize_reason(sim) -> str | None:
     for name in ("client_update", "local_train", "load_client", "local_hooks", "functional_hooks"):
         if name in vars(algo):  # replaced on the instance (e.g. FedPop's scoring wrapper around client_update)
             return f"{cls.__name__}.{name} is replaced on the instance"
-    for name in ("client_update", "local_train", "load_client"):
-        if getattr(cls, name) is not getattr(Algorithm, name):
-            return f"{cls.__name__} overrides {name}"
+    if not algo.vectorizable():
+        return f"{cls.__name__} trains its clients its own way (overrides client_update / local_train / load_client)"
     hooks_owner, functional_owner = _owner(cls, "local_hooks"), _owner(cls, "functional_hooks")
     if not issubclass(functional_owner, hooks_owner):  # local hooks newer than their functional form
         return f"{cls.__name__}'s local hooks have no functional form (Algorithm.functional_hooks)"
