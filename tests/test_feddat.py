@@ -152,6 +152,35 @@ def test_payload_is_the_shared_adapter_only_and_equals_the_adapter_baseline(sim_
     assert gap > 1e-5                                                  # not the N_k-weighted mean
 
 
+@pytest.mark.parametrize("warmup, factors", [(0.5, [1 / 3, 2 / 3, 1, 1, 2 / 3, 1 / 3]),
+                                             (0.1, [1, 1, 4 / 5, 3 / 5, 2 / 5, 1 / 5])])
+def test_round_schedule_is_warmup_then_linear_decay_restarted_every_round(vqa_fed, tmp_path, monkeypatch,
+                                                                          warmup, factors):
+    """Spec #5/#11: warm-up over --warmup of the round's local steps, then linear decay to 0, restarted every round;
+    both FedDAT optimizers follow it (16 questions, batch 8, 3 epochs = 6 steps per round)."""
+    from hfpfl.algorithms.feddat import VQAPeft
+    from hfpfl.federated.engine import Simulation
+
+    seen = []                                                 # one lr list per optimizer built
+    base = VQAPeft.optimizer
+
+    def spy(params, hp):
+        opt, lrs = base(params, hp), []
+        seen.append(lrs)
+        opt.register_step_pre_hook(lambda o, args, kwargs: lrs.append(o.param_groups[0]["lr"]))
+        return opt
+
+    monkeypatch.setattr(VQAPeft, "optimizer", staticmethod(spy))
+    run = RunArguments(method="feddat", model="tiny-vilt", random_backbone_ok=True, num_rounds=2, batch_size=8,
+                       lr=1e-2, local_epochs=3, output_dir=str(tmp_path / "r"), progress=False,
+                       overwrite_output_dir=True, checkpoint_every=0)
+    Simulation(run, None, get_algorithm("feddat").Config(warmup=warmup), fed_data=vqa_fed).run()
+    full = [lrs for lrs in seen if len(lrs) == 6]             # clients 1-4 (client 0 holds 9 questions: 3 steps)
+    assert len(full) == 2 * 4 * 2                             # rounds x clients x (A_s, A_c) optimizers: restarted
+    for lrs in full:
+        assert lrs == pytest.approx([1e-2 * f for f in factors], rel=1e-6)
+
+
 def test_frozen_copy_is_recopied_every_round_and_private_state_persists(sim_for):
     sim = sim_for("feddat")
     sim.setup()
@@ -340,3 +369,42 @@ def test_two_processes_give_the_same_results(tmp_path):
     assert r2["world_size"] == 2
     assert r1["final"] == r2["final"] and r1["per_client_accuracy"] == r2["per_client_accuracy"]
     assert r1["communication"]["bytes_up"] == r2["communication"]["bytes_up"]
+
+
+@pytest.mark.slow
+def test_recipe_resumes_after_a_kill_with_the_same_results(tmp_path):
+    """recipes/feddat.py killed after its first checkpoint and resumed equals an uninterrupted run: the last round's
+    train loss (which reads every client's private A_c and head) and the per-client accuracies are identical."""
+    import signal
+    import time
+
+    args = [str(ROOT / "recipes" / "feddat.py"), "--model", "tiny-vilt", "--random_backbone_ok", "true",
+            "--num_rounds", "3", "--checkpoint_every", "1", "--train_per_client", "24", "--test_per_client", "20",
+            "--progress", "false", "--vqa_split", "domain"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+    def launch(out, *extra):
+        return subprocess.Popen([sys.executable, *args, "--output_dir", str(out), *extra], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    ref, killed = launch(tmp_path / "ref"), launch(tmp_path / "killed")
+    ck = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (ck.is_dir() and any(p.name.startswith("round-") for p in ck.iterdir())):
+        assert killed.poll() is None, killed.stdout.read()
+        time.sleep(0.2)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert not (tmp_path / "killed" / "results.json").exists()
+    resumed = launch(tmp_path / "killed", "--resume_from_checkpoint", "latest")
+    assert resumed.wait(timeout=600) == 0, resumed.stdout.read()
+    assert ref.wait(timeout=600) == 0, ref.stdout.read()
+
+    def last(out):
+        res = json.loads((out / "results.json").read_text())
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        return rows[-1]["round"], rows[-1]["train_loss"], res["final"], res["per_client_accuracy"]
+
+    assert last(tmp_path / "ref") == last(tmp_path / "killed")
+    assert last(tmp_path / "ref")[0] == 3

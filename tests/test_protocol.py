@@ -51,6 +51,20 @@ class AdamKeepsState(FedAvg):
 
 
 @register
+class OneStepBySchedule(FedAvg):
+    """``ctx.train(optimizer=, schedule=)``: plain SGD at 3x the run's lr, its schedule zeroing the lr after step one."""
+
+    name = "test_one_step_by_schedule"
+
+    def client_update(self, client_id, down, private, round_idx):
+        self.load_client(down, private)
+        m = self.ctx.train(client_id, round_idx, optimizer=lambda ps, hp: torch.optim.SGD(ps, lr=3 * hp.lr),
+                           schedule=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: float(s == 0)))
+        return Update(client_id, {MODEL: self.ctx.snapshot(self.global_keys)}, len(self.ctx.train_data(client_id)),
+                      {MODEL: self.ctx.snapshot(self.private_keys)}, m)
+
+
+@register
 class FrozenStatsThatMove(FedAvg):
     """Declares BatchNorm statistics frozen while training them in train mode: the engine must refuse."""
 
@@ -109,6 +123,32 @@ def test_parameter_groups_and_optimizer_state_kept_per_client(run_sim):
         assert step_keys and all(float(opt[k]) == steps1[cid] + steps2[cid] for k in step_keys), cid
         assert any(k.endswith(".exp_avg_sq") and float(opt[k].abs().sum()) > 0 for k in opt)
     assert sim.ledger.totals()["by_part"].keys() == {"model"}  # optimizer state never travels
+
+
+def test_train_takes_a_method_optimizer_and_schedule(run_sim):
+    """The upload is the global model after exactly one plain-SGD step at 3x lr on the client's first batch (done by
+    hand): the method's optimizer was used, and its schedule (lr x 0 from step two on) was stepped every step."""
+    import copy
+
+    sim, _ = run_sim("test_one_step_by_schedule", num_rounds=1, run=False)
+    x0 = sim.algorithm.init_server_state()[MODEL]
+    sim.step()
+    u = sim.last_updates[0]
+    assert u.metrics["steps"] > 1
+    ctx = sim.algorithm.ctx
+    model = copy.deepcopy(sim.algorithm.model)
+    model.load_state_dict(x0, strict=False)
+    model.train()
+    batch = next(iter(iterate_batches(ctx.train_data(u.client_id), sim.args.batch_size, shuffle=True,
+                                      generator=ctx.generator(1, u.client_id))))
+    model(**{"pixel_values": batch["pixel_values"]}, labels=batch["labels"]).loss.backward()
+    moved = 0
+    for name, p in model.named_parameters():
+        if name in u.upload[MODEL] and p.grad is not None:
+            expect = p.detach() - 3 * sim.args.lr * p.grad
+            assert torch.allclose(u.upload[MODEL][name], expect, atol=1e-6), name
+            moved += int(not torch.equal(expect, p.detach()))
+    assert moved > 0
 
 
 def test_two_optimizers_alternate_inside_each_step():

@@ -23,8 +23,7 @@ Choices (spec 2.10; where spec and paper disagree the paper wins and it is said 
 * Update order as [C] (#4): A_s first (teacher = DAT before the update), then A_c (teacher = the z_s of step 1).
 * Two AdamW optimizers (A_s + head, A_c + head), betas (0.9, 0.98), weight decay 0.01, each with warm-up 10% + linear
   decay to 0 over exactly one round's local steps, restarted every round ([D]; #5, #11). The baselines use the same
-  optimizer and schedule. The schedule needs the optimizers, which ``ctx.train`` creates and does not expose, so the
-  methods build them here and run the engine's one loop :func:`hfpfl.training.train_local` directly.
+  optimizer and schedule, passed to the engine's loop as ``ctx.train(optimizer=..., schedule=...)``.
 * Server mean 1/K (Alg. 1, #9); ``--weighting samples`` for N_k.
 * CE on the single answer (easy-vqa has one answer per question; #10).
 """
@@ -38,7 +37,7 @@ import torch
 from torch.nn import functional as F
 
 from ..models.vqa import MODES, PEFT_KINDS, AnswerAccuracy, build_vqa_peft_model, kd_loss, kd_ramp
-from ..training import model_inputs, train_local
+from ..training import model_inputs
 from .base import FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 
 KD_SCHEDULES = ("ramp", "round", "constant")
@@ -53,15 +52,6 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
 def warmup_linear(total: int, warmup: float = 0.1):
     w = max(1, int(round(warmup * total)))
     return lambda s: (s + 1) / w if s < w else max(0.0, (total - s) / max(1, total - w))
-
-
-class _Schedulers:
-    def __init__(self, optimizers, total):
-        self.s = [torch.optim.lr_scheduler.LambdaLR(o, warmup_linear(total)) for o in optimizers]
-
-    def step(self):
-        for s in self.s:
-            s.step()
 
 
 @dataclass
@@ -134,7 +124,8 @@ class VQAPeft(Algorithm):
     def set_mode(self, mode: str) -> None:
         self.model.mode = mode if self.model.peft == "adapter" else "none"
 
-    def optimizer(self, params, hp):
+    @staticmethod
+    def optimizer(params, hp):
         params = [p for p in params if p.requires_grad]
         return torch.optim.AdamW(params, lr=hp.lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=hp.weight_decay)
 
@@ -144,25 +135,23 @@ class VQAPeft(Algorithm):
         steps = hp.local_steps or per_epoch * hp.local_epochs
         return steps, per_epoch
 
-    def run_local(self, client_id, round_idx, optimizers, loss_fns) -> dict:
-        """The engine's one loop with this round's warm-up + linear-decay schedule on every optimizer."""
-        hp = self.ctx.hparams(client_id)
+    def run_local(self, client_id, round_idx, param_sets, loss_fns) -> dict:
+        """The engine's one loop (``ctx.train``) with AdamW on every parameter set and this round's warm-up +
+        linear-decay schedule on every optimizer."""
         steps, _ = self.round_steps(client_id)
+        schedule = warmup_linear(steps, self.config.warmup)
+        several = len(param_sets) > 1
         t0 = time.perf_counter()
-        m = train_local(self.model, self.ctx.train_data(client_id), optimizers if len(optimizers) > 1 else optimizers[0],
-                        batch_size=hp.batch_size, epochs=hp.local_epochs, max_steps=hp.local_steps,
-                        generator=self.ctx.generator(round_idx, client_id), device=self.ctx.device,
-                        backward=self.ctx.accelerator.backward, loss_fn=loss_fns if len(loss_fns) > 1 else loss_fns[0],
-                        scheduler=_Schedulers(optimizers, steps))
+        m = self.ctx.train(client_id, round_idx, params=param_sets if several else param_sets[0],
+                           loss_fn=loss_fns if several else loss_fns[0], optimizer=self.optimizer,
+                           schedule=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         m["ms_per_step"] = 1000 * (time.perf_counter() - t0) / max(1, m["steps"])
         return m
 
     def client_update(self, client_id, down, private, round_idx):
         self.load_client(down, private)
         self.set_mode("shared")
-        hp = self.ctx.hparams(client_id)
-        opt = self.optimizer(self.trainable_parameters(), hp)
-        metrics = self.run_local(client_id, round_idx, [opt], [lambda m, b: m(**b).loss])
+        metrics = self.run_local(client_id, round_idx, [self.trainable_parameters()], [lambda m, b: m(**b).loss])
         return Update(client_id, upload={MODEL: self.ctx.snapshot(self.global_keys)},
                       num_samples=len(self.ctx.train_data(client_id)),
                       private={MODEL: self.ctx.snapshot(self.private_keys)}, metrics=metrics)
@@ -248,11 +237,9 @@ class FedDAT(VQAAdapter):
         self.load_client(down, private)                    # A_s <- global, A_c + head <- this client's
         model = self.model
         model.copy_shared_to_frozen()                      # Â_s <- the received A_s, every round
-        hp = self.ctx.hparams(client_id)
         head = [p for k, p in model.named_parameters() if k.startswith("backbone.classifier.")]
         shared = [p for k, p in model.named_parameters() if ".shared." in k]
         local = [p for k, p in model.named_parameters() if ".local." in k]
-        opt_s, opt_c = self.optimizer(shared + head, hp), self.optimizer(local + head, hp)
         cfg, state = self.config, {"step": 0, "kd_s": 0.0, "kd_dat": 0.0}
         half = 0.5 if cfg.kd_schedule == "constant" else 1.0
 
@@ -280,7 +267,7 @@ class FedDAT(VQAAdapter):
             state["kd_dat"] += float(kd.detach())
             return half * (F.cross_entropy(z_t, y) + b * kd)
 
-        metrics = self.run_local(client_id, round_idx, [opt_s, opt_c], [loss_s, loss_dat])
+        metrics = self.run_local(client_id, round_idx, [shared + head, local + head], [loss_s, loss_dat])
         n = max(1, metrics["steps"])
         metrics.update(kd_s=state["kd_s"] / n, kd_dat=state["kd_dat"] / n,
                        kd_weight=self.kd_weight(client_id, round_idx, state["step"] - 1))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -241,19 +241,27 @@ class MethodContext:
                         metric=metric or self.metric())
 
     def train(self, client_id: int, round_idx: int, *, params=None, hp: HParams | None = None, epochs=None,
-              steps=None, data=None, tag: str = "", optimizer_state: TensorDict | None = None, **hooks) -> dict:
+              steps=None, data=None, tag: str = "", optimizer_state: TensorDict | None = None,
+              optimizer: Callable | None = None, schedule: Callable | None = None, **hooks) -> dict:
         """The engine's training loop on a client's data with its hyperparameters, seeded by (seed, round, client,
         tag). ``params``: parameters or parameter groups (dicts with per-group ``lr``); several optimizers: pass
         ``params=[groups_a, groups_b]`` with ``loss_fn=[fn_a, fn_b]``. ``optimizer_state``: the optimizer state this
         client kept from earlier rounds (returned as ``metrics["optimizer_state"]`` for the method to keep).
-        ``hooks``: ``loss_fn``, ``regularizer``, ``before_step``, ``scheduler``, ``after_step``."""
+        ``optimizer``: ``fn(params, hp) -> torch.optim.Optimizer`` in place of the run's ``--optimizer`` (e.g. a
+        paper's AdamW betas). ``schedule``: ``fn(optimizer) -> LRScheduler``, built on every optimizer of this call
+        and stepped after every optimizer step (a per-round warm-up, as FedDAT's). ``hooks``: ``loss_fn``,
+        ``regularizer``, ``before_step``, ``after_step``."""
         sim = self._sim
         hp = hp or self.hparams(client_id)
         params = sim.algorithm.trainable_parameters() if params is None else params
         several = isinstance(hooks.get("loss_fn"), (list, tuple))
         param_sets = list(params) if several else [params]
         names = {id(p): n for n, p in self.model.named_parameters()}
-        optimizers = [self.make_optimizer(ps, hp) for ps in param_sets]
+        optimizers = [(optimizer or self.make_optimizer)(ps, hp) for ps in param_sets]
+        if schedule is not None:
+            if "scheduler" in hooks:
+                raise ValueError("pass either schedule= (built on this call's optimizers) or scheduler=, not both")
+            hooks["scheduler"] = _Schedules([schedule(opt) for opt in optimizers])
         if optimizer_state:
             for i, opt in enumerate(optimizers):
                 load_optimizer_state(opt, {k[len(f"{i}:"):]: v for k, v in optimizer_state.items()
@@ -295,6 +303,17 @@ class MethodContext:
     @property
     def accelerator(self):
         return self._sim.accelerator
+
+
+class _Schedules:
+    """Steps several learning-rate schedulers as one (``train_local`` steps its ``scheduler`` once per step)."""
+
+    def __init__(self, schedulers):
+        self.schedulers = schedulers
+
+    def step(self):
+        for s in self.schedulers:
+            s.step()
 
 
 class WeightedSums:
