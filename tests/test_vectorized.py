@@ -244,3 +244,25 @@ def test_instance_level_wrappers_are_respected(ragged, tmp_path):
     sim.args = dataclasses.replace(sim.args, num_rounds=2)
     sim.step()
     assert seen == [0, 1, 2, 3]  # the wrapper saw every client: the sequential path ran
+
+
+def test_stacked_data_gathers_what_select_gives(small_digits):
+    _, fed = small_digits
+    datas = [TensorData.from_dataset(c.train) for c in fed.clients[:3]]
+    datas[1] = TensorData.of(**{k: v[:7] for k, v in datas[1].select(torch.arange(7)).items()}).compress()
+    st = vectorized.StackedData.build(datas)
+    assert st is not None and st.columns["pixel_values"].dtype == torch.uint8  # images stay 8-bit, decoded per batch
+    assert st.columns["pixel_values"].shape[:2] == (3, max(len(d) for d in datas))
+    idx = torch.tensor([[4, 0, 6], [6, 5, 1]])
+    got = st.gather(torch.tensor([0, 1]), idx)  # clients 0 and 1, their own rows
+    for i in range(2):
+        want = datas[i].select(idx[i])
+        for k in want:
+            assert torch.equal(got[k][i], want[k]), k  # bit for bit, uint8 -> float exactly as select converts
+    every = st.gather(None, torch.tensor([[2, 3]] * 3))
+    assert torch.equal(every["labels"][2], datas[2].select(torch.tensor([2, 3]))["labels"])
+    # splits that do not stack (another row shape) are gathered client by client instead
+    odd = TensorData(torch.zeros(5, 3, 4, 4), torch.zeros(5, dtype=torch.long))
+    assert vectorized.StackedData.build([datas[0], odd]) is None
+    vectorized.pin_mmap_threshold()  # callable on any platform (a no-op off glibc), once
+    assert vectorized._mmap_pinned
