@@ -180,7 +180,8 @@ def main():
         if r is not None:
             print(json.dumps(r))
         return
-    print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread, real MNIST iid; hfpfl evaluates every "
+    part = "iid" if a.partition == "iid" else f"Dir({a.alpha})"
+    print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread unless tN/pN, real MNIST {part}; hfpfl evaluates every "
           f"{a.eval_every} round(s), {'all' if a.eval_clients is None else a.eval_clients} clients; "
           f"load average {os.getloadavg()[0]:.2f} at start")
     print(f"{'clients':>8} {'train/client':>12} {'run':>20} {'s/round':>8} {'ratio to bare':>13} {'peak RSS GB':>11} "
