@@ -266,3 +266,13 @@ def test_stacked_data_gathers_what_select_gives(small_digits):
     assert vectorized.StackedData.build([datas[0], odd]) is None
     vectorized.pin_mmap_threshold()  # callable on any platform (a no-op off glibc), once
     assert vectorized._mmap_pinned
+
+
+def test_bench_simulator_refuses_a_bad_parallel_spec():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "scripts/bench_simulator.py", "--parallel", "1", "x2"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--parallel: 'x2'" in out.stderr and "Traceback" not in out.stderr
