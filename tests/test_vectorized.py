@@ -264,8 +264,6 @@ def test_stacked_data_gathers_what_select_gives(small_digits):
     # splits that do not stack (another row shape) are gathered client by client instead
     odd = TensorData(torch.zeros(5, 3, 4, 4), torch.zeros(5, dtype=torch.long))
     assert vectorized.StackedData.build([datas[0], odd]) is None
-    vectorized.pin_mmap_threshold()  # callable on any platform (a no-op off glibc), once
-    assert vectorized._mmap_pinned
 
 
 def test_bench_simulator_refuses_a_bad_parallel_spec():
@@ -276,3 +274,12 @@ def test_bench_simulator_refuses_a_bad_parallel_spec():
     out = subprocess.run([sys.executable, "scripts/bench_simulator.py", "--parallel", "1", "x2"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--parallel: 'x2'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_mmap_threshold_is_pinned_only_for_large_rounds(ragged, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(vectorized, "pin_mmap_threshold", lambda: calls.append(1))
+    sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "on", num_rounds=1)
+    assert calls == []  # 4 clients: speed first, glibc's defaults kept
+    monkeypatch.setattr(vectorized, "PIN_MMAP_CLIENTS", 4)
+    assert vectorized.chunks_of(sim, [0, 1, 2, 3]) == [[0, 1, 2, 3]] and calls == [1]

@@ -166,8 +166,11 @@ class _Opt:
                 params[k][idx] = p
 
 
-# glibc's mmap threshold, in bytes, while vectorized chunks train (see :func:`pin_mmap_threshold`)
+# glibc's mmap threshold, in bytes, once a round vectorizes PIN_MMAP_CLIENTS clients or more (see
+# :func:`pin_mmap_threshold`): at that scale peak memory is the limit; below it speed is (measured: pinned, the
+# 500-client CNN round took 13.4 s instead of 10.2 s, fresh pages faulted in for every large temporary)
 MMAP_THRESHOLD = 1 << 20
+PIN_MMAP_CLIENTS = 1000
 
 
 def pin_mmap_threshold() -> None:
@@ -178,8 +181,9 @@ def pin_mmap_threshold() -> None:
     allocations (client records, stored states). By default glibc raises its mmap threshold after the first large
     frees, so later chunks' temporaries come from the heap, whose freed pages stay resident: peak RSS then grew
     with every chunk (measured with scripts/bench_scale_memory.py: +24% from 1,000 to 10,000 clients, the client
-    store and data cache at their caps; ``MALLOC_MMAP_THRESHOLD_=131072`` alone took the 4,000-client peak from
-    1.72 GB to 1.52 GB). With a fixed threshold the temporaries go back to the OS when freed."""
+    store at its cap; ``MALLOC_MMAP_THRESHOLD_=131072`` alone took the 4,000-client peak from 1.72 GB to 1.52 GB).
+    With a fixed threshold the temporaries go back to the OS when freed. Called by :func:`chunks_of` for rounds of
+    :data:`PIN_MMAP_CLIENTS` clients or more."""
     global _mmap_pinned
     if _mmap_pinned:
         return
@@ -273,7 +277,6 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
     with the uploads and private state the base ``client_update`` would produce (views into the stacks)."""
     from torch.func import functional_call, grad_and_value, vmap
 
-    pin_mmap_threshold()
     algo, model, device = sim.algorithm, sim.model, sim.device
     hp = sim.client_hparams(clients[0])
     state = sim.model_state
@@ -403,6 +406,8 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
 
 def chunks_of(sim, clients: list[int]) -> list[list[int]]:
     """Clients with the same hyperparameters, in chunks whose stacked state fits :data:`CHUNK_BYTES`."""
+    if len(clients) >= PIN_MMAP_CLIENTS:
+        pin_mmap_threshold()
     per_client = 0
     for n, p in sim.model.named_parameters():
         if p.requires_grad:
