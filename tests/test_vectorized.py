@@ -244,3 +244,42 @@ def test_instance_level_wrappers_are_respected(ragged, tmp_path):
     sim.args = dataclasses.replace(sim.args, num_rounds=2)
     sim.step()
     assert seen == [0, 1, 2, 3]  # the wrapper saw every client: the sequential path ran
+
+
+def test_stacked_data_gathers_what_select_gives(small_digits):
+    _, fed = small_digits
+    datas = [TensorData.from_dataset(c.train) for c in fed.clients[:3]]
+    datas[1] = TensorData.of(**{k: v[:7] for k, v in datas[1].select(torch.arange(7)).items()}).compress()
+    st = vectorized.StackedData.build(datas)
+    assert st is not None and st.columns["pixel_values"].dtype == torch.uint8  # images stay 8-bit, decoded per batch
+    assert st.columns["pixel_values"].shape[:2] == (3, max(len(d) for d in datas))
+    idx = torch.tensor([[4, 0, 6], [6, 5, 1]])
+    got = st.gather(torch.tensor([0, 1]), idx)  # clients 0 and 1, their own rows
+    for i in range(2):
+        want = datas[i].select(idx[i])
+        for k in want:
+            assert torch.equal(got[k][i], want[k]), k  # bit for bit, uint8 -> float exactly as select converts
+    every = st.gather(None, torch.tensor([[2, 3]] * 3))
+    assert torch.equal(every["labels"][2], datas[2].select(torch.tensor([2, 3]))["labels"])
+    # splits that do not stack (another row shape) are gathered client by client instead
+    odd = TensorData(torch.zeros(5, 3, 4, 4), torch.zeros(5, dtype=torch.long))
+    assert vectorized.StackedData.build([datas[0], odd]) is None
+
+
+def test_bench_simulator_refuses_a_bad_parallel_spec():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "scripts/bench_simulator.py", "--parallel", "1", "x2"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--parallel: 'x2'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_mmap_threshold_is_pinned_only_for_large_rounds(ragged, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(vectorized, "pin_mmap_threshold", lambda: calls.append(1))
+    sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "on", num_rounds=1)
+    assert calls == []  # 4 clients: speed first, glibc's defaults kept
+    monkeypatch.setattr(vectorized, "PIN_MMAP_CLIENTS", 4)
+    assert vectorized.chunks_of(sim, [0, 1, 2, 3]) == [[0, 1, 2, 3]] and calls == [1]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..training import model_inputs
+from ..training import Metric, _decode_uint8, model_inputs
 from .protocol import MODEL, Algorithm, HParams, Update
 from .state import Fresh
 
@@ -38,6 +38,9 @@ logger = logging.getLogger("hfpfl")
 AUTO_MAX_PARAMS = 200_000
 # stacked client states per chunk (parameters + buffers + optimizer state), bytes
 CHUNK_BYTES = 256 * 2**20
+# a chunk's client splits are stacked once per round (``[clients, longest split, ...]``, images kept uint8) when
+# that takes at most this many bytes; larger data is gathered client by client per step (then compute dominates)
+STACK_DATA_BYTES = 64 * 2**20
 
 
 def vectorize_reason(sim) -> str | None:
@@ -163,6 +166,106 @@ class _Opt:
                 params[k][idx] = p
 
 
+# glibc's mmap threshold, in bytes, once a round vectorizes PIN_MMAP_CLIENTS clients or more (see
+# :func:`pin_mmap_threshold`): at that scale peak memory is the limit; below it speed is (measured: pinned, the
+# 500-client CNN round took 13.4 s instead of 10.2 s, fresh pages faulted in for every large temporary)
+MMAP_THRESHOLD = 1 << 20
+PIN_MMAP_CLIENTS = 1000
+
+
+def pin_mmap_threshold() -> None:
+    """Serve allocations of :data:`MMAP_THRESHOLD` bytes and more with their own memory maps (glibc ``mallopt``;
+    a no-op elsewhere, or when the user set ``MALLOC_MMAP_THRESHOLD_``), once per process.
+
+    A vectorized chunk allocates large temporaries (stacked states, batched activations) between long-lived small
+    allocations (client records, stored states). By default glibc raises its mmap threshold after the first large
+    frees, so later chunks' temporaries come from the heap, whose freed pages stay resident: peak RSS then grew
+    with every chunk (measured with scripts/bench_scale_memory.py: +24% from 1,000 to 10,000 clients, the client
+    store at its cap; ``MALLOC_MMAP_THRESHOLD_=131072`` alone took the 4,000-client peak from 1.72 GB to 1.52 GB).
+    With a fixed threshold the temporaries go back to the OS when freed. Called by :func:`chunks_of` for rounds of
+    :data:`PIN_MMAP_CLIENTS` clients or more."""
+    global _mmap_pinned
+    if _mmap_pinned:
+        return
+    _mmap_pinned = True
+    import os
+    import sys
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return
+    try:
+        import ctypes
+        import ctypes.util
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+_mmap_pinned = False
+
+
+# ---------------------------------------------------------------------------------------------- stacked data
+class StackedData:
+    """A chunk's client splits as one padded tensor per stored column, ``[clients, longest split, *row]`` (images
+    stay uint8 and are converted per batch, exactly as :class:`hfpfl.training.TensorData` converts them): every
+    step gathers all its clients' batches with one indexing call per column instead of one select per client.
+    Rows past a client's split are zeros and are never drawn (training) or never scored (evaluation)."""
+
+    def __init__(self, columns: dict[str, torch.Tensor], encoded: set[str], lengths: list[int]):
+        self.columns, self.encoded, self.lengths = columns, encoded, lengths
+
+    @classmethod
+    def build(cls, datas: list) -> "StackedData | None":
+        """None when the splits do not stack (other columns, row shapes or dtypes) or would take more than
+        :data:`STACK_DATA_BYTES`."""
+        first = datas[0]
+        keys, enc = list(first._stored), first._encoded
+        n_max = max(len(d) for d in datas)
+        row_bytes = 0
+        for k in keys:
+            v = first._stored[k]
+            row_bytes += v[:1].numel() * v.element_size() if len(v) else 0
+        if row_bytes * n_max * len(datas) > STACK_DATA_BYTES:
+            return None
+        for d in datas:
+            if list(d._stored) != keys or d._encoded != enc:
+                return None
+            for k in keys:
+                a, b = d._stored[k], first._stored[k]
+                if a.dtype != b.dtype or a.shape[1:] != b.shape[1:]:
+                    return None
+        cols = {}
+        for k in keys:
+            v = first._stored[k]
+            buf = v.new_zeros((len(datas), n_max, *v.shape[1:]))
+            for i, d in enumerate(datas):
+                buf[i, :len(d)] = d._stored[k]
+            cols[k] = buf
+        return cls(cols, set(enc), [len(d) for d in datas])
+
+    def gather(self, rows: torch.Tensor | None, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``[len(rows), *idx.shape[1:], *row]`` per column: client ``rows[i]``'s samples ``idx[i]`` (``rows``
+        None: every client, in order)."""
+        out = {}
+        for k, v in self.columns.items():
+            x = v[torch.arange(len(v))[:, None] if rows is None else rows[:, None], idx]
+            out[k] = _decode_uint8(x) if k in self.encoded else x
+        return out
+
+
+def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedData | None:
+    """The chunk's stacked ``split``, kept for the next round when the same clients come again (every client
+    every round, the common simulation) and rebuilt otherwise; one stack per split is kept."""
+    cache = sim.__dict__.setdefault("_stacked_data", {})
+    key = tuple(clients)
+    hit = cache.get(split)
+    if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], datas)):
+        return hit[2]
+    st = StackedData.build(datas)
+    cache[split] = (key, list(datas), st)
+    return st
+
+
 # ---------------------------------------------------------------------------------------------- the trainer
 def _stack(values: list[torch.Tensor], device) -> torch.Tensor:
     return torch.stack([v.to(device) for v in values])
@@ -240,6 +343,7 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
     datas = {c: sim.train_data(c) for c in clients}
     scheds = [batch_schedule(len(datas[c]), hp.batch_size, epochs or 1, steps,
                              sim.generator(round_idx, c, "")) for c in clients]
+    stacked = stacked_data(sim, clients, "train", [datas[c] for c in clients])
     n_steps = [len(s) for s in scheds]
     loss_sums = torch.zeros(len(clients), dtype=torch.float64)
     opt = _Opt(hp, {})
@@ -252,8 +356,13 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
         for _, members in sorted(groups.items()):
             everyone = len(members) == len(clients)
             idx = None if everyone else torch.tensor(members, device=device)
-            sel = [datas[clients[i]].select(scheds[i][s]) for i in members]
-            batch = {k: torch.stack([b[k] for b in sel]).to(device) for k in sel[0]}
+            if stacked is not None:  # one gather per column for the whole group
+                rows = None if everyone else torch.tensor(members)
+                batch = stacked.gather(rows, torch.stack([scheds[i][s] for i in members]))
+                batch = {k: v.to(device) for k, v in batch.items()}
+            else:
+                sel = [datas[clients[i]].select(scheds[i][s]) for i in members]
+                batch = {k: torch.stack([b[k] for b in sel]).to(device) for k in sel[0]}
             p = P if everyone else {k: v[idx] for k, v in P.items()}
             b = B if everyone else {k: v[idx] for k, v in B.items()}
             a = {k: (v if anchor_dims[k] is None or everyone else v[idx]) for k, v in anchors.items()}
@@ -297,6 +406,8 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
 
 def chunks_of(sim, clients: list[int]) -> list[list[int]]:
     """Clients with the same hyperparameters, in chunks whose stacked state fits :data:`CHUNK_BYTES`."""
+    if len(clients) >= PIN_MMAP_CLIENTS:
+        pin_mmap_threshold()
     per_client = 0
     for n, p in sim.model.named_parameters():
         if p.requires_grad:
@@ -304,8 +415,13 @@ def chunks_of(sim, clients: list[int]) -> list[list[int]]:
     per_client += sum(b.numel() * b.element_size() for b in sim.model.buffers())
     size = max(1, CHUNK_BYTES // max(per_client, 1))
     by_hp: dict[HParams, list[int]] = {}
-    for c in clients:
-        by_hp.setdefault(sim.client_hparams(c), []).append(c)
+    algo = sim.algorithm
+    if (not sim._client_hp_overrides and type(algo).client_hparams is Algorithm.client_hparams
+            and "client_hparams" not in vars(algo)):
+        by_hp[sim.client_hparams(clients[0])] = list(clients)  # every client has the run's hyperparameters
+    else:
+        for c in clients:
+            by_hp.setdefault(sim.client_hparams(c), []).append(c)
     out = []
     for members in by_hp.values():
         for i in range(0, len(members), size):
@@ -345,7 +461,6 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
         return functional_call(model, ({**shared, **s}), args=(), kwargs=inputs, strict=False,
                                tie_weights=False).logits
 
-    vlogits = vmap(logits_of, in_dims=(0, 0), randomness="error")
     try:
         for chunk in chunks_of(sim, clients):
             downs = {c: algo.download(server_state, c) for c in chunk}
@@ -360,24 +475,54 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
                         return src[k]
                 return sim.model_state[k]
 
-            S = {k: _stack([value(c, k) for c in chunk], device).to(named[k].dtype) for k in keys}
+            # a tensor every client shares (FedAvg's global weights) is passed once, not stacked per client
+            S, dims = {}, {}
+            for k in keys:
+                vals = [value(c, k) for c in chunk]
+                if all(v is vals[0] for v in vals):
+                    S[k], dims[k] = vals[0].to(device, named[k].dtype), None
+                else:
+                    S[k], dims[k] = _stack(vals, device).to(named[k].dtype), 0
+            vlogits = vmap(logits_of, in_dims=(dims, 0), randomness="error")
             datas = [sim.test_data(c) for c in chunk]
-            n_max = max(len(d) for d in datas)
+            lengths = torch.tensor([len(d) for d in datas])
+            n_max = int(lengths.max())
+            stacked = stacked_data(sim, chunk, "test", datas)
             metrics = [algo.metric() for _ in chunk]
+            plain = all(type(m) is Metric for m in metrics)  # the default metric: scored for all clients at once
             for m in metrics:
                 m.reset()
+            loss_sum = torch.zeros(len(chunk), dtype=torch.float64)
+            correct = torch.zeros(len(chunk), dtype=torch.int64)
             for s in range(0, n_max, bs):
                 e = min(s + bs, n_max)
                 idx = torch.arange(s, e)
-                sel = [d.select(idx.clamp(max=len(d) - 1)) for d in datas]  # padding repeats the last row
-                batch = {k: torch.stack([b[k] for b in sel]).to(device) for k in sel[0]}
+                if stacked is not None:  # rows past a client's split are zeros, not scored
+                    batch = stacked.gather(None, idx.expand(len(chunk), -1))
+                else:
+                    sel = [d.select(idx.clamp(max=len(d) - 1)) for d in datas]  # padding repeats the last row
+                    batch = {k: torch.stack([b[k] for b in sel]) for k in sel[0]}
+                batch = {k: v.to(device) for k, v in batch.items()}
                 logits = vlogits(S, model_inputs(batch))
+                if plain:
+                    labels = batch["labels"]
+                    valid = (idx[None, :] < lengths[:, None]).to(device)
+                    ce = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                                     reduction="none").view(labels.shape)
+                    loss_sum += torch.where(valid, ce, 0.0).sum(1, dtype=torch.float64).cpu()
+                    correct += ((logits.argmax(-1) == labels) & valid).sum(1).cpu()
+                    continue
                 for i, d in enumerate(datas):
                     n = min(e, len(d)) - s
                     if n > 0:
                         metrics[i].update(logits[i, :n], {k: v[i, :n] for k, v in batch.items()})
-            for c, m in zip(chunk, metrics):
-                res = m.compute()
+            for i, (c, m) in enumerate(zip(chunk, metrics)):
+                if plain:
+                    n = int(lengths[i])
+                    res = {"accuracy": float(correct[i]) / max(n, 1), "loss": float(loss_sum[i]) / max(n, 1),
+                           "num_samples": n}
+                else:
+                    res = m.compute()
                 if "loss" in res and not torch.isfinite(torch.tensor(res["loss"])):
                     from .protocol import NonFiniteError
                     raise NonFiniteError(f"training diverged by round {sim.round}: client {c}'s model has a "
