@@ -37,15 +37,19 @@ class PretrainArguments:
     force: bool = field(default=False, metadata={"help": "Retrain even if the repo id is already cached."})
     image_size: int = field(default=32, metadata={"help": "Image resolution (MNIST 28x28 is padded to 32)."})
     max_images: int | None = field(default=None, metadata={"help": "Cap on public images used (default: all)."})
-    vae_steps: int = field(default=300, metadata={"help": "VAE optimisation steps."})
-    vae_batch_size: int = field(default=16, metadata={"help": "VAE batch size."})
+    vae_steps: int = field(default=400, metadata={"help": "VAE optimisation steps."})
+    vae_batch_size: int = field(default=32, metadata={"help": "VAE batch size."})
     vae_lr: float = field(default=2e-3, metadata={"help": "VAE AdamW learning rate (cosine decay)."})
     kl_weight: float = field(default=1e-6, metadata={"help": "Weight of the VAE KL term."})
     clip_steps: int = field(default=600, metadata={"help": "Contrastive (LiT) text-tower steps; 0 = a frozen random "
                                                            "text encoder (the UNet then ignores captions)."})
-    unet_steps: int = field(default=1000, metadata={"help": "UNet + text-encoder optimisation steps."})
-    unet_batch_size: int = field(default=48, metadata={"help": "UNet batch size."})
+    unet_steps: int = field(default=3000, metadata={"help": "UNet + text-encoder optimisation steps."})
+    unet_batch_size: int = field(default=32, metadata={"help": "UNet batch size."})
     unet_lr: float = field(default=2e-3, metadata={"help": "UNet AdamW learning rate (cosine decay)."})
+    unet_warmup_steps: int = field(default=100, metadata={"help": "Linear learning-rate warm-up steps of the UNet."})
+    probe_every: int = field(default=500, metadata={
+        "help": "Measure plain-prompt fidelity (the judge, 50 images) every this many UNet steps: the training curve in "
+                "pretrain_stats.json (0 = only at the end; its time is not counted as pretraining time)."})
     cond_dropout: float = field(default=0.1, metadata={"help": "Fraction of empty captions (classifier-free guidance)."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads (1 is fastest on a shared 2-core box)."})

@@ -36,9 +36,9 @@ def test_pool_shares_nothing_with_client_splits():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="issue 8: the tiny LDM (recipe v3: LiT text tower + global text path, 1,000 UNet "
-                   "steps) does not yet render legible digits: measured plain-prompt fidelity 0.090 at guidance 1, "
-                   "0.140 at guidance 3 (v2: 0.090 / 0.090); target >= 0.9")
+@pytest.mark.xfail(strict=False, reason="issue 8: the tiny LDM (recipe v4: 3,000 UNet steps of 32) renders digits only "
+                   "in part: measured plain-prompt fidelity 0.220 at guidance 1, 0.500 at guidance 3 (v3: 0.090 / "
+                   "0.140), judge on VAE reconstructions 0.646 (its ceiling with this VAE); target >= 0.9")
 def test_pretrained_ldm_plain_prompt_fidelity():
     """The published tiny LDM renders the digit a plain prompt names: the judge (trained on the public pool, shipped
     in the snapshot) labels >= 80% of 40 plain-prompt images correctly (measured on 100/class at publishing).
@@ -149,3 +149,85 @@ def test_cached_ldm_of_an_older_recipe_is_retrained(tmp_path, monkeypatch):
     assert ldm.snapshot_recipe_version(new) == ldm.LDM_RECIPE_VERSION
     assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None) == new
     assert len(calls) == 1
+
+
+def test_pretraining_probe_sees_ema_weights_and_records_the_curve():
+    """``pretrain_tiny_ldm(probe=...)`` calls the probe every ``probe_every`` UNet steps and after the last, on the EMA
+    weights in eval mode, restores the live weights afterwards (training goes on from them), and returns the curve.
+    A pool passed in is used as is (no public data is loaded)."""
+    from hfpfl.fedbip.ldm import PretrainConfig, pretrain_tiny_ldm
+
+    rng = np.random.default_rng(0)
+    pool = {"images": rng.integers(0, 256, (12, 28, 28, 3), dtype=np.uint8), "labels": np.arange(12) % 10,
+            "captions": [f"a photo of the digit {w}" for w in ["zero", "one", "two"] * 4], "styles": ["plain"] * 12}
+    seen = []
+
+    def probe(comps):
+        unet = comps["unet"]
+        seen.append((unet.training, [p.detach().clone() for p in unet.parameters()]))
+        return {"fidelity_g3": 0.5}
+
+    from hfpfl.fedbip import ldm as ldm_mod
+
+    fwd = []  # the first UNet weight at every *training* forward
+    orig_build = ldm_mod.build_tiny_ldm
+
+    def build(*a, **k):
+        comps = orig_build(*a, **k)
+        comps["unet"].register_forward_pre_hook(
+            lambda m, args: fwd.append(m.conv_in.weight.detach().clone()) if m.training else None)
+        return comps
+
+    ldm_mod.build_tiny_ldm = build
+    cfg = PretrainConfig(image_size=16, vae_steps=2, vae_batch_size=4, clip_steps=0, unet_steps=5, unet_batch_size=4,
+                         unet_warmup_steps=1, probe_every=2, ema_decay=0.5)
+    try:
+        comps, stats, out_pool = pretrain_tiny_ldm(cfg, log=lambda *a: None, pool=pool, probe=probe)
+    finally:
+        ldm_mod.build_tiny_ldm = orig_build
+    assert out_pool is pool and stats["n_images"] == 12
+    assert [c["unet_step"] for c in stats["curve"]] == [2, 4, 5]
+    assert [c["images_seen"] for c in stats["curve"]] == [8, 16, 20]
+    assert all(c["fidelity_g3"] == 0.5 for c in stats["curve"])
+    assert not any(training for training, _ in seen)
+    # the last probe saw the EMA weights, which are also what is returned (published)
+    final = [p.detach() for p in comps["unet"].parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(seen[-1][1], final))
+    # training went on from the live weights, not from the EMA weights the probe saw after step 2
+    assert len(fwd) == 5
+    ema_at_2 = dict(zip([n for n, _ in comps["unet"].named_parameters()], seen[0][1]))["conv_in.weight"]
+    assert not torch.allclose(fwd[2], ema_at_2)
+    assert stats["probe_cpu_seconds"] >= 0 and stats["unet_steps"] == 5
+
+
+def test_reconstruction_fidelity_is_the_judge_on_decoded_posterior_means():
+    """The VAE upper bound: the judge reads the VAE's reconstruction (decoded posterior mean), not the original. A
+    judge that reads the class from the image's brightness is perfect through an identity VAE and at chance through
+    one that keeps only the mean over all images."""
+    from types import SimpleNamespace
+
+    from hfpfl.fedbip.quality import judge_split, reconstruction_fidelity
+
+    class BrightnessJudge(torch.nn.Module):
+        def forward(self, x):  # class k <=> mean brightness k/9 * 2 - 1
+            k = ((x.mean((1, 2, 3)) + 1) / 2 * 9).round().clamp(0, 9).long()
+            return torch.nn.functional.one_hot(k, 10).float()
+
+    class StubVAE(torch.nn.Module):
+        def __init__(self, collapse):
+            super().__init__()
+            self.collapse, self.device, self.dtype = collapse, torch.device("cpu"), torch.float32
+
+        def encode(self, x):
+            return SimpleNamespace(latent_dist=SimpleNamespace(mean=x * 0 + x.mean() if self.collapse else x))
+
+        def decode(self, z):
+            return SimpleNamespace(sample=z)
+
+    labels = torch.arange(10).repeat(3)
+    images = (labels.float() / 9 * 2 - 1)[:, None, None, None].expand(-1, 3, 8, 8).contiguous()
+    assert reconstruction_fidelity(StubVAE(False), BrightnessJudge(), images, labels, batch_size=7) == 1.0
+    assert reconstruction_fidelity(StubVAE(True), BrightnessJudge(), images, labels, batch_size=30) == \
+        pytest.approx(0.1)
+    hold, train = judge_split(50, seed=0, holdout=0.1)
+    assert len(hold) == 5 and len(train) == 45 and not set(hold.tolist()) & set(train.tolist())

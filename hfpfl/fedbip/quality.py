@@ -17,6 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+JUDGE_EPOCHS = 12
+
+
 class Judge(nn.Module):
     """conv(32)-conv(64)-conv(128) + BN/ReLU/pool, linear head: a 10-way digit classifier on (3, 32, 32) in [-1,1]."""
 
@@ -33,34 +36,100 @@ class Judge(nn.Module):
         return self.head(self.features(x).mean((2, 3)))
 
 
-def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int = 6, batch_size: int = 64, seed: int = 0,
-                holdout: float = 0.1):
-    """Train the judge on (images (N,3,32,32) in [-1,1], labels); returns (judge, held-out accuracy)."""
+def augment_digits(x: torch.Tensor, g: torch.Generator, shift: float = 3.0, scale: float = 0.1,
+                   invert_p: float = 0.3) -> torch.Tensor:
+    """Per-image random translation (up to ``shift`` pixels) and zoom (1 +- ``scale``), colour inversion with
+    probability ``invert_p`` and a random channel permutation: label-preserving for digits in any of the pool's
+    styles."""
+    b, _, h, _ = x.shape
+    theta = torch.zeros(b, 2, 3)
+    s = 1 + scale * (torch.rand(b, generator=g) * 2 - 1)
+    theta[:, 0, 0] = s
+    theta[:, 1, 1] = s
+    theta[:, :, 2] = (torch.rand(b, 2, generator=g) * 2 - 1) * shift * 2 / h
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    out = F.grid_sample(x, grid, padding_mode="border", align_corners=False)
+    flip = torch.rand(b, generator=g) < invert_p
+    out[flip] = -out[flip]
+    perm = torch.stack([torch.randperm(3, generator=g) for _ in range(b)])
+    return torch.gather(out, 1, perm[:, :, None, None].expand_as(out))
+
+
+def judge_split(n: int, seed: int = 0, holdout: float = 0.1, generator: torch.Generator | None = None):
+    """(held-out, train) indices of :func:`train_judge` for a pool of ``n`` images."""
+    perm = torch.randperm(n, generator=generator or torch.Generator().manual_seed(seed))
+    n_hold = int(n * holdout)
+    return perm[:n_hold], perm[n_hold:]
+
+
+@torch.no_grad()
+def reconstruction_fidelity(vae, judge, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 128) -> float:
+    """Judge accuracy on VAE reconstructions (posterior mean, decoded) of ``images``: an upper bound on what an LDM
+    with this VAE can reach in class fidelity (the judge cannot read a digit the VAE does not keep)."""
+    rec = []
+    for i in range(0, len(images), batch_size):
+        x = images[i : i + batch_size].to(vae.device, vae.dtype)
+        rec.append(vae.decode(vae.encode(x).latent_dist.mean).sample.clamp(-1, 1).float().cpu())
+    return judge_accuracy(judge, torch.cat(rec), labels)
+
+
+def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int = JUDGE_EPOCHS, batch_size: int = 64,
+                seed: int = 0, holdout: float = 0.1, augment: bool = True, lr: float = 3e-3, styles=None,
+                report: dict | None = None):
+    """Train the judge on (images (N,3,32,32) in [-1,1], labels); returns (judge, held-out accuracy). ``report`` (a
+    dict) receives the held-out accuracy per style (``styles``: one name per image) and the recipe."""
     g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(labels), generator=g)
-    n_hold = int(len(labels) * holdout)
-    hold, train = perm[:n_hold], perm[n_hold:]
+    hold, train = judge_split(len(labels), seed, holdout, g)
+    n_hold = len(hold)
     torch.manual_seed(seed)
     judge = Judge()
-    opt = torch.optim.AdamW(judge.parameters(), lr=3e-3, weight_decay=1e-4)
+    opt = torch.optim.AdamW(judge.parameters(), lr=lr, weight_decay=1e-4)
     steps = epochs * (len(train) // batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 3e-3, total_steps=max(1, steps))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(1, steps))
     judge.train()
     for _ in range(epochs):
         order = train[torch.randperm(len(train), generator=g)]
         for i in range(0, len(order) - batch_size + 1, batch_size):
             idx = order[i : i + batch_size]
             x = images[idx]
-            # light augmentation: random shifts by up to 2 pixels
-            dx, dy = torch.randint(-2, 3, (2,), generator=g).tolist()
-            x = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
+            if augment:
+                x = augment_digits(x, g)
+            else:  # the earlier recipe: one random shift by up to 2 pixels per batch
+                dx, dy = torch.randint(-2, 3, (2,), generator=g).tolist()
+                x = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
             loss = F.cross_entropy(judge(x), labels[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
     judge.eval()
-    return judge, judge_accuracy(judge, images[hold], labels[hold])
+    acc = judge_accuracy(judge, images[hold], labels[hold])
+    if report is not None:
+        report.update(heldout_accuracy=acc, epochs=epochs, augment=augment, n_heldout=n_hold)
+        if styles is not None:
+            st = np.asarray(styles)[hold.numpy()]
+            with torch.no_grad():
+                pred = torch.cat([judge(images[hold][i : i + 256]).argmax(1) for i in range(0, n_hold, 256)])
+            ok = (pred == labels[hold]).numpy()
+            report["heldout_accuracy_per_style"] = {s: float(ok[st == s].mean()) for s in sorted(set(st))}
+    return judge, acc
+
+
+def make_fidelity_probe(judge, per_class: int = 5, guidance_scale: float = 3.0, num_inference_steps: int = 20,
+                        seed: int = 1234):
+    """A probe for :func:`hfpfl.fedbip.ldm.pretrain_tiny_ldm`: plain-prompt fidelity on a small fixed set (same
+    seed every call, so points of the curve differ only by the weights)."""
+
+    def probe(comps):
+        from diffusers import StableDiffusionPipeline
+
+        pipe = StableDiffusionPipeline(**comps, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+        pipe.set_progress_bar_config(disable=True)
+        acc, _, _ = plain_prompt_fidelity(pipe, judge, per_class, guidance_scale, num_inference_steps, seed)
+        return {f"fidelity_g{guidance_scale:g}": acc}
+
+    return probe
 
 
 @torch.no_grad()
@@ -146,14 +215,24 @@ def save_pool_grid(pool: dict, path: str, per_style: int = 10, scale: int = 3, s
 
 
 def measure_ldm(pipe, pool: dict, out_dir: str, per_class: int = 10, guidance_scales=(1.0, 3.0), seed: int = 0,
-                log=print) -> dict:
-    """Train the judge on the pool, measure plain-prompt fidelity at each guidance scale, write the grids."""
+                log=print, judge=None) -> dict:
+    """Train the judge on the pool (or take ``judge`` = (judge, held-out accuracy, report) trained before), measure
+    plain-prompt fidelity at each guidance scale, write the grids."""
     from .ldm import pool_to_tensor
 
+    if judge is None:
+        x = pool_to_tensor(pool["images"], pipe.vae.config.sample_size)
+        y = torch.as_tensor(pool["labels"])
+        jrep: dict = {}
+        judge = (*train_judge(x, y, seed=seed, styles=pool["styles"], report=jrep), jrep)
+    judge, judge_acc, jrep = judge
+    rep = {"judge_heldout_accuracy": judge_acc, "judge": jrep, "plain_prompt_fidelity": {}}
     x = pool_to_tensor(pool["images"], pipe.vae.config.sample_size)
-    y = torch.as_tensor(pool["labels"])
-    judge, judge_acc = train_judge(x, y, seed=seed)
-    rep = {"judge_heldout_accuracy": judge_acc, "plain_prompt_fidelity": {}}
+    hold, _ = judge_split(len(x), seed)
+    rep["judge_on_vae_reconstructions"] = reconstruction_fidelity(pipe.vae, judge, x[hold],
+                                                                  torch.as_tensor(pool["labels"])[hold])
+    log(f"[ldm-quality] judge accuracy on VAE reconstructions of its held-out images (an upper bound on "
+        f"fidelity): {rep['judge_on_vae_reconstructions']:.3f}")
     for gs in guidance_scales:
         acc, _, _ = plain_prompt_fidelity(pipe, judge, per_class, gs, seed=seed)
         rep["plain_prompt_fidelity"][str(gs)] = acc
