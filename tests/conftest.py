@@ -67,3 +67,24 @@ def pretrained_backbone(_standin_hub_cache):
 
     with hub.use_hub_cache(_standin_hub_cache):
         yield "hfpfl/tiny-resnet-ood"
+
+
+@pytest.fixture
+def kill_after_first_checkpoint():
+    """kill(proc, out): SIGKILL a running recipe process as soon as it has saved its first round checkpoint under
+    ``out``, and check that it left no ``results.json`` behind (a killed run must not look complete)."""
+    import signal
+    import time
+    from pathlib import Path
+
+    def kill(proc, out, timeout: float = 300):
+        ck = Path(out) / "checkpoints"
+        deadline = time.time() + timeout
+        while time.time() < deadline and not (ck.is_dir() and any(p.name.startswith("round-") for p in ck.iterdir())):
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (Path(out) / "results.json").exists()
+
+    return kill

@@ -1,10 +1,8 @@
 """Engine properties: determinism, state swapping, communication accounting, checkpoints, config, bad input."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -140,18 +138,10 @@ def _final(out):
 
 
 @pytest.mark.slow
-def test_resume_after_kill_gives_same_results(tmp_path):
+def test_resume_after_kill_gives_same_results(tmp_path, kill_after_first_checkpoint):
     args = ["--method", "fedprox", "--num_rounds", "5", "--checkpoint_every", "1"]
     ref = _recipe(args, tmp_path / "ref")
-    killed = _recipe(args, tmp_path / "killed")
-    ck = tmp_path / "killed" / "checkpoints"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (ck.is_dir() and any(p.name.startswith("round-") for p in ck.iterdir())):
-        assert killed.poll() is None, killed.stdout.read()
-        time.sleep(0.2)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
-    assert not (tmp_path / "killed" / "results.json").exists()
+    kill_after_first_checkpoint(_recipe(args, tmp_path / "killed"), tmp_path / "killed")
     resumed = _recipe(args + ["--resume_from_checkpoint", "latest"], tmp_path / "killed")
     assert resumed.wait() == 0, resumed.stdout.read()
     assert ref.wait() == 0, ref.stdout.read()

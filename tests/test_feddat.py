@@ -372,12 +372,9 @@ def test_two_processes_give_the_same_results(tmp_path):
 
 
 @pytest.mark.slow
-def test_recipe_resumes_after_a_kill_with_the_same_results(tmp_path):
+def test_recipe_resumes_after_a_kill_with_the_same_results(tmp_path, kill_after_first_checkpoint):
     """recipes/feddat.py killed after its first checkpoint and resumed equals an uninterrupted run: the last round's
     train loss (which reads every client's private A_c and head) and the per-client accuracies are identical."""
-    import signal
-    import time
-
     args = [str(ROOT / "recipes" / "feddat.py"), "--model", "tiny-vilt", "--random_backbone_ok", "true",
             "--num_rounds", "3", "--checkpoint_every", "1", "--train_per_client", "24", "--test_per_client", "20",
             "--progress", "false", "--vqa_split", "domain"]
@@ -388,15 +385,8 @@ def test_recipe_resumes_after_a_kill_with_the_same_results(tmp_path):
         return subprocess.Popen([sys.executable, *args, "--output_dir", str(out), *extra], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    ref, killed = launch(tmp_path / "ref"), launch(tmp_path / "killed")
-    ck = tmp_path / "killed" / "checkpoints"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (ck.is_dir() and any(p.name.startswith("round-") for p in ck.iterdir())):
-        assert killed.poll() is None, killed.stdout.read()
-        time.sleep(0.2)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
-    assert not (tmp_path / "killed" / "results.json").exists()
+    ref = launch(tmp_path / "ref")
+    kill_after_first_checkpoint(launch(tmp_path / "killed"), tmp_path / "killed")
     resumed = launch(tmp_path / "killed", "--resume_from_checkpoint", "latest")
     assert resumed.wait(timeout=600) == 0, resumed.stdout.read()
     assert ref.wait(timeout=600) == 0, ref.stdout.read()
