@@ -49,7 +49,7 @@ class PretrainArguments:
     unet_warmup_steps: int = field(default=100, metadata={"help": "Linear learning-rate warm-up steps of the UNet."})
     probe_every: int = field(default=500, metadata={
         "help": "Measure plain-prompt fidelity (the judge, 50 images) every this many UNet steps: the training curve in "
-                "pretrain_stats.json (0 = only at the end; its time is not counted as pretraining time)."})
+                "pretrain_stats.json (0 = never; its time is not counted as pretraining time)."})
     cond_dropout: float = field(default=0.1, metadata={"help": "Fraction of empty captions (classifier-free guidance)."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads (1 is fastest on a shared 2-core box)."})
@@ -57,10 +57,29 @@ class PretrainArguments:
         "help": "Stop UNet training once the run has used this much CPU time (s); None = exactly unet_steps "
                 "(same seed, same weights)."})
 
+    def __post_init__(self):
+        at_least = {"vae_steps": 1, "vae_batch_size": 1, "unet_steps": 1, "unet_batch_size": 1, "num_threads": 1,
+                    "image_size": 8, "clip_steps": 0, "unet_warmup_steps": 0, "probe_every": 0}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name} must be >= {low}, got {getattr(self, name)}; pass --{name} {low} or more")
+        for name in ("vae_lr", "unet_lr"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"--{name} must be a positive finite learning rate, got {getattr(self, name)}")
+        if not 0 <= self.cond_dropout < 1:
+            raise ValueError(f"--cond_dropout must be in [0, 1), got {self.cond_dropout}")
+        if self.max_images is not None and self.max_images < 1:
+            raise ValueError(f"--max_images must be >= 1 (or None for all), got {self.max_images}")
+
 
 def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    (args,) = HfArgumentParser(PretrainArguments).parse_args_into_dataclasses(args=argv)
+    from hfpfl.cli import fail
+
+    try:
+        (args,) = HfArgumentParser(PretrainArguments).parse_args_into_dataclasses(args=argv)
+    except ValueError as e:  # a bad value: one line naming the option, exit code 2, nothing trained or written
+        fail(e)
     d = asdict(args)
     cfg = PretrainConfig(**{k: d[k] for k in PretrainConfig.__dataclass_fields__ if k in d})
     path = ensure_pretrained_ldm(args.repo_id, cache_dir=args.cache_dir, force=args.force, config=cfg,

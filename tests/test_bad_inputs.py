@@ -310,6 +310,8 @@ def test_partition_script_none_values_and_config_file(tmp_path, capsys):
     ("recipes/run.py", ["--seed", "-1"], "--seed must be"),
     ("recipes/fedavg.py", ["--num_rounds", "abc"], "invalid int value"),
     ("scripts/partition.py", ["--alpha", "0", "--partition", "dirichlet", "--output_dir", "{tmp}/p"], "--alpha"),
+    ("recipes/pretrain_ldm.py", ["--unet_steps", "0"], "--unet_steps must be >= 1"),
+    ("recipes/pretrain_ldm.py", ["--probe_every", "-1"], "--probe_every must be >= 0"),
 ])
 def test_entry_point_exit_code_and_first_line(script, args, expected, tmp_path):
     args = [a.format(tmp=tmp_path) for a in args]
