@@ -73,6 +73,10 @@ class RunArguments:
     resume_from_checkpoint: str | None = field(default=None, metadata={
         "help": "Resume: 'latest' or a path to a round checkpoint directory."})
     num_threads: int = field(default=1, metadata={"help": "torch intra-op threads per process (1 is fastest on small boxes)."})
+    deterministic: bool = field(default=True, metadata={
+        "help": "On a CUDA device: deterministic cuDNN/cuBLAS kernels and no TF32, so that the same seed gives the same "
+                "numbers (and the vectorized and sequential paths agree to float32 precision). False = cuDNN autotuning "
+                "and TF32 (faster; results then vary in their last bits). No effect on the CPU."})
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | all."})
     progress: bool = field(default=True, metadata={"help": "Show tqdm progress bars (only when stderr is a terminal; "
                                                            "the plain per-round lines are always printed)."})

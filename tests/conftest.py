@@ -1,5 +1,6 @@
 """Shared fixtures. Everything runs offline on tiny models and small real-image data."""
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -9,6 +10,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# Multi-process equality tests: two CPU processes (gloo) against one process, both on the CPU. CI has no GPU; on a
+# machine with one GPU, accelerate's barrier names the CUDA device of each local rank even for CPU processes (rank 1
+# then asks for a GPU that does not exist), and a one-process reference on the GPU would not be bit-comparable with
+# CPU processes. So both runs see no GPU.
+LAUNCH_TWO = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}                 # for the one-process reference
+CPU_PROCESSES = {**CPU_ONLY, "ACCELERATE_USE_CPU": "1"}  # for the LAUNCH_TWO run
 
 
 @pytest.fixture(scope="session")

@@ -179,7 +179,7 @@ def test_scaffold_matches_a_hand_computation(run_sim):
     lr, eta_g = 0.05, 0.7
     sim, _ = run_sim("tiny_scaffold", server_lr=eta_g, num_rounds=2, momentum=0.0, local_steps=3,
                      clients_per_round=3, run=False)
-    x = {k: v.clone().double() for k, v in sim.model.state_dict().items()}
+    x = {k: v.detach().cpu().double() for k, v in sim.model.state_dict().items()}
     c = {k: torch.zeros_like(v) for k, v in x.items()}
     c_i = {}
     n = sim.num_clients

@@ -9,6 +9,7 @@ import pytest
 
 from hfpfl.config import RunArguments, load_config_file, parse_run_args
 from hfpfl.federated.comm import tensor_bytes
+from conftest import CPU_ONLY, CPU_PROCESSES, LAUNCH_TWO
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num_clients", "4", "--max_per_domain", "100", "--image_size", "16", "--batch_size", "16",
@@ -152,11 +153,9 @@ def test_resume_after_kill_gives_same_results(tmp_path, kill_after_first_checkpo
 @pytest.mark.parametrize("method", ["fedbn", "feddf"])  # streaming (all-reduced sums) and gather (server work once)
 def test_two_processes_give_the_same_final_metrics(tmp_path, method):
     args = ["--method", method, "--num_rounds", "2", "--num_new_clients", "1"]
-    one = _recipe(args, tmp_path / "one")
+    one = _recipe(args, tmp_path / "one", env_extra=CPU_ONLY)
     assert one.wait() == 0, one.stdout.read()
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    two = _recipe(args, tmp_path / "two", env_extra={"ACCELERATE_USE_CPU": "1"}, launcher=launcher)
+    two = _recipe(args, tmp_path / "two", env_extra=CPU_PROCESSES, launcher=LAUNCH_TWO)
     out = two.stdout.read()
     assert two.wait() == 0, out
     res = json.loads((tmp_path / "two" / "results.json").read_text())

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CPU_PROCESSES, LAUNCH_TWO
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("recipes/*.py"), *ROOT.glob("scripts/*.py")])
@@ -186,11 +187,9 @@ def test_every_printed_fix_command_parses():
 @pytest.mark.slow
 def test_two_processes_share_one_default_output_dir(tmp_path):
     """The README's 2-process command without --output_dir: both processes agree on outputs/fedavg-<timestamp>."""
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    env = {**ENV, "ACCELERATE_USE_CPU": "1",
+    env = {**ENV, **CPU_PROCESSES,
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([*launcher, str(ROOT / "recipes" / "fedavg.py"), *SMALL, "--num_rounds", "1"], cwd=tmp_path,
+    out = subprocess.run([*LAUNCH_TWO, str(ROOT / "recipes" / "fedavg.py"), *SMALL, "--num_rounds", "1"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = list((tmp_path / "outputs").iterdir())

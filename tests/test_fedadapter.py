@@ -38,7 +38,7 @@ def test_baselines_run_on_frozen_backbone_and_send_only_adapters(run_sim, adapte
         for k in sim.keys_by_role["frozen"]:
             plain = k.removeprefix("base_model.").replace(".base_layer", "").replace(".original_module", "")
             if plain in pretrained and not plain.startswith("classifier"):  # the 10-class head is a fresh init
-                assert torch.equal(sim.model_state[k], pretrained[plain]), (method, k)
+                assert torch.equal(sim.model_state[k].cpu(), pretrained[plain]), (method, k)
         assert 0 <= res["final"]["personal_accuracy"] <= 1
 
 

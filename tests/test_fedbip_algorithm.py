@@ -99,7 +99,7 @@ def test_ldm_weights_unchanged_and_frozen(full_run):
     assert before == after
     pipe = sim.algorithm.pipe
     assert not any(p.requires_grad for m in (pipe.unet, pipe.vae, pipe.text_encoder) for p in m.parameters())
-    assert load_ldm(sim.algorithm.config.ldm) is pipe  # loaded once per process, shared
+    assert load_ldm(sim.algorithm.config.ldm, sim.device) is pipe  # loaded once per process, shared
 
 
 def test_synthetic_set_size_and_class_balance(full_run):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
+from conftest import CPU_ONLY, CPU_PROCESSES, LAUNCH_TWO
 
 from hfpfl.algorithms import MODEL, get_algorithm
 from hfpfl.config import RunArguments
@@ -102,7 +103,7 @@ def test_dat_is_the_average_of_the_two_adapters_and_identity_when_equal(vqa_fed)
 def test_gradient_isolation_of_the_two_losses(sim_for, vqa_fed):
     sim = sim_for("feddat")
     m = sim.model
-    b = batch_of(vqa_fed)
+    b = {k: v.to(sim.device) for k, v in batch_of(vqa_fed).items()}
     x = {k: v for k, v in b.items() if k != "answer"}
     shared = [p for k, p in m.named_parameters() if ".shared." in k]
     local = [p for k, p in m.named_parameters() if ".local." in k]
@@ -125,7 +126,7 @@ def test_gradient_isolation_of_the_two_losses(sim_for, vqa_fed):
 # ------------------------------------------------------------------------------------------------ check 4 + 7
 def test_payload_is_the_shared_adapter_only_and_equals_the_adapter_baseline(sim_for):
     dat, ada = sim_for("feddat", rounds=1), sim_for("vqa_adapter", rounds=1)
-    init_local = {k: v.clone() for k, v in dat.model_state.items() if ".local." in k}
+    init_local = {k: v.cpu() for k, v in dat.model_state.items() if ".local." in k}
     dat.run()
     ada.run()
     shared_keys = set(dat.model.shared_keys())
@@ -191,8 +192,8 @@ def test_frozen_copy_is_recopied_every_round_and_private_state_persists(sim_for)
         ctx.load(private[MODEL])
         upd = algo.client_update(1, down, private, r)
         for i, slot in enumerate(sim.model.adapters):
-            assert torch.equal(slot.frozen_down_weight, down[MODEL][f"adapters.{i}.shared.down.weight"])
-            assert torch.equal(slot.frozen_up_bias, down[MODEL][f"adapters.{i}.shared.up.bias"])
+            assert torch.equal(slot.frozen_down_weight.cpu(), down[MODEL][f"adapters.{i}.shared.down.weight"])
+            assert torch.equal(slot.frozen_up_bias.cpu(), down[MODEL][f"adapters.{i}.shared.up.bias"])
         k = sim.model.local_keys()[0]
         assert not torch.equal(upd.private[MODEL][k], private[MODEL][k])      # A_c trained, kept for next round
         private = upd.private
@@ -237,7 +238,7 @@ def test_inference_uses_only_the_shared_adapter(sim_for, vqa_fed):
     algo = sim.algorithm
     b = batch_of(vqa_fed, 2)
     model = algo.load_personal(2, sim.server_state, algo.init_private_state(2), 1)
-    x = {k: v for k, v in b.items() if k != "answer"}
+    x = {k: v.to(sim.device) for k, v in b.items() if k != "answer"}
 
     def test_logits():
         torch.manual_seed(0)          # ViLT draws its patch order at random (as the engine does, evaluation is seeded)
@@ -357,13 +358,11 @@ def test_two_processes_give_the_same_results(tmp_path):
             "--vqa_split", "domain"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    one = subprocess.run([sys.executable, *args, "--output_dir", str(tmp_path / "one")], env=env,
+    one = subprocess.run([sys.executable, *args, "--output_dir", str(tmp_path / "one")], env={**env, **CPU_ONLY},
                          capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    two = subprocess.run([*launcher, *args, "--output_dir", str(tmp_path / "two")], env={**env,
-                         "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=600)
+    two = subprocess.run([*LAUNCH_TWO, *args, "--output_dir", str(tmp_path / "two")], env={**env, **CPU_PROCESSES},
+                         capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-2000:]
     r1, r2 = (json.loads((tmp_path / w / "results.json").read_text()) for w in ("one", "two"))
     assert r2["world_size"] == 2

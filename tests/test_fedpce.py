@@ -127,7 +127,7 @@ def test_new_client_trains_exactly_the_embedding(pce_sim):
     assert seen == [[(EMBEDDING_KEY, 4)]]                      # only v_{N+1} (E numbers) has requires_grad
     state = model.state_dict()
     assert all(torch.equal(state[k].cpu(), before[k]) for k in before)   # every global tensor bitwise unchanged
-    assert not torch.equal(state[EMBEDDING_KEY], torch.zeros(4))        # started at 0, moved
+    assert not torch.equal(state[EMBEDDING_KEY].cpu(), torch.zeros(4))        # started at 0, moved
     assert all(p.requires_grad for n, p in model.named_parameters())   # trainability restored afterwards
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from conftest import CPU_ONLY, CPU_PROCESSES, LAUNCH_TWO
 
 from hfpfl.algorithms.base import MODEL, PRIVATE
 from hfpfl.algorithms.fraug import (FRAugConfig, FRAugStages, balanced_labels, ema_update, lambda_c, lambda_syn)
@@ -318,12 +319,10 @@ def test_two_processes_give_the_same_results(tmp_path):
              "--batch_size", "16", "--local_steps", "2", "--num_rounds", "2", "--progress", "false"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     one = subprocess.run([sys.executable, str(ROOT / "recipes" / "fraug.py"), *small, "--output_dir",
-                          str(tmp_path / "one")], env=env, capture_output=True, text=True)
+                          str(tmp_path / "one")], env={**env, **CPU_ONLY}, capture_output=True, text=True)
     assert one.returncode == 0, one.stdout + one.stderr
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    two = subprocess.run([*launcher, str(ROOT / "recipes" / "fraug.py"), *small, "--output_dir", str(tmp_path / "two")],
-                         env={**env, "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True)
+    two = subprocess.run([*LAUNCH_TWO, str(ROOT / "recipes" / "fraug.py"), *small, "--output_dir", str(tmp_path / "two")],
+                         env={**env, **CPU_PROCESSES}, capture_output=True, text=True)
     assert two.returncode == 0, two.stdout + two.stderr
     r1, r2 = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
     assert r2["world_size"] == 2

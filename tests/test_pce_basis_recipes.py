@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import CPU_PROCESSES, LAUNCH_TWO
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--image_size", "16", "--num_rounds", "3", "--local_steps", "2", "--batch_size", "8",
@@ -19,8 +21,6 @@ RECIPES = {
     # 4 domains x (1 collaborative + 1 new); K = 2; 3 rounds = 1 warm-start round (k-means) + 2 FedBasis rounds
     "fedbasis": ["--num_clients", "1", "--num_new_clients", "1", "--max_per_domain", "60", "--num_bases", "2"],
 }
-LAUNCH2 = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
 def _in_process(recipe, out):
@@ -36,7 +36,7 @@ def _in_process(recipe, out):
 def _run(recipe, out, launcher):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env["ACCELERATE_USE_CPU"] = "1"
+    env.update(CPU_PROCESSES)
     cmd = launcher + [str(ROOT / "recipes" / f"{recipe}.py"), *COMMON, *RECIPES[recipe],
                                             "--output_dir", str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -47,8 +47,10 @@ def _run(recipe, out, launcher):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fedpce", "fedbasis"])
 def test_two_processes_same_results_and_exact_bytes(tmp_path, recipe):
-    one = _in_process(recipe, tmp_path / "one")
-    two = _run(recipe, tmp_path / "two", launcher=LAUNCH2)
+    # the reference on the CPU too (in a process of its own where pytest's process sees a GPU)
+    one = (_run(recipe, tmp_path / "one", launcher=[sys.executable]) if torch.cuda.is_available()
+           else _in_process(recipe, tmp_path / "one"))
+    two = _run(recipe, tmp_path / "two", launcher=LAUNCH_TWO)
     assert one["world_size"] == 1 and two["world_size"] == 2
     for key in ("final", "per_client_accuracy", "new_client_accuracy", "communication", "parameters"):
         assert one[key] == two[key], key

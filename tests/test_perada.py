@@ -184,7 +184,7 @@ def test_load_personal_uses_the_personal_slot(perada):
     algo = sim.algorithm
     m = algo.load_personal(0, sim.server_state, sim.store.get(0)["model"], 1)
     assert sim.model.active_adapter == "personal"
-    x = sim.test_data(0).pixel_values[:4]
+    x = sim.test_data(0).pixel_values[:4].to(sim.device)
     m.eval()
     with torch.no_grad():
         p = m(pixel_values=x).logits

@@ -141,7 +141,7 @@ def test_train_takes_a_method_optimizer_and_schedule(run_sim):
     model.train()
     batch = next(iter(iterate_batches(ctx.train_data(u.client_id), sim.args.batch_size, shuffle=True,
                                       generator=ctx.generator(1, u.client_id))))
-    model(**{"pixel_values": batch["pixel_values"]}, labels=batch["labels"]).loss.backward()
+    model.cpu()(**{"pixel_values": batch["pixel_values"]}, labels=batch["labels"]).loss.backward()
     moved = 0
     for name, p in model.named_parameters():
         if name in u.upload[MODEL] and p.grad is not None:

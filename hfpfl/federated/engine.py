@@ -22,6 +22,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .. import tracking
+from ..runtime import configure_determinism
 from ..training import TensorData
 from . import checkpoint as ckpt
 from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
@@ -61,6 +62,7 @@ class Simulation:
         log_with = None if run_args.report_to == "none" else run_args.report_to
         self.accelerator = accelerator or Accelerator(log_with=log_with, project_dir=run_args.output_dir)
         self.device = self.accelerator.device
+        configure_determinism(self.device, run_args.deterministic)
         self.output_dir = Path(run_args.output_dir)
         self._prepare_output_dir()
 
