@@ -231,3 +231,52 @@ def test_reconstruction_fidelity_is_the_judge_on_decoded_posterior_means():
         pytest.approx(0.1)
     hold, train = judge_split(50, seed=0, holdout=0.1)
     assert len(hold) == 5 and len(train) == 45 and not set(hold.tolist()) & set(train.tolist())
+
+
+def test_public_only_judge_trains_on_the_real_public_splits_only():
+    """judge_pool="public" (issue 8: "a judge trained on real public images"): the judge's training batches hold only
+    ``public-*`` pool images, its held-out split is the same as the whole-pool judge's (one split over the whole
+    pool, so both judges are scored on the same unseen images), and its own accuracy is on the public held-out ones."""
+    from hfpfl.fedbip import quality as q
+
+    styles = np.array(["public-mnist", "plain", "public-syn", "colored", "public-usps"] * 8)
+    assert q.judge_train_mask(styles, "public").tolist() == [True, False, True, False, True] * 8
+    assert q.judge_train_mask(styles, "all").all()
+    with pytest.raises(ValueError, match="judge_pool"):
+        q.judge_train_mask(styles, "clients")
+    with pytest.raises(ValueError, match="public-"):
+        q.judge_train_mask(np.array(["plain", "colored"]), "public")
+
+    n = len(styles)
+    images = torch.arange(n, dtype=torch.float32)[:, None, None, None].expand(-1, 3, 32, 32).contiguous()
+    labels = torch.arange(n) % 10
+    seen, orig = [], q.augment_digits
+
+    def spy(x, g, **kw):
+        seen.extend(int(i) for i in x[:, 0, 0, 0].round().long())  # each image carries its own index
+        return orig(x, g, **kw)
+
+    reports = {}
+    try:
+        q.augment_digits = spy
+        for jp in ("public", "all"):
+            seen.clear()
+            rep: dict = {}
+            q.train_judge(images, labels, epochs=1, batch_size=4, styles=styles, report=rep,
+                          train_mask=q.judge_train_mask(styles, jp))
+            reports[jp] = (rep, sorted(seen))
+    finally:
+        q.augment_digits = orig
+    hold, train = q.judge_split(n, seed=0)
+    public = set(np.flatnonzero(q.judge_train_mask(styles, "public")).tolist())
+    pub_rep, pub_seen = reports["public"]
+    assert pub_seen and set(pub_seen) <= public - set(hold.tolist())  # public train images only, never held-out ones
+    assert pub_rep["n_train"] == len(set(train.tolist()) & public) and pub_rep["n_heldout_all"] == len(hold)
+    assert pub_rep["n_heldout"] == len(set(hold.tolist()) & public)
+    all_rep, all_seen = reports["all"]
+    assert all_rep["n_train"] == len(train) and not set(all_seen) & set(hold.tolist())
+    assert set(all_seen) - public  # the whole-pool judge does see procedural styles
+    # default epochs: the whole-pool judge's number of steps (12 epochs over all train images)
+    rep = {}
+    q.train_judge(images, labels, batch_size=4, report=rep, train_mask=q.judge_train_mask(styles, "public"))
+    assert rep["epochs"] == round(q.JUDGE_EPOCHS * len(train) / pub_rep["n_train"]) > q.JUDGE_EPOCHS
