@@ -304,6 +304,7 @@ def measure_cached_ldm(path: str, out_dir: str, judge_pools=JUDGE_POOLS, per_cla
     from .ldm import pool_to_tensor
     from .pool import build_pool, caption
 
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(path, "pretrain_stats.json")) as f:
         stats = json.load(f)
     cfg = stats.get("config", {})
@@ -350,7 +351,6 @@ def measure_cached_ldm(path: str, out_dir: str, judge_pools=JUDGE_POOLS, per_cla
             f"kind ({jrep['n_heldout']} images), {jrep['heldout_accuracy_all']:.3f} on all {jrep['n_heldout_all']}; "
             f"VAE ceiling {jrep['judge_on_vae_reconstructions']:.3f}; plain-prompt fidelity "
             + ", ".join(f"{v:.3f} at guidance {k}" for k, v in jrep["plain_prompt_fidelity"].items()))
-    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "judges.json"), "w") as f:
         json.dump(rep, f, indent=2)
     return rep
