@@ -7,14 +7,15 @@ local Hub cache.
 
 The pool is ``hfpfl.fedbip.pool.build_pool``: the public splits of every Digits domain plus procedural styles
 (fonts, colours, photo backgrounds/textures, inversions, strokes, blur, noise), captioned "a photo of the digit seven"
-or "a {generic style word} photo of the digit seven" (the LAION stand-in). Afterwards a judge CNN trained on the pool
-measures the class fidelity of plain prompts and grids per style are written (pretrain_stats.json, README.md).
+or "a {generic style word} photo of the digit seven" (the LAION stand-in). Afterwards a judge CNN (trained on the
+pool's real public images, --judge_pool public; or the whole pool) measures the class fidelity of plain prompts and grids per style are written (pretrain_stats.json, README.md).
 Stage 1 trains the AutoencoderKL (MSE + small KL); stage 2 the CLIPTextModel as CLIP's text tower, contrastively
 against a frozen image CNN trained on the pool's labels (LiT), then freezes it; stage 3 the UNet2DConditionModel
 (cross-attention + the global text path ``addition_embed_type="text"``) on the text-conditioned denoising loss over
 unit-variance VAE latents (10% empty captions for classifier-free guidance).
 The pipeline is saved as a ``StableDiffusionPipeline`` (safety_checker=None), PNDM scheduler with SD-v1 betas.
-If the repo id is already cached, nothing is trained unless ``--force``.
+If the repo id is already cached, nothing is trained unless ``--force``; ``--measure_only`` measures the cached
+model under both judges (judges.json) without training it.
 """
 
 from __future__ import annotations
