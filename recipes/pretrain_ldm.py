@@ -8,7 +8,8 @@ local Hub cache.
 The pool is ``hfpfl.fedbip.pool.build_pool``: the public splits of every Digits domain plus procedural styles
 (fonts, colours, photo backgrounds/textures, inversions, strokes, blur, noise), captioned "a photo of the digit seven"
 or "a {generic style word} photo of the digit seven" (the LAION stand-in). Afterwards a judge CNN (trained on the
-pool's real public images, --judge_pool public; or the whole pool) measures the class fidelity of plain prompts and grids per style are written (pretrain_stats.json, README.md).
+pool's real public images, --judge_pool public; or the whole pool) measures the class fidelity of plain prompts and
+grids per style are written (pretrain_stats.json, README.md).
 Stage 1 trains the AutoencoderKL (MSE + small KL); stage 2 the CLIPTextModel as CLIP's text tower, contrastively
 against a frozen image CNN trained on the pool's labels (LiT), then freezes it; stage 3 the UNet2DConditionModel
 (cross-attention + the global text path ``addition_embed_type="text"``) on the text-conditioned denoising loss over
