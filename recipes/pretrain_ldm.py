@@ -7,14 +7,16 @@ local Hub cache.
 
 The pool is ``hfpfl.fedbip.pool.build_pool``: the public splits of every Digits domain plus procedural styles
 (fonts, colours, photo backgrounds/textures, inversions, strokes, blur, noise), captioned "a photo of the digit seven"
-or "a {generic style word} photo of the digit seven" (the LAION stand-in). Afterwards a judge CNN trained on the pool
-measures the class fidelity of plain prompts and grids per style are written (pretrain_stats.json, README.md).
+or "a {generic style word} photo of the digit seven" (the LAION stand-in). Afterwards a judge CNN (trained on the
+pool's real public images, --judge_pool public; or the whole pool) measures the class fidelity of plain prompts and
+grids per style are written (pretrain_stats.json, README.md).
 Stage 1 trains the AutoencoderKL (MSE + small KL); stage 2 the CLIPTextModel as CLIP's text tower, contrastively
 against a frozen image CNN trained on the pool's labels (LiT), then freezes it; stage 3 the UNet2DConditionModel
 (cross-attention + the global text path ``addition_embed_type="text"``) on the text-conditioned denoising loss over
 unit-variance VAE latents (10% empty captions for classifier-free guidance).
 The pipeline is saved as a ``StableDiffusionPipeline`` (safety_checker=None), PNDM scheduler with SD-v1 betas.
-If the repo id is already cached, nothing is trained unless ``--force``.
+If the repo id is already cached, nothing is trained unless ``--force``; ``--measure_only`` measures the cached
+model under both judges (judges.json) without training it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ class PretrainArguments:
         "help": "Measure plain-prompt fidelity (the judge, 50 images) every this many UNet steps: the training curve in "
                 "pretrain_stats.json (0 = never; its time is not counted as pretraining time)."})
     cond_dropout: float = field(default=0.1, metadata={"help": "Fraction of empty captions (classifier-free guidance)."})
+    judge_pool: str = field(default="public", metadata={
+        "help": "Training images of the quality judge: public = the pool's real public splits only (mnist / usps / "
+                "mnistm / syn public images, issue 8's 'judge trained on real public images'); all = the whole pool "
+                "(public + procedural styles, recipe v4's judge)."})
+    measure_only: bool = field(default=False, metadata={
+        "help": "Train nothing: measure the cached --repo_id under both judges (held-out accuracy, plain-prompt "
+                "fidelity of the same 100 images per guidance scale) and write judges.json to --output_dir."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
     num_threads: int = field(default=1, metadata={"help": "torch CPU threads (1 is fastest on a shared 2-core box)."})
     time_budget_s: float | None = field(default=None, metadata={
@@ -68,6 +77,10 @@ class PretrainArguments:
                 raise ValueError(f"--{name} must be a positive finite learning rate, got {getattr(self, name)}")
         if not 0 <= self.cond_dropout < 1:
             raise ValueError(f"--cond_dropout must be in [0, 1), got {self.cond_dropout}")
+        if self.judge_pool not in ("public", "all"):
+            raise ValueError(f"--judge_pool must be public or all, got {self.judge_pool!r}")
+        if self.measure_only and not self.output_dir:
+            raise ValueError("--measure_only needs --output_dir (where judges.json goes)")
         if self.max_images is not None and self.max_images < 1:
             raise ValueError(f"--max_images must be >= 1 (or None for all), got {self.max_images}")
 
@@ -80,6 +93,21 @@ def main(argv=None):
         (args,) = HfArgumentParser(PretrainArguments).parse_args_into_dataclasses(args=argv)
     except ValueError as e:  # a bad value: one line naming the option, exit code 2, nothing trained or written
         fail(e)
+    if args.measure_only:
+        import torch
+
+        from hfpfl.fedbip.ldm import cached_snapshot
+        from hfpfl.fedbip.quality import measure_cached_ldm
+
+        path = cached_snapshot(args.repo_id, args.cache_dir)
+        if path is None:
+            fail(ValueError(f"--measure_only: {args.repo_id} is not in the Hub cache; run without --measure_only to "
+                            "pretrain it first"))
+        torch.set_num_threads(args.num_threads)
+        os.makedirs(args.output_dir, exist_ok=True)
+        measure_cached_ldm(path, args.output_dir, seed=args.seed)
+        print(os.path.join(args.output_dir, "judges.json"))
+        return path
     d = asdict(args)
     cfg = PretrainConfig(**{k: d[k] for k in PretrainConfig.__dataclass_fields__ if k in d})
     path = ensure_pretrained_ldm(args.repo_id, cache_dir=args.cache_dir, force=args.force, config=cfg,

@@ -231,3 +231,92 @@ def test_reconstruction_fidelity_is_the_judge_on_decoded_posterior_means():
         pytest.approx(0.1)
     hold, train = judge_split(50, seed=0, holdout=0.1)
     assert len(hold) == 5 and len(train) == 45 and not set(hold.tolist()) & set(train.tolist())
+
+
+def test_public_only_judge_trains_on_the_real_public_splits_only():
+    """judge_pool="public" (issue 8: "a judge trained on real public images"): the judge's training batches hold only
+    ``public-*`` pool images, its held-out split is the same as the whole-pool judge's (one split over the whole
+    pool, so both judges are scored on the same unseen images), and its own accuracy is on the public held-out ones."""
+    from hfpfl.fedbip import quality as q
+
+    styles = np.array(["public-mnist", "plain", "public-syn", "colored", "public-usps"] * 8)
+    assert q.judge_train_mask(styles, "public").tolist() == [True, False, True, False, True] * 8
+    assert q.judge_train_mask(styles, "all").all()
+    with pytest.raises(ValueError, match="judge_pool"):
+        q.judge_train_mask(styles, "clients")
+    with pytest.raises(ValueError, match="public-"):
+        q.judge_train_mask(np.array(["plain", "colored"]), "public")
+
+    n = len(styles)
+    images = torch.arange(n, dtype=torch.float32)[:, None, None, None].expand(-1, 3, 32, 32).contiguous()
+    labels = torch.arange(n) % 10
+    seen, orig = [], q.augment_digits
+
+    def spy(x, g, **kw):
+        seen.extend(int(i) for i in x[:, 0, 0, 0].round().long())  # each image carries its own index
+        return orig(x, g, **kw)
+
+    reports = {}
+    try:
+        q.augment_digits = spy
+        for jp in ("public", "all"):
+            seen.clear()
+            rep: dict = {}
+            q.train_judge(images, labels, epochs=1, batch_size=4, styles=styles, report=rep,
+                          train_mask=q.judge_train_mask(styles, jp))
+            reports[jp] = (rep, sorted(seen))
+    finally:
+        q.augment_digits = orig
+    hold, train = q.judge_split(n, seed=0)
+    public = set(np.flatnonzero(q.judge_train_mask(styles, "public")).tolist())
+    pub_rep, pub_seen = reports["public"]
+    assert pub_seen and set(pub_seen) <= public - set(hold.tolist())  # public train images only, never held-out ones
+    assert pub_rep["n_train"] == len(set(train.tolist()) & public) and pub_rep["n_heldout_all"] == len(hold)
+    assert pub_rep["n_heldout"] == len(set(hold.tolist()) & public)
+    all_rep, all_seen = reports["all"]
+    assert all_rep["n_train"] == len(train) and not set(all_seen) & set(hold.tolist())
+    assert set(all_seen) - public  # the whole-pool judge does see procedural styles
+    # default epochs: the whole-pool judge's number of steps (12 epochs over all train images)
+    rep = {}
+    q.train_judge(images, labels, batch_size=4, report=rep, train_mask=q.judge_train_mask(styles, "public"))
+    assert rep["epochs"] == round(q.JUDGE_EPOCHS * len(train) / pub_rep["n_train"]) > q.JUDGE_EPOCHS
+
+
+def test_measure_cached_ldm_scores_the_same_images_under_both_judges(tmp_path, monkeypatch):
+    """``pretrain_ldm.py --measure_only``: the snapshot's own judge.pt is reused for the pool it was trained on (not
+    retrained), the other judge is trained here, and fidelity is the judge's accuracy on the generated plain-prompt
+    images (a judge that answers 0 everywhere scores exactly the share of zeros, on generations and held-out)."""
+    import json
+
+    from diffusers import StableDiffusionPipeline
+
+    from hfpfl.fedbip import build_tiny_ldm, pool as pool_mod, quality as q
+
+    snap = tmp_path / "snap"
+    StableDiffusionPipeline(**build_tiny_ldm(image_size=16, seed=0), safety_checker=None, feature_extractor=None,
+                            requires_safety_checker=False).save_pretrained(str(snap))
+    (snap / "pretrain_stats.json").write_text(json.dumps({"config": {"seed": 0}, "quality": {"judge_pool": "all"}}))
+
+    class Zero(q.Judge):
+        def forward(self, x):
+            out = torch.zeros(len(x), 10)
+            out[:, 0] = 1.0
+            return out + 0 * super().forward(x).sum()
+
+    torch.save(Zero().state_dict(), snap / "judge.pt")
+    monkeypatch.setattr(q, "Judge", Zero)  # the loaded judge.pt answers 0 for every image
+    rng = np.random.default_rng(0)
+    n = 40
+    fake = {"images": rng.integers(0, 255, (n, 28, 28, 3), dtype=np.uint8), "labels": np.arange(n) % 10,
+            "styles": ["public-mnist" if i % 2 else "plain" for i in range(n)], "captions": [""] * n}
+    monkeypatch.setattr(pool_mod, "build_pool", lambda *a, **k: fake)
+    rep = q.measure_cached_ldm(str(snap), str(tmp_path / "out"), per_class=1, guidance_scales=(1.0,),
+                               num_inference_steps=2, log=lambda *a: None)
+    assert set(rep["judges"]) == {"public", "all"}
+    assert rep["judges"]["all"]["source"] == "judge.pt of the snapshot"
+    assert rep["judges"]["public"]["source"].startswith("trained here")
+    assert (tmp_path / "out" / "judge_public.pt").exists() and (tmp_path / "out" / "judges.json").exists()
+    assert rep["judges"]["all"]["plain_prompt_fidelity"]["1.0"] == pytest.approx(0.1)  # 1 of 10 prompts is a zero
+    hold, _ = q.judge_split(n, 0)
+    assert rep["judges"]["all"]["heldout_accuracy_all"] == pytest.approx(float((torch.as_tensor(fake["labels"])[hold]
+                                                                                == 0).float().mean()))

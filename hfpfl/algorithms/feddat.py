@@ -29,7 +29,6 @@ Choices (spec 2.10; where spec and paper disagree the paper wins and it is said 
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -37,16 +36,15 @@ import torch
 from torch.nn import functional as F
 
 from ..models.vqa import MODES, PEFT_KINDS, AnswerAccuracy, build_vqa_peft_model, kd_loss, kd_ramp
-from ..training import model_inputs
+from ..training import batch_bounds, model_inputs
 from .base import FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 
 KD_SCHEDULES = ("ramp", "round", "constant")
 
 
 def steps_per_epoch(n: int, batch_size: int) -> int:
-    """Batches of :func:`hfpfl.training.iterate_batches` (a trailing batch of one joins the previous one)."""
-    k = math.ceil(n / batch_size)
-    return k - 1 if k > 1 and n % batch_size == 1 else k
+    """Batches of :func:`hfpfl.training.iterate_batches` (a small trailing batch joins the previous one)."""
+    return len(batch_bounds(n, batch_size))
 
 
 def warmup_linear(total: int, warmup: float = 0.1):

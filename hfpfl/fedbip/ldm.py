@@ -317,6 +317,9 @@ class PretrainConfig:
     min_snr_gamma: float | None = 5.0  # min-SNR loss weighting (Hang et al. 2023): faster convergence per step
     unet_warmup_steps: int = 100
     probe_every: int = 500  # UNet steps between calls of pretrain_tiny_ldm's ``probe`` (0 = never)
+    # the quality judge's training images: "public" = the pool's real public splits only (issue 8: "a judge trained on
+    # real public images"), "all" = the whole pool with the procedural styles (recipe v4 published its numbers so)
+    judge_pool: str = "public"
     ema_decay: float = 0.995  # the published UNet / text encoder are EMA weights (None/0 = last weights)
     cond_dropout: float = 0.1  # empty caption this often, so classifier-free guidance works
     seed: int = 0
@@ -746,15 +749,17 @@ def _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, l
     judge = probe = None
     if sample_grid:  # the judge first (its cost is the quality report's, not the LDM's), so that a probe can
         # measure plain-prompt fidelity during UNet training (the curve in pretrain_stats.json)
-        from .quality import make_fidelity_probe, train_judge
+        from .quality import judge_train_mask, make_fidelity_probe, train_judge
 
         torch.set_num_threads(cfg.num_threads)
         t0, c0 = time.time(), time.process_time()
-        rep: dict = {}
+        rep: dict = {"judge_pool": cfg.judge_pool}
         judge = (*train_judge(pool_to_tensor(pool["images"], cfg.image_size), torch.as_tensor(pool["labels"]),
-                              seed=cfg.seed, styles=pool["styles"], report=rep), rep)
+                              seed=cfg.seed, styles=pool["styles"], report=rep,
+                              train_mask=judge_train_mask(pool["styles"], cfg.judge_pool)), rep)
         rep.update(seconds=time.time() - t0, cpu_seconds=time.process_time() - c0)
-        log(f"[ldm-quality] judge held-out accuracy on the pool {judge[1]:.3f} ({rep['seconds']:.0f}s)")
+        log(f"[ldm-quality] judge ({cfg.judge_pool} images) held-out accuracy {judge[1]:.3f} "
+            f"({rep['seconds']:.0f}s)")
         probe = make_fidelity_probe(judge[0]) if cfg.probe_every else None
     comps, stats, pool = pretrain_tiny_ldm(cfg, log=log, pool=pool, probe=probe)
     pipe = StableDiffusionPipeline(**comps, safety_checker=None, feature_extractor=None,
@@ -775,6 +780,10 @@ def _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, l
     snap = push_folder_to_cache(folder, repo_id, cache_dir=cache_dir)
     log(f"[pretrain] published {repo_id} -> {snap}")
     return str(snap)
+
+
+JUDGE_POOL_TEXT = {"public": "the pool's real public splits only (public mnist / usps / mnistm / syn)",
+                   "all": "the whole labelled pool (public splits and procedural styles)"}
 
 
 def model_card(repo_id: str, stats: dict) -> str:
@@ -804,8 +813,9 @@ digit word: {stats.get('text_tower', {}).get('before_pooled_cosine_between_digit
 and the global text path `addition_embed_type="text"`) {stats.get('unet_steps')} steps
 ({stats.get('total_seconds', 0):.0f} s wall, {stats.get('total_cpu_seconds', 0):.0f} s CPU on 1 thread).
 
-**Quality**: class fidelity of plain prompts "a photo of the digit d" judged by a CNN trained on the labelled
-public pool (held-out accuracy {q.get('judge_heldout_accuracy', float('nan')):.3f}): {fid or 'not measured'}. The same
+**Quality**: class fidelity of plain prompts "a photo of the digit d" judged by a CNN trained on
+{JUDGE_POOL_TEXT.get(q.get('judge_pool', 'all'), q.get('judge_pool'))} (held-out accuracy
+{q.get('judge_heldout_accuracy', float('nan')):.3f}): {fid or 'not measured'}. The same
 judge on VAE reconstructions of its held-out images (the ceiling of fidelity with this VAE):
 {q.get('judge_on_vae_reconstructions', float('nan')):.3f}. Fidelity during UNet training (50 images, guidance 3):
 {', '.join(f"{c.get('fidelity_g3', float('nan')):.2f} after {c['images_seen']} images" for c in stats.get('curve', []))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..training import Metric, _decode_uint8, model_inputs
+from ..training import Metric, _decode_uint8, batch_bounds, model_inputs
 from .protocol import MODEL, Algorithm, HParams, Update
 from .state import Fresh
 
@@ -90,11 +90,7 @@ def batch_schedule(n: int, batch_size: int, epochs: int, max_steps: int | None,
     out = []
     while True:
         order = torch.randperm(n, generator=generator)
-        starts = list(range(0, n, batch_size))
-        if len(starts) > 1 and n - starts[-1] == 1:
-            starts.pop()
-        for i, s in enumerate(starts):
-            e = starts[i + 1] if i + 1 < len(starts) else n
+        for s, e in batch_bounds(n, batch_size):
             out.append(order[s:e])
             if max_steps is not None and len(out) >= max_steps:
                 return out
