@@ -171,21 +171,22 @@ MIN_TRAIN_BATCH = 8
 
 def batch_bounds(n: int, batch_size: int, merge_small_last: bool = True) -> list[tuple[int, int]]:
     """(start, end) of every batch over ``n`` items. With ``merge_small_last`` a trailing batch of fewer than
-    :data:`MIN_TRAIN_BATCH` items joins the previous one (training: BatchNorm cannot learn from a handful of
+    ``min(MIN_TRAIN_BATCH, batch_size)`` items joins the previous one (training: BatchNorm cannot learn from a handful of
     images); evaluation keeps every batch as it is. The single rule behind :func:`iterate_batches`, the vectorized
     engine's schedules and FedDAT's step counts."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     starts = list(range(0, n, batch_size))
-    if merge_small_last and len(starts) > 1 and n - starts[-1] < MIN_TRAIN_BATCH:
+    # a full batch never merges: with --batch_size 4 or 5 every batch keeps the size the user asked for
+    if merge_small_last and len(starts) > 1 and n - starts[-1] < min(MIN_TRAIN_BATCH, batch_size):
         starts.pop()  # the last few samples join the previous batch
     return [(s, starts[i + 1] if i + 1 < len(starts) else n) for i, s in enumerate(starts)]
 
 
 def iterate_batches(data: TensorData, batch_size: int, *, shuffle: bool, generator: torch.Generator | None = None,
                     merge_small_last: bool = True, drop_singleton: bool | None = None) -> Iterator[dict]:
-    """Yield dict batches. A trailing batch of fewer than :data:`MIN_TRAIN_BATCH` samples is merged into the
-    previous one (``merge_small_last``; ``drop_singleton`` is its old name, kept for callers that pass it)."""
+    """Yield dict batches. A trailing batch of fewer than ``min(MIN_TRAIN_BATCH, batch_size)`` samples is merged
+    into the previous one (``merge_small_last``; ``drop_singleton`` is its old name, kept for callers that pass it)."""
     if drop_singleton is not None:
         merge_small_last = drop_singleton
     n = len(data)

@@ -31,6 +31,9 @@ def test_batch_bounds_by_hand():
     assert batch_bounds(5, 32) == [(0, 5)]  # a set smaller than a batch is one batch, never dropped
     assert batch_bounds(0, 32) == []
     assert batch_bounds(10, 4) == [(0, 4), (4, 10)]
+    # a batch as large as the batch size asked for is never merged, also below MIN_TRAIN_BATCH
+    assert batch_bounds(10, 5) == [(0, 5), (5, 10)]
+    assert batch_bounds(12, 4) == [(0, 4), (4, 8), (8, 12)]
     with pytest.raises(ValueError, match="batch_size"):
         batch_bounds(10, 0)
 
