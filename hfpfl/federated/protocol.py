@@ -339,6 +339,33 @@ class WeightedSums:
             else:
                 acc[k] = v.cpu().clone() if k not in acc else torch.maximum(acc[k], v.cpu())
 
+    # float64 temporaries of :meth:`add_stacked` stay below this many bytes (clients are folded in blocks)
+    STACKED_BLOCK_BYTES = 8 * 2**20
+
+    def add_stacked(self, part: str, stacked: TensorDict, coefs) -> None:
+        """Fold many uploads at once: ``stacked[k]`` is ``[clients, *shape]`` (a vectorized chunk's tensors), client
+        ``i`` with weight ``coefs[i]``. The same sums as calling :meth:`add` once per client (float64, integer
+        tensors by running max); float64 products are summed in another order, which can change only the last bits
+        of a float64 sum (far below the float32 the result is cast to)."""
+        acc = self.sums.setdefault(part, {})
+        coefs = torch.as_tensor(coefs, dtype=torch.float64)
+        self.total[part] = self.total.get(part, 0.0) + float(coefs.sum())
+        for k, v in stacked.items():
+            v = v.detach()
+            n = len(v)
+            if torch.is_floating_point(v):
+                if k not in acc:
+                    acc[k] = torch.zeros(v.shape[1:], dtype=torch.float64)
+                flat, row = acc[k].view(-1), max(1, v[0].numel())
+                block = max(1, self.STACKED_BLOCK_BYTES // (8 * row))
+                for s in range(0, n, block):
+                    blk = v[s:s + block].reshape(-1, row).cpu().double()   # [block, row] float64
+                    flat.addmv_(blk.t(), coefs[s:s + block])
+            else:
+                m = v.amax(0).cpu() if n else None
+                if m is not None:
+                    acc[k] = m.clone() if k not in acc else torch.maximum(acc[k], m)
+
     def __contains__(self, part: str) -> bool:
         return part in self.sums
 

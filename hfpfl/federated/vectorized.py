@@ -22,6 +22,7 @@ The numbers match the sequential path within float tolerance (batched kernels su
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -271,8 +272,18 @@ def _stack(values: list[torch.Tensor], device) -> torch.Tensor:
     return torch.stack([v.to(device) for v in values])
 
 
+class ChunkUpdates(list):
+    """The :class:`Update` of every client of a vectorized chunk, in order, plus the chunk's uploads as stacked
+    tensors (``stacked[part][key]`` is ``[clients, *shape]``) and the bytes one client uploads per part (the same
+    for every client of a chunk). With ``uploads=False`` the per-client ``upload`` dicts are left empty: the engine
+    folds ``stacked`` into its running sums in one call (:meth:`WeightedSums.add_stacked`)."""
+
+    stacked: dict
+    parts_up: dict
+
+
 def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[int, dict],
-                round_idx: int) -> list[Update]:
+                round_idx: int, uploads: bool = True) -> ChunkUpdates:
     """Local training of ``clients`` (same hyperparameters) as stacked tensors; one :class:`Update` per client
     with the uploads and private state the base ``client_update`` would produce (views into the stacks)."""
     from torch.func import functional_call, grad_and_value, vmap
@@ -386,20 +397,27 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
         for t in (*P.values(), *(v for v in B.values() if torch.is_floating_point(v))):
             ok &= t.reshape(len(clients), -1).sum(1, dtype=torch.float64).isfinite().cpu()
         ok &= loss_sums.isfinite()
-    out = []
+    out = ChunkUpdates()
     gkeys, pkeys = algo.global_keys, algo.private_keys
+
+    def stack_of(k):
+        if k in P:
+            return P[k].detach()
+        if k in B:
+            return B[k]
+        return state[k].detach().expand(len(clients), *state[k].shape)  # not trained: the model's own value
+    out.stacked = {MODEL: {k: stack_of(k) for k in gkeys}}
+    out.parts_up = {MODEL: sum(v[0].numel() * v.element_size() for v in out.stacked[MODEL].values())}
+    # private states: one CPU tensor per client and key (the store may spill or save each client on its own)
+    priv_rows = {k: stack_of(k).cpu().unbind(0) for k in pkeys}
+    up_rows = {k: v.cpu().unbind(0) for k, v in out.stacked[MODEL].items()} if uploads else None
+    losses, finite = loss_sums.tolist(), ok.tolist()
     for i, c in enumerate(clients):
-        def view(k):
-            if k in P:
-                return P[k][i].detach()
-            if k in B:
-                return B[k][i]
-            return state[k].detach().to("cpu", copy=True)
-        upload = {MODEL: {k: view(k).cpu() for k in gkeys}}
-        private = {MODEL: Fresh({k: view(k).to("cpu", copy=True) for k in pkeys})}
-        metrics = {"train_loss": float(loss_sums[i] / max(n_steps[i], 1)), "steps": n_steps[i]}
+        upload = {MODEL: {k: up_rows[k][i] for k in gkeys}} if uploads else {}
+        private = {MODEL: Fresh({k: priv_rows[k][i].clone() for k in pkeys})}
+        metrics = {"train_loss": losses[i] / max(n_steps[i], 1), "steps": n_steps[i]}
         upd = Update(c, upload=upload, num_samples=len(datas[c]), private=private, metrics=metrics)
-        upd.finite = bool(ok[i])  # checked here for the whole chunk (the engine checks only what is not)
+        upd.finite = finite[i]  # checked here for the whole chunk (the engine checks only what is not)
         out.append(upd)
     return out
 
@@ -516,14 +534,14 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
                     n = min(e, len(d)) - s
                     if n > 0:
                         metrics[i].update(logits[i, :n], {k: v[i, :n] for k, v in batch.items()})
+            n_l, correct_l, loss_l = lengths.tolist(), correct.tolist(), loss_sum.tolist()
             for i, (c, m) in enumerate(zip(chunk, metrics)):
                 if plain:
-                    n = int(lengths[i])
-                    res = {"accuracy": float(correct[i]) / max(n, 1), "loss": float(loss_sum[i]) / max(n, 1),
-                           "num_samples": n}
+                    n = n_l[i]
+                    res = {"accuracy": correct_l[i] / max(n, 1), "loss": loss_l[i] / max(n, 1), "num_samples": n}
                 else:
                     res = m.compute()
-                if "loss" in res and not torch.isfinite(torch.tensor(res["loss"])):
+                if "loss" in res and not math.isfinite(res["loss"]):
                     from .protocol import NonFiniteError
                     raise NonFiniteError(f"training diverged by round {sim.round}: client {c}'s model has a "
                                          f"non-finite evaluation loss; lower --lr (now {sim.args.lr}) or --server_lr")
