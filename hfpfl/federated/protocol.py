@@ -358,9 +358,13 @@ class WeightedSums:
                     acc[k] = torch.zeros(v.shape[1:], dtype=torch.float64)
                 flat, row = acc[k].view(-1), max(1, v[0].numel())
                 block = max(1, self.STACKED_BLOCK_BYTES // (8 * row))
+                w = coefs.to(v.device)
                 for s in range(0, n, block):
-                    blk = v[s:s + block].reshape(-1, row).cpu().double()   # [block, row] float64
-                    flat.addmv_(blk.t(), coefs[s:s + block])
+                    blk = v[s:s + block].reshape(-1, row).double()   # [block, row] float64, where the chunk lives
+                    if blk.device.type == "cpu":
+                        flat.addmv_(blk.t(), w[s:s + block])
+                    else:  # summed on the accelerator: one row comes back, not the chunk
+                        flat.add_((blk.t() @ w[s:s + block]).cpu())
             else:
                 m = v.amax(0).cpu() if n else None
                 if m is not None:

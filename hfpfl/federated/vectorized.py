@@ -249,7 +249,8 @@ class StackedData:
         None: every client, in order)."""
         out = {}
         for k, v in self.columns.items():
-            x = v[torch.arange(len(v))[:, None] if rows is None else rows[:, None], idx]
+            r = torch.arange(len(v), device=v.device)[:, None] if rows is None else rows.to(v.device)[:, None]
+            x = v[r, idx.to(v.device)]
             out[k] = _decode_uint8(x) if k in self.encoded else x
         return out
 
@@ -263,6 +264,8 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
     if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], datas)):
         return hit[2]
     st = StackedData.build(datas)
+    if st is not None and sim.device.type != "cpu":  # on the accelerator once per chunk, not once per step
+        st.columns = {k: v.to(sim.device) for k, v in st.columns.items()}
     cache[split] = (key, list(datas), st)
     return st
 
@@ -356,7 +359,7 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
                              sim.generator(round_idx, c, "")) for c in clients]
     stacked = stacked_data(sim, clients, "train", [datas[c] for c in clients])
     n_steps = [len(s) for s in scheds]
-    loss_sums = torch.zeros(len(clients), dtype=torch.float64)
+    loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device)  # read once, after the last step
     opt = _Opt(hp, {})
     model.train()
     for s in range(max(n_steps)):
@@ -384,7 +387,10 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
                         B[k][idx] = b[k]
             with torch.no_grad():
                 opt.step(P, grads, idx, s + 1)
-            loss_sums[members] += task.detach().double().cpu()
+            if everyone:
+                loss_sums += task.detach().double()
+            else:
+                loss_sums[idx] += task.detach().double()
     # the model ends as the sequential loop leaves it: holding the last client's state
     with torch.no_grad():
         for k in trainable:
@@ -393,10 +399,10 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
             state[k].copy_(B[k][-1])
     # finiteness of every client's result at once (a float64 sum of finite values is finite)
     with torch.no_grad():
-        ok = torch.ones(len(clients), dtype=torch.bool)
+        ok = loss_sums.isfinite()
         for t in (*P.values(), *(v for v in B.values() if torch.is_floating_point(v))):
-            ok &= t.reshape(len(clients), -1).sum(1, dtype=torch.float64).isfinite().cpu()
-        ok &= loss_sums.isfinite()
+            ok &= t.reshape(len(clients), -1).sum(1, dtype=torch.float64).isfinite()
+        ok, loss_sums = ok.cpu(), loss_sums.cpu()
     out = ChunkUpdates()
     gkeys, pkeys = algo.global_keys, algo.private_keys
 
@@ -510,8 +516,9 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
             plain = all(type(m) is Metric for m in metrics)  # the default metric: scored for all clients at once
             for m in metrics:
                 m.reset()
-            loss_sum = torch.zeros(len(chunk), dtype=torch.float64)
-            correct = torch.zeros(len(chunk), dtype=torch.int64)
+            loss_sum = torch.zeros(len(chunk), dtype=torch.float64, device=device)  # read once, after the chunk
+            correct = torch.zeros(len(chunk), dtype=torch.int64, device=device)
+            lengths_dev = lengths.to(device)
             for s in range(0, n_max, bs):
                 e = min(s + bs, n_max)
                 idx = torch.arange(s, e)
@@ -524,11 +531,11 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
                 logits = vlogits(S, model_inputs(batch))
                 if plain:
                     labels = batch["labels"]
-                    valid = (idx[None, :] < lengths[:, None]).to(device)
+                    valid = idx.to(device)[None, :] < lengths_dev[:, None]
                     ce = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                                      reduction="none").view(labels.shape)
-                    loss_sum += torch.where(valid, ce, 0.0).sum(1, dtype=torch.float64).cpu()
-                    correct += ((logits.argmax(-1) == labels) & valid).sum(1).cpu()
+                    loss_sum += torch.where(valid, ce, 0.0).sum(1, dtype=torch.float64)
+                    correct += ((logits.argmax(-1) == labels) & valid).sum(1)
                     continue
                 for i, d in enumerate(datas):
                     n = min(e, len(d)) - s
