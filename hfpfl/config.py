@@ -73,6 +73,11 @@ class RunArguments:
     resume_from_checkpoint: str | None = field(default=None, metadata={
         "help": "Resume: 'latest' or a path to a round checkpoint directory."})
     num_threads: int = field(default=1, metadata={"help": "torch intra-op threads per process (1 is fastest on small boxes)."})
+    num_processes: str = field(default="1", metadata={
+        "help": "Processes to shard the clients over when the recipe is started with plain python: N, or auto (one "
+                "per GPU; on the CPU one per idle core, at most one per client per round). The recipe then launches "
+                "itself through accelerate; the same numbers as one process. Under accelerate launch the launcher's "
+                "--num_processes wins."})
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | all."})
     progress: bool = field(default=True, metadata={"help": "Show tqdm progress bars (only when stderr is a terminal; "
                                                            "the plain per-round lines are always printed)."})
@@ -103,6 +108,9 @@ class RunArguments:
             ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)"),
             ("keep_checkpoints", self.keep_checkpoints >= 1, ">= 1"),
             ("num_threads", self.num_threads >= 1, ">= 1"),
+            ("num_processes", self.num_processes == "auto" or (str(self.num_processes).isdigit()
+                                                              and int(self.num_processes) >= 1),
+             "auto or a whole number >= 1"),
             ("adapter", self.adapter in ADAPTERS, f"one of {', '.join(ADAPTERS)}"),
             ("lora_r", self.lora_r >= 1, ">= 1"),
             ("optimizer", self.optimizer in ("sgd", "adam", "adamw"), "one of sgd, adam, adamw"),

@@ -27,14 +27,14 @@ from . import checkpoint as ckpt
 from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
 from .distributed import all_gather, barrier, broadcast_from_main, gather_to_main, owned
 from .protocol import (FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, HParams, MethodContext, NonFiniteError,
-                       ServerHParams, Update, WeightedSums, get_algorithm)
+                       ServerHParams, Update, WeightedSums, all_finite, get_algorithm)
 from .state import ClientStateStore, snapshot
 
 logger = logging.getLogger("hfpfl")
 
 # run settings that do not change what a run computes (they may differ on resume)
 _NOT_FINGERPRINTED = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "num_rounds", "progress",
-                      "report_to", "num_threads", "checkpoint_every", "keep_checkpoints", "eval_clients", "vectorize",
+                      "report_to", "num_threads", "num_processes", "checkpoint_every", "keep_checkpoints", "eval_clients", "vectorize",
                       "data_cache_mb", "max_state_mb"}
 
 
@@ -335,9 +335,9 @@ class Simulation:
         if self.algorithm.on_non_finite != "error":
             return
         loss = upd.metrics.get("train_loss")
-        # a float64 sum of finite float32/16 values is finite: one pass, no boolean copy of the upload
+        # one summing pass per tensor, no boolean copy of the upload (all_finite)
         bad = [f"{p}/{k}" for p, d in upd.upload.items() for k, v in d.items()
-               if torch.is_floating_point(v) and not bool(v.sum(dtype=torch.float64).isfinite())]
+               if torch.is_floating_point(v) and not all_finite(v)]
         if bad or (loss is not None and not np.isfinite(loss)):
             what = f"upload {bad[0]!r}" if bad else f"train loss {loss}"
             raise NonFiniteError(f"training diverged in round {round_idx} on client {upd.client_id}: non-finite "
@@ -401,7 +401,7 @@ class Simulation:
     def _check_finite_state(self, state: dict, round_idx: int) -> None:
         for p, d in state.items():
             for k, v in d.items():
-                if torch.is_floating_point(v) and not bool(torch.isfinite(v).all()):
+                if torch.is_floating_point(v) and not all_finite(v):
                     raise NonFiniteError(f"training diverged in round {round_idx}: the server state {p}/{k!r} is "
                                          "non-finite after aggregation; lower --lr or --server_lr")
 

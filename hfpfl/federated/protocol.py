@@ -54,6 +54,25 @@ class NonFiniteError(ValueError):
     """Training diverged: weights or losses became NaN/inf."""
 
 
+def _sum_dtype(t: torch.Tensor):
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a floating tensor is finite: its sum in its own precision is finite only if every
+    value is (NaN and inf propagate), which is one fast pass; only a sum that overflowed is checked value by value."""
+    return bool(t.sum(dtype=_sum_dtype(t)).isfinite()) or bool(torch.isfinite(t).all())
+
+
+def finite_rows(t: torch.Tensor) -> torch.Tensor:
+    """:func:`all_finite` of every row of a ``[rows, ...]`` tensor (a vectorized chunk's clients), as a bool tensor."""
+    t = t.reshape(len(t), -1)
+    ok = t.sum(1, dtype=_sum_dtype(t)).isfinite()
+    if not bool(ok.all()):
+        ok = torch.isfinite(t).all(1)
+    return ok
+
+
 @dataclass
 class NoConfig:
     """This method has no hyperparameters of its own."""
@@ -341,6 +360,8 @@ class WeightedSums:
 
     # float64 temporaries of :meth:`add_stacked` stay below this many bytes (clients are folded in blocks)
     STACKED_BLOCK_BYTES = 8 * 2**20
+    # on the CPU, tensors of this many elements and more are folded client by client (see add_stacked)
+    STACKED_ROW_LOOP = 1 << 16
 
     def add_stacked(self, part: str, stacked: TensorDict, coefs) -> None:
         """Fold many uploads at once: ``stacked[k]`` is ``[clients, *shape]`` (a vectorized chunk's tensors), client
@@ -357,6 +378,12 @@ class WeightedSums:
                 if k not in acc:
                     acc[k] = torch.zeros(v.shape[1:], dtype=torch.float64)
                 flat, row = acc[k].view(-1), max(1, v[0].numel())
+                if row >= self.STACKED_ROW_LOOP and v.device.type == "cpu":
+                    # large tensors are bandwidth-bound: one fused float64 add per client (the bits of ``add``)
+                    # beats converting the block to float64 first (measured 110 vs 237 ms, 27 x 0.5 M floats)
+                    for i, c in enumerate(coefs.tolist()):
+                        flat.add_(v[i].reshape(-1), alpha=c)
+                    continue
                 block = max(1, self.STACKED_BLOCK_BYTES // (8 * row))
                 w = coefs.to(v.device)
                 for s in range(0, n, block):

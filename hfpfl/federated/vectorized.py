@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..training import Metric, _decode_uint8, model_inputs
-from .protocol import MODEL, Algorithm, HParams, Update
+from .protocol import MODEL, Algorithm, HParams, Update, finite_rows
 from .state import Fresh
 
 logger = logging.getLogger("hfpfl")
@@ -136,6 +136,9 @@ class _Opt:
                         buf_all[idx] = buf
                         started[idx] = True
                     g = buf
+                if idx is None:  # every client steps: in place (the same values, no copy of the stack)
+                    params[k].add_(g, alpha=-hp.lr)
+                    continue
                 p = p.add(g, alpha=-hp.lr)
             else:  # adam / adamw (torch's non-amsgrad update, betas (0.9, 0.999), eps 1e-8)
                 beta1, beta2, eps = 0.9, 0.999, 1e-8
@@ -401,7 +404,7 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
     with torch.no_grad():
         ok = loss_sums.isfinite()
         for t in (*P.values(), *(v for v in B.values() if torch.is_floating_point(v))):
-            ok &= t.reshape(len(clients), -1).sum(1, dtype=torch.float64).isfinite()
+            ok &= finite_rows(t)
         ok, loss_sums = ok.cpu(), loss_sums.cpu()
     out = ChunkUpdates()
     gkeys, pkeys = algo.global_keys, algo.private_keys
