@@ -333,3 +333,22 @@ def test_bench_simulator_refuses_cuda_without_a_gpu():
     out = subprocess.run([sys.executable, "scripts/bench_simulator.py", "--device", "cuda"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--device cuda" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_auto_vectorizes_mid_size_models_only_where_the_chunk_shape_pays(ragged, tmp_path, monkeypatch):
+    assert vectorized.clients_per_step([56, 49, 42, 35], 10) == pytest.approx(20 / 6)  # steps 6, 5, 5, 4
+    assert vectorized.clients_per_step([5] * 500, 5) == 500 and vectorized.clients_per_step([9, 1], 4, 3) == 2
+    sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "auto", num_rounds=1)
+    monkeypatch.setattr(vectorized, "AUTO_MAX_PARAMS", 0)  # treat the tiny net as a mid-size model
+    clients = [0, 1, 2, 3]
+    assert not vectorized.should_vectorize(sim)  # no clients given: mid-size models are not vectorized
+    monkeypatch.setattr(vectorized, "AUTO_MID_MIN_GROUP", 3)
+    assert vectorized.should_vectorize(sim, clients)  # batch 10, 3.3 clients per step
+    monkeypatch.setattr(vectorized, "AUTO_MID_MIN_GROUP", 4)
+    assert not vectorized.should_vectorize(sim, clients)  # ragged: too few clients step together
+    monkeypatch.setattr(vectorized, "AUTO_MID_MIN_GROUP", 3)
+    sim.args = dataclasses.replace(sim.args, batch_size=32)
+    assert not vectorized.should_vectorize(sim, clients)  # large batches are compute-bound: sequential
+    monkeypatch.setattr(vectorized, "AUTO_MID_MAX_PARAMS", 10)
+    sim.args = dataclasses.replace(sim.args, batch_size=10)
+    assert not vectorized.should_vectorize(sim, clients)  # too large a model

@@ -253,7 +253,7 @@ class Simulation:
         ``stacked=True``: a vectorized chunk's updates come without per-client uploads, and its uploads as stacked
         tensors (:class:`~hfpfl.federated.vectorized.ChunkUpdates`) for the caller to fold in one call."""
         from . import vectorized
-        if len(cids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.should_vectorize(self):
+        if len(cids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.should_vectorize(self, cids):
             algo = self.algorithm
             for chunk in vectorized.chunks_of(self, cids):
                 downs, privs = {}, {}
@@ -435,7 +435,7 @@ class Simulation:
         rows = []
         ids = owned(self.eval_client_ids(round_idx, final), acc)
         from . import vectorized
-        if len(ids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.can_vectorize_eval(self):
+        if len(ids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.can_vectorize_eval(self, ids):
             try:
                 rows = vectorized.evaluate_clients(self, ids, server_state, round_idx)
                 self.seed_torch(self.seed_for(round_idx, ids[-1], "eval"))  # the RNG as the loop leaves it
