@@ -184,7 +184,8 @@ def main():
     p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
     p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration (with --partition dirichlet)")
     p.add_argument("--distinct", type=int, default=500, help="distinct client splits (more clients reuse them)")
-    p.add_argument("--parallel", nargs="+", default=["1"], help="how hfpfl uses the cores, each its own run: 1 (one "
+    p.add_argument("--parallel", nargs="+", default=["1"], help="how hfpfl uses the cores, each its own run: auto "
+                   "(what the recipes' --num_processes auto picks here and now: pN or 1), 1 (one "
                    "process, one thread), tN (one process, N torch threads), pN (N processes, accelerate launch)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where both sides run (auto: cuda when a GPU is visible, else cpu)")
@@ -192,8 +193,8 @@ def main():
     p.add_argument("--output_dir", help=argparse.SUPPRESS)
     a = p.parse_args()
     for spec in a.parallel:
-        if not (spec == "1" or (spec[:1] in ("t", "p") and spec[1:].isdigit() and int(spec[1:]) >= 1)):
-            p.error(f"--parallel: {spec!r} is not 1, tN or pN (e.g. --parallel 1 t2 p2)")
+        if not (spec in ("1", "auto") or (spec[:1] in ("t", "p") and spec[1:].isdigit() and int(spec[1:]) >= 1)):
+            p.error(f"--parallel: {spec!r} is not auto, 1, tN or pN (e.g. --parallel 1 t2 p2)")
     if a.device == "auto":
         import torch
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,6 +220,11 @@ def main():
         runs = ([("bare", "off", "1")] if a.only != "hfpfl" else []) + \
                ([("hfpfl", v, par) for v in a.vectorize for par in a.parallel] if a.only != "bare" else [])
         for impl, vec, par in runs:
+            shown = par
+            if par == "auto":  # the recipes' --num_processes auto, resolved now (idle cores, at most n clients)
+                from hfpfl.launch import resolve
+                k = resolve("auto", n)
+                par, shown = (f"p{k}" if k > 1 else "1"), f"auto=p{k}"
             args = ["--impl", impl, "--clients", str(n), "--model", a.model, "--rounds", str(a.rounds),
                     "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
                     "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
@@ -241,7 +247,7 @@ def main():
                 sys.exit(f"{impl} with {n} clients failed:\n{out.stderr[-2000:]}")
             r = json.loads([ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")][-1])
             res[(impl, vec, par)] = r
-            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if par == "1" else f" {par}")
+            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}")
             bare = res.get(("bare", "off", "1"))
             ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
             print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
