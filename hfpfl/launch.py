@@ -10,6 +10,7 @@ busy (another job), two processes were slower than one, which is why ``auto`` co
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -71,5 +72,9 @@ def relaunch(n: int, argv: list[str], *, script: str | None = None, module: str 
     while True:
         try:
             return proc.wait()
-        except KeyboardInterrupt:  # the processes got the signal too: they save their round and print how to resume
+        except KeyboardInterrupt as e:
+            # Ctrl-C reaches every process of the terminal's group by itself; a SIGTERM sent to this process only is
+            # passed on. Either way the processes save their round and print how to resume; wait for them.
+            if getattr(e, "signum", None) == signal.SIGTERM:
+                proc.send_signal(signal.SIGTERM)
             continue
