@@ -34,8 +34,8 @@ logger = logging.getLogger("hfpfl")
 
 # run settings that do not change what a run computes (they may differ on resume)
 _NOT_FINGERPRINTED = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "num_rounds", "progress",
-                      "report_to", "num_threads", "num_processes", "checkpoint_every", "keep_checkpoints", "eval_clients", "vectorize",
-                      "data_cache_mb", "max_state_mb"}
+                      "report_to", "num_threads", "num_processes", "checkpoint_every", "keep_checkpoints",
+                      "eval_clients", "vectorize", "data_cache_mb", "max_state_mb"}
 
 
 class Simulation:
@@ -283,11 +283,10 @@ class Simulation:
         self._check_frozen(f"round {round_idx}, clients {ups[0].client_id}-{ups[-1].client_id}")
         down_bytes: dict = {}
         shared_download = type(self.algorithm).download is Algorithm.download and "download" not in vars(self.algorithm)
-        for upd in ups:
+        for i, upd in enumerate(ups):
             cid = upd.client_id
             down = downs[cid]
             if not upd.finite:  # the chunk's check found a non-finite value: say where, as the sequential path does
-                i = ups.index(upd)
                 rows = upd.upload or {p: {k: v[i] for k, v in d.items()} for p, d in ups.stacked.items()}
                 self._check_finite(Update(cid, rows, upd.num_samples, metrics=upd.metrics), round_idx)
             self.store.put(cid, upd.private)

@@ -448,7 +448,8 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
             return P[k].detach()
         if k in B:
             return B[k]
-        return state[k].detach().expand(len(clients), *state[k].shape)  # not trained: the model's own value
+        # not trained: the model's own value, copied (the model's tensors change with the next chunk)
+        return state[k].detach().clone().expand(len(clients), *state[k].shape)
     out.stacked = {MODEL: {k: stack_of(k) for k in gkeys}}
     out.parts_up = {MODEL: sum(v[0].numel() * v.element_size() for v in out.stacked[MODEL].values())}
     # private states: one CPU tensor per client and key (the store may spill or save each client on its own)
