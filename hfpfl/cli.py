@@ -75,6 +75,16 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
                     args_list, method=method, prog=prog, defaults=defaults,
                     description=description or f"hfpfl: federated simulation ({method or 'any method'})")
                 run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, name or run.method))
+                n_proc = _processes_to_launch(run, data)
+                if n_proc > 1:  # --num_processes: this recipe again, in n_proc processes (same numbers as one)
+                    from .launch import relaunch
+                    if argv is not None and (method or defaults or data_fn or after):
+                        raise ValueError("--num_processes: a recipe called from Python runs in this process; start "
+                                         "the recipe script with --num_processes, or use accelerate launch")
+                    raise SystemExit(relaunch(n_proc, args_list if argv is None else ["run", *args_list],
+                                              output_dir=run.output_dir,
+                                              script=sys.argv[0] if argv is None else None,
+                                              module=None if argv is None else "hfpfl.cli"))
                 with cleanup_on_failure(run.output_dir):
                     from .federated.engine import Simulation
                     sim = Simulation(run, data, method_cfg, fed_data=data_fn(run, data) if data_fn else None,
@@ -94,6 +104,18 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
         print(format_table(results))
         print(f"results: {os.path.join(run.output_dir, 'results.json')}")
     return results
+
+
+def _processes_to_launch(run, data) -> int:
+    """> 1 when ``--num_processes`` asks for several processes and this is not already a multi-process launch."""
+    from .launch import launched, resolve
+    spec = str(getattr(run, "num_processes", "1"))
+    if spec == "1" or launched():
+        return 1
+    clients = run.clients_per_round
+    if clients is None and data is not None and getattr(data, "num_clients", None):
+        clients = max(1, int(round(run.client_fraction * data.num_clients)))
+    return resolve(spec, clients)
 
 
 def main(argv: list[str] | None = None) -> None:

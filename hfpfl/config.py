@@ -77,6 +77,11 @@ class RunArguments:
         "help": "On a CUDA device: deterministic cuDNN/cuBLAS kernels and no TF32, so that the same seed gives the same "
                 "numbers (and the vectorized and sequential paths agree to float32 precision). False = cuDNN autotuning "
                 "and TF32 (faster; results then vary in their last bits). No effect on the CPU."})
+    num_processes: str = field(default="1", metadata={
+        "help": "Processes to shard the clients over when the recipe is started with plain python: N, or auto (one "
+                "per GPU; on the CPU one per idle core, at most one per client per round). The recipe then launches "
+                "itself through accelerate; the same numbers as one process. Under accelerate launch the launcher's "
+                "--num_processes wins."})
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | all."})
     progress: bool = field(default=True, metadata={"help": "Show tqdm progress bars (only when stderr is a terminal; "
                                                            "the plain per-round lines are always printed)."})
@@ -107,6 +112,9 @@ class RunArguments:
             ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)"),
             ("keep_checkpoints", self.keep_checkpoints >= 1, ">= 1"),
             ("num_threads", self.num_threads >= 1, ">= 1"),
+            ("num_processes", self.num_processes == "auto" or (str(self.num_processes).isdigit()
+                                                              and int(self.num_processes) >= 1),
+             "auto or a whole number >= 1"),
             ("adapter", self.adapter in ADAPTERS, f"one of {', '.join(ADAPTERS)}"),
             ("lora_r", self.lora_r >= 1, ">= 1"),
             ("optimizer", self.optimizer in ("sgd", "adam", "adamw"), "one of sgd, adam, adamw"),

@@ -275,6 +275,9 @@ def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: in
         raise ValueError(f"{len(optimizers)} optimizers need as many loss functions, got {len(loss_fns)}")
     model.train()
     steps, loss_sum = 0, 0.0
+    # on an accelerator the loss is summed where it is (float64, the same adds as Python's float): reading it every
+    # step would wait for the device every step
+    on_device = torch.device(device).type != "cpu"
     while True:
         for batch in iterate_batches(data, batch_size, shuffle=True, generator=generator):
             batch = {k: v.to(device) for k, v in batch.items()}
@@ -291,14 +294,14 @@ def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: in
             if scheduler is not None:
                 scheduler.step()
             steps += 1
-            loss_sum += float(task_loss)
+            loss_sum = loss_sum + task_loss.double() if on_device else loss_sum + float(task_loss)
             if after_step is not None:
                 after_step(steps)
             if max_steps is not None and steps >= max_steps:
-                return {"train_loss": loss_sum / steps, "steps": steps}
+                return {"train_loss": float(loss_sum) / steps, "steps": steps}
         epochs -= 1
         if max_steps is None and epochs <= 0:
-            return {"train_loss": loss_sum / max(steps, 1), "steps": steps}
+            return {"train_loss": float(loss_sum) / max(steps, 1), "steps": steps}
 
 
 # ---------------------------------------------------------------------------------------------- metrics

@@ -13,7 +13,10 @@ default), client ``i`` holds split ``i % distinct`` (its own model state, seeds 
 
     python scripts/bench_simulator.py --clients 20 500 10000 --model cnn --rounds 3
     python scripts/bench_simulator.py --clients 20 --model cnn --parallel 1 t2 p2   # both cores: threads, processes
-Prints s/round, the ratio hfpfl / bare, and peak RSS of each (with ``pN``: summed over the N processes).
+    python scripts/bench_simulator.py --clients 20 500 --model cnn --device cuda     # on a GPU (default: auto)
+Prints s/round, the ratio hfpfl / bare, peak RSS of each (with ``pN``: summed over the N processes) and, on a GPU,
+the peak of ``torch.cuda.max_memory_allocated()`` (the bare loop keeps every client's data on the GPU; hfpfl keeps
+client data on the CPU and moves each batch, as its engine does).
 """
 import argparse
 import json
@@ -71,6 +74,12 @@ def build_model(kind: str, num_channels: int, image_size: int):
 def worker(a) -> dict:
     import torch
     torch.set_num_threads(1)
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
     from hfpfl.config import RunArguments
     from hfpfl.data import DataArguments, build_federated_dataset
     from hfpfl.federated.engine import Simulation
@@ -104,11 +113,15 @@ def worker(a) -> dict:
     n_train = [len(c.train) for c in fed.clients]
     if a.impl == "hfpfl":
         sim = Simulation(run, data_args, fed_data=fed)
+        if sim.device.type != device.type:
+            raise SystemExit(f"hfpfl's engine runs on {sim.device}, asked for --device {a.device}")
         times = []
         if hasattr(sim, "step"):
             for _ in range(a.rounds):
+                sync()
                 t = time.perf_counter()
                 sim.step()
+                sync()
                 times.append(time.perf_counter() - t)
         else:  # engines before v2 (no step()): whole run
             t = time.perf_counter()
@@ -118,17 +131,20 @@ def worker(a) -> dict:
     else:
         from hfpfl.federated.training import TensorData
         clients = [TensorData.from_dataset(c.train) for c in fed.clients]
-        model = build_model(a.model, 1, size)
+        if cuda:  # every client's data on the GPU once (floats), the plain way
+            clients = [TensorData(d.pixel_values.to(device), d.labels.to(device)) for d in clients]
+        model = build_model(a.model, 1, size).to(device)
         glob = {k: v.clone() for k, v in model.state_dict().items()}
         times, acc = [], None
         for r in range(a.rounds):
+            sync()
             t = time.perf_counter()
             sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in glob.items()}
             total = float(sum(n_train))
             for cid, d in enumerate(clients):
                 model.load_state_dict(glob)
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-                order = torch.randperm(len(d), generator=torch.Generator().manual_seed(r * 10007 + cid))
+                order = torch.randperm(len(d), generator=torch.Generator().manual_seed(r * 10007 + cid)).to(device)
                 for s in range(0, len(d), a.batch_size):
                     idx = order[s:s + a.batch_size]
                     opt.zero_grad()
@@ -137,8 +153,10 @@ def worker(a) -> dict:
                 for k, v in model.state_dict().items():
                     sums[k] += v.double() * (len(d) / total)
             glob = {k: v.to(glob[k].dtype) for k, v in sums.items()}
+            sync()
             times.append(time.perf_counter() - t)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     if a.impl == "hfpfl" and sim.accelerator.num_processes > 1:  # the total over processes, reported by the main one
         from hfpfl.federated.distributed import all_gather
         peak = sum(all_gather([peak], sim.accelerator))
@@ -146,7 +164,7 @@ def worker(a) -> dict:
         if not sim.accelerator.is_main_process:
             return None
     return {"s_per_round": min(times[1:] or times), "peak_rss_gb": peak, "mean_train_per_client": sum(n_train) / len(n_train),
-            "personal_accuracy": acc}
+            "personal_accuracy": acc, "gpu_peak_gb": gpu_peak, "device": str(device)}
 
 
 def main():
@@ -166,14 +184,24 @@ def main():
     p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
     p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration (with --partition dirichlet)")
     p.add_argument("--distinct", type=int, default=500, help="distinct client splits (more clients reuse them)")
-    p.add_argument("--parallel", nargs="+", default=["1"], help="how hfpfl uses the cores, each its own run: 1 (one "
+    p.add_argument("--parallel", nargs="+", default=["1"], help="how hfpfl uses the cores, each its own run: auto "
+                   "(what the recipes' --num_processes auto picks here and now: pN or 1), 1 (one "
                    "process, one thread), tN (one process, N torch threads), pN (N processes, accelerate launch)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where both sides run (auto: cuda when a GPU is visible, else cpu)")
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--output_dir", help=argparse.SUPPRESS)
     a = p.parse_args()
     for spec in a.parallel:
-        if not (spec == "1" or (spec[:1] in ("t", "p") and spec[1:].isdigit() and int(spec[1:]) >= 1)):
-            p.error(f"--parallel: {spec!r} is not 1, tN or pN (e.g. --parallel 1 t2 p2)")
+        if not (spec in ("1", "auto") or (spec[:1] in ("t", "p") and spec[1:].isdigit() and int(spec[1:]) >= 1)):
+            p.error(f"--parallel: {spec!r} is not auto, 1, tN or pN (e.g. --parallel 1 t2 p2)")
+    if a.device == "auto":
+        import torch
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif a.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA GPU is visible to torch; use --device cpu (or auto)")
     if a.impl:  # worker mode
         a.vectorize = a.vectorize[0]
         r = worker(a)
@@ -183,23 +211,31 @@ def main():
     part = "iid" if a.partition == "iid" else f"Dir({a.alpha})"
     print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread unless tN/pN, real MNIST {part}; hfpfl evaluates every "
           f"{a.eval_every} round(s), {'all' if a.eval_clients is None else a.eval_clients} clients; "
-          f"load average {os.getloadavg()[0]:.2f} at start")
+          f"load average {os.getloadavg()[0]:.2f} at start; device {a.device}")
+    gpu = a.device == "cuda"
     print(f"{'clients':>8} {'train/client':>12} {'run':>20} {'s/round':>8} {'ratio to bare':>13} {'peak RSS GB':>11} "
-          f"{'load':>5}")
+          + (f"{'GPU peak GB':>11} " if gpu else "") + f"{'load':>5}")
     for n in a.clients:
         res = {}
         runs = ([("bare", "off", "1")] if a.only != "hfpfl" else []) + \
                ([("hfpfl", v, par) for v in a.vectorize for par in a.parallel] if a.only != "bare" else [])
         for impl, vec, par in runs:
+            shown = par
+            if par == "auto":  # the recipes' --num_processes auto, resolved now (idle cores, at most n clients)
+                from hfpfl.launch import resolve
+                k = resolve("auto", n)
+                par, shown = (f"p{k}" if k > 1 else "1"), f"auto=p{k}"
             args = ["--impl", impl, "--clients", str(n), "--model", a.model, "--rounds", str(a.rounds),
                     "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
                     "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
-                    "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1"]
+                    "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1",
+                    "--device", a.device]
             if a.eval_clients is not None:
                 args += ["--eval_clients", str(a.eval_clients)]
             env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-            if par.startswith("p"):  # clients sharded over N CPU processes (see README "Several processes")
+            if a.device == "cpu":  # accelerate would otherwise take a visible GPU
                 env["ACCELERATE_USE_CPU"] = "1"
+            if par.startswith("p"):  # clients sharded over N processes (see README "Several processes")
                 outdir = tempfile.mkdtemp(prefix="hfpfl_bench_mp_")
                 cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", par[1:],
                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", __file__, *args,
@@ -211,11 +247,12 @@ def main():
                 sys.exit(f"{impl} with {n} clients failed:\n{out.stderr[-2000:]}")
             r = json.loads([ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")][-1])
             res[(impl, vec, par)] = r
-            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if par == "1" else f" {par}")
+            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}")
             bare = res.get(("bare", "off", "1"))
             ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
             print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
-                  f"{r['peak_rss_gb']:>11.2f} {os.getloadavg()[0]:>5.2f}", flush=True)
+                  f"{r['peak_rss_gb']:>11.2f} " + (f"{r['gpu_peak_gb'] or 0:>11.3f} " if gpu else "")
+                  + f"{os.getloadavg()[0]:>5.2f}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

@@ -14,6 +14,7 @@ from hfpfl.algorithms.fedprox import FedProx
 from hfpfl.config import RunArguments
 from hfpfl.federated import vectorized
 from hfpfl.federated.engine import Simulation
+from hfpfl.federated.protocol import NonFiniteError
 from hfpfl.training import TensorData, encode_uint8, iterate_batches
 
 
@@ -283,3 +284,71 @@ def test_mmap_threshold_is_pinned_only_for_large_rounds(ragged, tmp_path, monkey
     assert calls == []  # 4 clients: speed first, glibc's defaults kept
     monkeypatch.setattr(vectorized, "PIN_MMAP_CLIENTS", 4)
     assert vectorized.chunks_of(sim, [0, 1, 2, 3]) == [[0, 1, 2, 3]] and calls == [1]
+
+
+@pytest.mark.parametrize("row_loop", [1 << 30, 1])  # block float64 matrix-vector sums, and the per-client loop
+def test_add_stacked_equals_one_add_per_client(monkeypatch, row_loop):
+    from hfpfl.federated.protocol import WeightedSums
+    monkeypatch.setattr(WeightedSums, "STACKED_ROW_LOOP", row_loop)
+    monkeypatch.setattr(WeightedSums, "STACKED_BLOCK_BYTES", 2 * 3 * 8)  # blocks of 2 clients (rows of 3 values)
+    g = torch.Generator().manual_seed(0)
+    stacked = {"w": torch.randn(5, 3, generator=g), "n": torch.tensor([[3], [9], [1], [4], [2]])}
+    coefs = [0.1, 0.3, 0.2, 0.25, 0.15]
+    one, many = WeightedSums(), WeightedSums()
+    one.add_stacked("model", stacked, coefs)
+    for i, c in enumerate(coefs):
+        many.add("model", {k: v[i] for k, v in stacked.items()}, c)
+    hand = sum(c * stacked["w"][i].double() for i, c in enumerate(coefs))  # the weighted sum, by hand
+    assert torch.allclose(one.sums["model"]["w"], hand, atol=1e-15, rtol=0)
+    assert torch.allclose(one.sums["model"]["w"], many.sums["model"]["w"], atol=1e-15, rtol=0)
+    assert one.sums["model"]["n"].tolist() == [9]  # integer tensors: the running max, as add keeps it
+    assert one.total["model"] == pytest.approx(1.0)
+
+
+def test_finite_checks_are_exact_when_the_sum_overflows():
+    from hfpfl.federated.protocol import all_finite, finite_rows
+    big = torch.full((2, 4), 3e38)  # every value finite; the float32 sum overflows to inf
+    assert all_finite(big) and finite_rows(big).tolist() == [True, True]
+    big[1, 2] = float("nan")
+    assert not all_finite(big) and finite_rows(big).tolist() == [True, False]
+    assert not all_finite(torch.tensor([1.0, float("-inf")]))
+
+
+def test_vectorized_round_records_and_divergence_as_the_sequential_path(ragged, tmp_path):
+    seq, rs = _run(ragged, tmp_path, "tiny_fedbn", "off", num_rounds=1)
+    vec, rv = _run(ragged, tmp_path, "tiny_fedbn", "on", num_rounds=1)
+    assert rs["communication"] == rv["communication"]  # bytes per client and part, counted once per chunk
+    assert seq.history[0]["clients"] == vec.history[0]["clients"]
+    for mode in ("off", "on"):  # a diverged client is named the same way on both paths (the chunk's uploads
+        with pytest.raises(NonFiniteError, match="round 1 on client 0.*--lr"):  # are folded without copies)
+            _run(ragged, tmp_path / mode, "tiny_fedavg", mode, num_rounds=1, lr=1e30)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_bench_simulator_refuses_cuda_without_a_gpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "scripts/bench_simulator.py", "--device", "cuda"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--device cuda" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_auto_vectorizes_mid_size_models_only_where_the_chunk_shape_pays(ragged, tmp_path, monkeypatch):
+    assert vectorized.clients_per_step([56, 49, 42, 35], 10) == pytest.approx(20 / 6)  # steps 6, 5, 5, 4
+    assert vectorized.clients_per_step([5] * 500, 5) == 500 and vectorized.clients_per_step([9, 1], 4, 3) == 2
+    sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "auto", num_rounds=1)
+    monkeypatch.setattr(vectorized, "AUTO_MAX_PARAMS", 0)  # treat the tiny net as a mid-size model
+    clients = [0, 1, 2, 3]
+    assert not vectorized.should_vectorize(sim)  # no clients given: mid-size models are not vectorized
+    monkeypatch.setattr(vectorized, "AUTO_MID_MIN_GROUP", 3)
+    assert vectorized.should_vectorize(sim, clients)  # batch 10, 3.3 clients per step
+    monkeypatch.setattr(vectorized, "AUTO_MID_MIN_GROUP", 4)
+    assert not vectorized.should_vectorize(sim, clients)  # ragged: too few clients step together
+    monkeypatch.setattr(vectorized, "AUTO_MID_MIN_GROUP", 3)
+    sim.args = dataclasses.replace(sim.args, batch_size=32)
+    assert not vectorized.should_vectorize(sim, clients)  # large batches are compute-bound: sequential
+    monkeypatch.setattr(vectorized, "AUTO_MID_MAX_PARAMS", 10)
+    sim.args = dataclasses.replace(sim.args, batch_size=10)
+    assert not vectorized.should_vectorize(sim, clients)  # too large a model

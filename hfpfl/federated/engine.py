@@ -28,15 +28,15 @@ from . import checkpoint as ckpt
 from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
 from .distributed import all_gather, barrier, broadcast_from_main, gather_to_main, owned
 from .protocol import (FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, HParams, MethodContext, NonFiniteError,
-                       ServerHParams, Update, WeightedSums, get_algorithm)
+                       ServerHParams, Update, WeightedSums, all_finite, get_algorithm)
 from .state import ClientStateStore, snapshot
 
 logger = logging.getLogger("hfpfl")
 
 # run settings that do not change what a run computes (they may differ on resume)
 _NOT_FINGERPRINTED = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "num_rounds", "progress",
-                      "report_to", "num_threads", "checkpoint_every", "keep_checkpoints", "eval_clients", "vectorize",
-                      "data_cache_mb", "max_state_mb"}
+                      "report_to", "num_threads", "num_processes", "checkpoint_every", "keep_checkpoints",
+                      "eval_clients", "vectorize", "data_cache_mb", "max_state_mb"}
 
 
 class Simulation:
@@ -247,8 +247,15 @@ class Simulation:
     def _client_updates(self, cids: list[int], round_idx: int, server_state: dict):
         """The sampled clients' updates, in order: vectorized in chunks where that applies (``--vectorize``),
         else one client after another."""
+        for ups, _ in self._client_update_batches(cids, round_idx, server_state):
+            yield from ups
+
+    def _client_update_batches(self, cids: list[int], round_idx: int, server_state: dict, stacked: bool = False):
+        """``(updates, stacked uploads or None)`` per vectorized chunk (or per client on the sequential path).
+        ``stacked=True``: a vectorized chunk's updates come without per-client uploads, and its uploads as stacked
+        tensors (:class:`~hfpfl.federated.vectorized.ChunkUpdates`) for the caller to fold in one call."""
         from . import vectorized
-        if len(cids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.should_vectorize(self):
+        if len(cids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.should_vectorize(self, cids):
             algo = self.algorithm
             for chunk in vectorized.chunks_of(self, cids):
                 downs, privs = {}, {}
@@ -258,20 +265,42 @@ class Simulation:
                     if privs[cid] is None:
                         privs[cid] = algo.init_private_state(cid)
                 try:
-                    ups = vectorized.train_chunk(self, chunk, downs, privs, round_idx)
+                    ups = vectorized.train_chunk(self, chunk, downs, privs, round_idx, uploads=not stacked)
                 except Exception as e:  # noqa: BLE001 - an op vmap cannot batch: the sequential path is exact
                     logger.warning("vectorized training failed (%s: %s); training clients one by one",
                                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                     self._vector_failed = True
-                    ups = [self._client_work(cid, round_idx, server_state) for cid in chunk]
-                    yield from ups
+                    for cid in chunk:
+                        yield [self._client_work(cid, round_idx, server_state)], None
                     continue
                 self.seed_torch(self.seed_for(round_idx, chunk[-1], "client"))  # the RNG as the sequential path leaves it
-                for upd in ups:
-                    yield self._finish_update(upd, downs[upd.client_id], round_idx)
+                yield self._finish_chunk(ups, downs, round_idx), (ups.stacked if stacked else None)
             return
         for cid in cids:
-            yield self._client_work(cid, round_idx, server_state)
+            yield [self._client_work(cid, round_idx, server_state)], None
+
+    def _finish_chunk(self, ups, downs: dict, round_idx: int) -> list[Update]:
+        """:meth:`_finish_update` for a vectorized chunk: the frozen check once (the model does not change between
+        its clients), bytes down counted once per download structure, bytes up from the chunk."""
+        self._check_frozen(f"round {round_idx}, clients {ups[0].client_id}-{ups[-1].client_id}")
+        down_bytes: dict = {}
+        shared_download = type(self.algorithm).download is Algorithm.download and "download" not in vars(self.algorithm)
+        for i, upd in enumerate(ups):
+            cid = upd.client_id
+            down = downs[cid]
+            if not upd.finite:  # the chunk's check found a non-finite value: say where, as the sequential path does
+                rows = upd.upload or {p: {k: v[i] for k, v in d.items()} for p, d in ups.stacked.items()}
+                self._check_finite(Update(cid, rows, upd.num_samples, metrics=upd.metrics), round_idx)
+            self.store.put(cid, upd.private)
+            upd.private = None  # private state never leaves the client
+            if upd.upload:
+                upd.upload = {p: {k: v.detach().cpu() for k, v in d.items()} for p, d in upd.upload.items()}
+            key = None if shared_download else cid  # the default download: the same tensors for every client
+            if key not in down_bytes:
+                down_bytes[key] = (tensor_bytes(down), bytes_by_part(down))
+            upd.metrics["bytes_down"], parts_down = down_bytes[key]
+            upd.metrics["parts_down"], upd.metrics["parts_up"] = dict(parts_down), dict(ups.parts_up)
+        return list(ups)
 
     def _client_work(self, cid: int, round_idx: int, server_state: dict) -> Update:
         """One client's round: download, swap its private state in, local update, swap it out, checks."""
@@ -307,9 +336,9 @@ class Simulation:
         if self.algorithm.on_non_finite != "error":
             return
         loss = upd.metrics.get("train_loss")
-        # a float64 sum of finite float32/16 values is finite: one pass, no boolean copy of the upload
+        # one summing pass per tensor, no boolean copy of the upload (all_finite)
         bad = [f"{p}/{k}" for p, d in upd.upload.items() for k, v in d.items()
-               if torch.is_floating_point(v) and not bool(v.sum(dtype=torch.float64).isfinite())]
+               if torch.is_floating_point(v) and not all_finite(v)]
         if bad or (loss is not None and not np.isfinite(loss)):
             what = f"upload {bad[0]!r}" if bad else f"train loss {loss}"
             raise NonFiniteError(f"training diverged in round {round_idx} on client {upd.client_id}: non-finite "
@@ -338,13 +367,23 @@ class Simulation:
                 raise ValueError("aggregation weights sum to zero (every sampled client has no data)")
             sums = WeightedSums()
             meta = []
-            for upd in self._client_updates(owned(sampled, acc), round_idx, server_state):
-                cid = upd.client_id
-                algo.accumulate(sums, upd, weights[cid] / total)
-                sums.count += 1
-                meta.append((cid, upd.num_samples, upd.metrics))
-                if self.keep_uploads:
-                    kept.append(upd)
+            # the default accumulate (weighted mean of the model part: FedAvg, FedProx, FedBN, ...) folds a whole
+            # vectorized chunk's stacked uploads in one call instead of one call per client
+            fold_chunks = (not self.keep_uploads and type(algo).accumulate is Algorithm.accumulate
+                           and "accumulate" not in vars(algo))
+            for ups, stacked in self._client_update_batches(owned(sampled, acc), round_idx, server_state,
+                                                            stacked=fold_chunks):
+                if stacked is not None:
+                    sums.add_stacked(MODEL, stacked[MODEL], [weights[u.client_id] / total for u in ups])
+                    sums.count += len(ups)
+                for upd in ups:
+                    cid = upd.client_id
+                    if stacked is None:
+                        algo.accumulate(sums, upd, weights[cid] / total)
+                        sums.count += 1
+                    meta.append((cid, upd.num_samples, upd.metrics))
+                    if self.keep_uploads:
+                        kept.append(upd)
             sums.all_reduce(acc)
             new_state = algo.reduce(server_state, sums, round_idx)
             meta = sorted(all_gather(meta, acc), key=lambda m: m[0])
@@ -363,7 +402,7 @@ class Simulation:
     def _check_finite_state(self, state: dict, round_idx: int) -> None:
         for p, d in state.items():
             for k, v in d.items():
-                if torch.is_floating_point(v) and not bool(torch.isfinite(v).all()):
+                if torch.is_floating_point(v) and not all_finite(v):
                     raise NonFiniteError(f"training diverged in round {round_idx}: the server state {p}/{k!r} is "
                                          "non-finite after aggregation; lower --lr or --server_lr")
 
@@ -397,7 +436,7 @@ class Simulation:
         rows = []
         ids = owned(self.eval_client_ids(round_idx, final), acc)
         from . import vectorized
-        if len(ids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.can_vectorize_eval(self):
+        if len(ids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.can_vectorize_eval(self, ids):
             try:
                 rows = vectorized.evaluate_clients(self, ids, server_state, round_idx)
                 self.seed_torch(self.seed_for(round_idx, ids[-1], "eval"))  # the RNG as the loop leaves it

@@ -54,6 +54,25 @@ class NonFiniteError(ValueError):
     """Training diverged: weights or losses became NaN/inf."""
 
 
+def _sum_dtype(t: torch.Tensor):
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a floating tensor is finite: its sum in its own precision is finite only if every
+    value is (NaN and inf propagate), which is one fast pass; only a sum that overflowed is checked value by value."""
+    return bool(t.sum(dtype=_sum_dtype(t)).isfinite()) or bool(torch.isfinite(t).all())
+
+
+def finite_rows(t: torch.Tensor) -> torch.Tensor:
+    """:func:`all_finite` of every row of a ``[rows, ...]`` tensor (a vectorized chunk's clients), as a bool tensor."""
+    t = t.reshape(len(t), -1)
+    ok = t.sum(1, dtype=_sum_dtype(t)).isfinite()
+    if not bool(ok.all()):
+        ok = torch.isfinite(t).all(1)
+    return ok
+
+
 @dataclass
 class NoConfig:
     """This method has no hyperparameters of its own."""
@@ -338,6 +357,45 @@ class WeightedSums:
                 acc[k].add_(v.cpu(), alpha=coef)  # float64 accumulation, no float64 copy of the upload
             else:
                 acc[k] = v.cpu().clone() if k not in acc else torch.maximum(acc[k], v.cpu())
+
+    # float64 temporaries of :meth:`add_stacked` stay below this many bytes (clients are folded in blocks)
+    STACKED_BLOCK_BYTES = 8 * 2**20
+    # on the CPU, tensors of this many elements and more are folded client by client (see add_stacked)
+    STACKED_ROW_LOOP = 1 << 16
+
+    def add_stacked(self, part: str, stacked: TensorDict, coefs) -> None:
+        """Fold many uploads at once: ``stacked[k]`` is ``[clients, *shape]`` (a vectorized chunk's tensors), client
+        ``i`` with weight ``coefs[i]``. The same sums as calling :meth:`add` once per client (float64, integer
+        tensors by running max); float64 products are summed in another order, which can change only the last bits
+        of a float64 sum (far below the float32 the result is cast to)."""
+        acc = self.sums.setdefault(part, {})
+        coefs = torch.as_tensor(coefs, dtype=torch.float64)
+        self.total[part] = self.total.get(part, 0.0) + float(coefs.sum())
+        for k, v in stacked.items():
+            v = v.detach()
+            n = len(v)
+            if torch.is_floating_point(v):
+                if k not in acc:
+                    acc[k] = torch.zeros(v.shape[1:], dtype=torch.float64)
+                flat, row = acc[k].view(-1), max(1, v[0].numel())
+                if row >= self.STACKED_ROW_LOOP and v.device.type == "cpu":
+                    # large tensors are bandwidth-bound: one fused float64 add per client (the bits of ``add``)
+                    # beats converting the block to float64 first (measured 110 vs 237 ms, 27 x 0.5 M floats)
+                    for i, c in enumerate(coefs.tolist()):
+                        flat.add_(v[i].reshape(-1), alpha=c)
+                    continue
+                block = max(1, self.STACKED_BLOCK_BYTES // (8 * row))
+                w = coefs.to(v.device)
+                for s in range(0, n, block):
+                    blk = v[s:s + block].reshape(-1, row).double()   # [block, row] float64, where the chunk lives
+                    if blk.device.type == "cpu":
+                        flat.addmv_(blk.t(), w[s:s + block])
+                    else:  # summed on the accelerator: one row comes back, not the chunk
+                        flat.add_((blk.t() @ w[s:s + block]).cpu())
+            else:
+                m = v.amax(0).cpu() if n else None
+                if m is not None:
+                    acc[k] = m.clone() if k not in acc else torch.maximum(acc[k], m)
 
     def __contains__(self, part: str) -> bool:
         return part in self.sums

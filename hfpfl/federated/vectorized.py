@@ -22,13 +22,14 @@ The numbers match the sequential path within float tolerance (batched kernels su
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..training import Metric, _decode_uint8, batch_bounds, model_inputs
-from .protocol import MODEL, Algorithm, HParams, Update
+from .protocol import MODEL, Algorithm, HParams, Update, finite_rows
 from .state import Fresh
 
 logger = logging.getLogger("hfpfl")
@@ -36,6 +37,17 @@ logger = logging.getLogger("hfpfl")
 # auto mode: vectorize models up to this many trainable parameters (measured on 2 CPU cores, 1 thread: an MLP
 # 64-64-10 steps 20 clients 4-5x faster vmapped; PFLlib's CNN (0.58 M) at batch 10 is compute-bound, 0.9x)
 AUTO_MAX_PARAMS = 200_000
+# mid-size models (up to AUTO_MID_MAX_PARAMS) are vectorized only where it measured faster: small batches, and many
+# clients stepping together. PFLlib's CNN (0.58 M), 20 clients stepping together, 1 thread: vmapped / sequential
+# step time 0.77 at batch 5, 0.78 at 10, 0.92 at 20, 1.05 at 32, 1.11 at 64. Whole rounds: 500 iid clients x 5
+# images, batch 5 (500 clients per step): vectorized 7.2 s vs sequential 10.4 s; 20 Dir(0.1) clients, batch 10
+# (ragged, 7.7 clients per step): vectorized 6.6 s vs sequential 5.7 s. So: batch <= AUTO_MID_MAX_BATCH and on average
+# at least AUTO_MID_MIN_GROUP clients per batched step (training); for evaluation, padded test sets at least
+# AUTO_MID_MIN_FILL full (padding costs forward passes).
+AUTO_MID_MAX_PARAMS = 1_000_000
+AUTO_MID_MAX_BATCH = 16
+AUTO_MID_MIN_GROUP = 12
+AUTO_MID_MIN_FILL = 0.7
 # stacked client states per chunk (parameters + buffers + optimizer state), bytes
 CHUNK_BYTES = 256 * 2**20
 # a chunk's client splits are stacked once per round (``[clients, longest split, ...]``, images kept uint8) when
@@ -67,7 +79,19 @@ def _owner(cls, name):
     return next(k for k in cls.__mro__ if name in vars(k))
 
 
-def should_vectorize(sim) -> bool:
+def clients_per_step(sizes: list[int], batch_size: int, local_steps: int | None = None) -> float:
+    """How many clients step together on average in a vectorized round: all per-client steps / the longest
+    client's steps (clients finish at different steps; each step batches the clients that still have a batch)."""
+    if local_steps or not sizes:
+        return float(len(sizes))
+    steps = [max(1, -(-n // batch_size)) for n in sizes]
+    return sum(steps) / max(steps)
+
+
+def should_vectorize(sim, clients: list[int] | None = None, split: str = "train") -> bool:
+    """Whether to vectorize this run's ``clients`` (``split`` "train": their local training; "test": their
+    evaluation). ``--vectorize on`` whenever possible; ``auto`` for small models always, for mid-size models where
+    the chunk's shape makes it pay (see :data:`AUTO_MID_MAX_PARAMS`), never without ``clients``."""
     mode = getattr(sim.args, "vectorize", "off")
     if mode == "off":
         return False
@@ -80,7 +104,18 @@ def should_vectorize(sim) -> bool:
     if mode == "on":
         return True
     n = sum(p.numel() for p in sim.algorithm.trainable_parameters())
-    return n <= AUTO_MAX_PARAMS
+    if n <= AUTO_MAX_PARAMS:
+        return True
+    if n > AUTO_MID_MAX_PARAMS or not clients or len(clients) < 2:
+        return False
+    if split == "train":
+        hp = sim.args
+        if hp.batch_size > AUTO_MID_MAX_BATCH:
+            return False
+        sizes = [len(sim.train_data(c)) for c in clients]
+        return clients_per_step(sizes, hp.batch_size, hp.local_steps) >= AUTO_MID_MIN_GROUP
+    sizes = [len(sim.test_data(c)) for c in clients]
+    return sum(sizes) / (len(sizes) * max(max(sizes), 1)) >= AUTO_MID_MIN_FILL
 
 
 # ---------------------------------------------------------------------------------------------- schedules
@@ -131,6 +166,9 @@ class _Opt:
                         buf_all[idx] = buf
                         started[idx] = True
                     g = buf
+                if idx is None:  # every client steps: in place (the same values, no copy of the stack)
+                    params[k].add_(g, alpha=-hp.lr)
+                    continue
                 p = p.add(g, alpha=-hp.lr)
             else:  # adam / adamw (torch's non-amsgrad update, betas (0.9, 0.999), eps 1e-8)
                 beta1, beta2, eps = 0.9, 0.999, 1e-8
@@ -244,7 +282,8 @@ class StackedData:
         None: every client, in order)."""
         out = {}
         for k, v in self.columns.items():
-            x = v[torch.arange(len(v))[:, None] if rows is None else rows[:, None], idx]
+            r = torch.arange(len(v), device=v.device)[:, None] if rows is None else rows.to(v.device)[:, None]
+            x = v[r, idx.to(v.device)]
             out[k] = _decode_uint8(x) if k in self.encoded else x
         return out
 
@@ -258,6 +297,8 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
     if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], datas)):
         return hit[2]
     st = StackedData.build(datas)
+    if st is not None and sim.device.type != "cpu":  # on the accelerator once per chunk, not once per step
+        st.columns = {k: v.to(sim.device) for k, v in st.columns.items()}
     cache[split] = (key, list(datas), st)
     return st
 
@@ -267,8 +308,18 @@ def _stack(values: list[torch.Tensor], device) -> torch.Tensor:
     return torch.stack([v.to(device) for v in values])
 
 
+class ChunkUpdates(list):
+    """The :class:`Update` of every client of a vectorized chunk, in order, plus the chunk's uploads as stacked
+    tensors (``stacked[part][key]`` is ``[clients, *shape]``) and the bytes one client uploads per part (the same
+    for every client of a chunk). With ``uploads=False`` the per-client ``upload`` dicts are left empty: the engine
+    folds ``stacked`` into its running sums in one call (:meth:`WeightedSums.add_stacked`)."""
+
+    stacked: dict
+    parts_up: dict
+
+
 def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[int, dict],
-                round_idx: int) -> list[Update]:
+                round_idx: int, uploads: bool = True) -> ChunkUpdates:
     """Local training of ``clients`` (same hyperparameters) as stacked tensors; one :class:`Update` per client
     with the uploads and private state the base ``client_update`` would produce (views into the stacks)."""
     from torch.func import functional_call, grad_and_value, vmap
@@ -341,7 +392,7 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
                              sim.generator(round_idx, c, "")) for c in clients]
     stacked = stacked_data(sim, clients, "train", [datas[c] for c in clients])
     n_steps = [len(s) for s in scheds]
-    loss_sums = torch.zeros(len(clients), dtype=torch.float64)
+    loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device)  # read once, after the last step
     opt = _Opt(hp, {})
     model.train()
     for s in range(max(n_steps)):
@@ -369,7 +420,10 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
                         B[k][idx] = b[k]
             with torch.no_grad():
                 opt.step(P, grads, idx, s + 1)
-            loss_sums[members] += task.detach().double().cpu()
+            if everyone:
+                loss_sums += task.detach().double()
+            else:
+                loss_sums[idx] += task.detach().double()
     # the model ends as the sequential loop leaves it: holding the last client's state
     with torch.no_grad():
         for k in trainable:
@@ -378,24 +432,32 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
             state[k].copy_(B[k][-1])
     # finiteness of every client's result at once (a float64 sum of finite values is finite)
     with torch.no_grad():
-        ok = torch.ones(len(clients), dtype=torch.bool)
+        ok = loss_sums.isfinite()
         for t in (*P.values(), *(v for v in B.values() if torch.is_floating_point(v))):
-            ok &= t.reshape(len(clients), -1).sum(1, dtype=torch.float64).isfinite().cpu()
-        ok &= loss_sums.isfinite()
-    out = []
+            ok &= finite_rows(t)
+        ok, loss_sums = ok.cpu(), loss_sums.cpu()
+    out = ChunkUpdates()
     gkeys, pkeys = algo.global_keys, algo.private_keys
+
+    def stack_of(k):
+        if k in P:
+            return P[k].detach()
+        if k in B:
+            return B[k]
+        # not trained: the model's own value, copied (the model's tensors change with the next chunk)
+        return state[k].detach().clone().expand(len(clients), *state[k].shape)
+    out.stacked = {MODEL: {k: stack_of(k) for k in gkeys}}
+    out.parts_up = {MODEL: sum(v[0].numel() * v.element_size() for v in out.stacked[MODEL].values())}
+    # private states: one CPU tensor per client and key (the store may spill or save each client on its own)
+    priv_rows = {k: stack_of(k).cpu().unbind(0) for k in pkeys}
+    up_rows = {k: v.cpu().unbind(0) for k, v in out.stacked[MODEL].items()} if uploads else None
+    losses, finite = loss_sums.tolist(), ok.tolist()
     for i, c in enumerate(clients):
-        def view(k):
-            if k in P:
-                return P[k][i].detach()
-            if k in B:
-                return B[k][i]
-            return state[k].detach().to("cpu", copy=True)
-        upload = {MODEL: {k: view(k).cpu() for k in gkeys}}
-        private = {MODEL: Fresh({k: view(k).to("cpu", copy=True) for k in pkeys})}
-        metrics = {"train_loss": float(loss_sums[i] / max(n_steps[i], 1)), "steps": n_steps[i]}
+        upload = {MODEL: {k: up_rows[k][i] for k in gkeys}} if uploads else {}
+        private = {MODEL: Fresh({k: priv_rows[k][i].clone() for k in pkeys})}
+        metrics = {"train_loss": losses[i] / max(n_steps[i], 1), "steps": n_steps[i]}
         upd = Update(c, upload=upload, num_samples=len(datas[c]), private=private, metrics=metrics)
-        upd.finite = bool(ok[i])  # checked here for the whole chunk (the engine checks only what is not)
+        upd.finite = finite[i]  # checked here for the whole chunk (the engine checks only what is not)
         out.append(upd)
     return out
 
@@ -426,13 +488,13 @@ def chunks_of(sim, clients: list[int]) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-def can_vectorize_eval(sim) -> bool:
+def can_vectorize_eval(sim, clients: list[int] | None = None) -> bool:
     """Personal models are the base protocol's (download + private state) and the run may vectorize."""
     cls = type(sim.algorithm)
     return (getattr(sim.args, "vectorize", "off") != "off" and cls.load_personal is Algorithm.load_personal
             and "load_personal" not in vars(sim.algorithm)
             and cls.load_client is Algorithm.load_client and vectorize_reason(sim) is None
-            and should_vectorize(sim))
+            and should_vectorize(sim, clients, "test"))
 
 
 @torch.no_grad()
@@ -488,8 +550,9 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
             plain = all(type(m) is Metric for m in metrics)  # the default metric: scored for all clients at once
             for m in metrics:
                 m.reset()
-            loss_sum = torch.zeros(len(chunk), dtype=torch.float64)
-            correct = torch.zeros(len(chunk), dtype=torch.int64)
+            loss_sum = torch.zeros(len(chunk), dtype=torch.float64, device=device)  # read once, after the chunk
+            correct = torch.zeros(len(chunk), dtype=torch.int64, device=device)
+            lengths_dev = lengths.to(device)
             for s in range(0, n_max, bs):
                 e = min(s + bs, n_max)
                 idx = torch.arange(s, e)
@@ -502,24 +565,24 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
                 logits = vlogits(S, model_inputs(batch))
                 if plain:
                     labels = batch["labels"]
-                    valid = (idx[None, :] < lengths[:, None]).to(device)
+                    valid = idx.to(device)[None, :] < lengths_dev[:, None]
                     ce = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                                      reduction="none").view(labels.shape)
-                    loss_sum += torch.where(valid, ce, 0.0).sum(1, dtype=torch.float64).cpu()
-                    correct += ((logits.argmax(-1) == labels) & valid).sum(1).cpu()
+                    loss_sum += torch.where(valid, ce, 0.0).sum(1, dtype=torch.float64)
+                    correct += ((logits.argmax(-1) == labels) & valid).sum(1)
                     continue
                 for i, d in enumerate(datas):
                     n = min(e, len(d)) - s
                     if n > 0:
                         metrics[i].update(logits[i, :n], {k: v[i, :n] for k, v in batch.items()})
+            n_l, correct_l, loss_l = lengths.tolist(), correct.tolist(), loss_sum.tolist()
             for i, (c, m) in enumerate(zip(chunk, metrics)):
                 if plain:
-                    n = int(lengths[i])
-                    res = {"accuracy": float(correct[i]) / max(n, 1), "loss": float(loss_sum[i]) / max(n, 1),
-                           "num_samples": n}
+                    n = n_l[i]
+                    res = {"accuracy": correct_l[i] / max(n, 1), "loss": loss_l[i] / max(n, 1), "num_samples": n}
                 else:
                     res = m.compute()
-                if "loss" in res and not torch.isfinite(torch.tensor(res["loss"])):
+                if "loss" in res and not math.isfinite(res["loss"]):
                     from .protocol import NonFiniteError
                     raise NonFiniteError(f"training diverged by round {sim.round}: client {c}'s model has a "
                                          f"non-finite evaluation loss; lower --lr (now {sim.args.lr}) or --server_lr")
