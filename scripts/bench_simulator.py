@@ -129,7 +129,7 @@ def worker(a) -> dict:
             times = [(time.perf_counter() - t) / a.rounds]
         acc = sim.history[-1].get("personal_accuracy")
     else:
-        from hfpfl.federated.training import TensorData
+        from hfpfl.training import TensorData, batch_bounds
         clients = [TensorData.from_dataset(c.train) for c in fed.clients]
         if cuda:  # every client's data on the GPU once (floats), the plain way
             clients = [TensorData(d.pixel_values.to(device), d.labels.to(device)) for d in clients]
@@ -145,8 +145,8 @@ def worker(a) -> dict:
                 model.load_state_dict(glob)
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
                 order = torch.randperm(len(d), generator=torch.Generator().manual_seed(r * 10007 + cid)).to(device)
-                for s in range(0, len(d), a.batch_size):
-                    idx = order[s:s + a.batch_size]
+                for s, e in batch_bounds(len(d), a.batch_size):  # hfpfl's batches: a tiny trailing one joins
+                    idx = order[s:e]
                     opt.zero_grad()
                     model(pixel_values=d.pixel_values[idx], labels=d.labels[idx]).loss.backward()
                     opt.step()
