@@ -128,6 +128,6 @@ def test_central_pools_exactly_the_clients_train_sets_and_learns(skewed, tmp_pat
     assert len(set(ds_labels.tolist())) >= 8  # the union covers (almost) every class although each client is skewed
     # and the oracle learns it: fit of its own 66 training images far above chance (old loop: ~0.1)
     model = sim.algorithm.load_global(sim.server_state)
-    fit = evaluate(model, TensorData(pooled["x"], pooled["y"]))["accuracy"]
+    fit = evaluate(model, TensorData(pooled["x"], pooled["y"]), device=sim.device)["accuracy"]
     assert fit >= 0.5, fit
     assert res["final"]["global_accuracy"] is not None
