@@ -220,8 +220,8 @@ def configure_determinism(device, deterministic: bool = True) -> None:
     convolution kernels by benchmark and computes them in TF32 (measured on an H100: the vectorized and the
     sequential FedAvg round differed by 3e-3 in a conv weight, and two runs of the same seed differed). With
     ``deterministic`` (the default) cuDNN/cuBLAS use deterministic kernels in full float32, and ops without a
-    deterministic CUDA kernel warn (``warn_only``) instead of failing. ``False`` restores PyTorch's fast defaults.
-    A no-op on the CPU, whose kernels are deterministic already."""
+    deterministic CUDA kernel warn (``warn_only``) instead of failing. ``False`` turns on cuDNN autotuning and TF32
+    (faster; results vary in their last bits). A no-op on the CPU, whose kernels are deterministic already."""
     import torch
 
     if torch.device(device).type != "cuda":
