@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..federated.distributed import all_gather, owned
+from ..federated.distributed import all_gather
 from ..training import TensorData, evaluate
 from .base import FROZEN, MODEL, PRIVATE, Algorithm, Update, register, weighted_average
 from .distill import KDConfig, ensemble_distill, push_global_adapter
@@ -241,7 +241,7 @@ def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, s
     sim = algo.sim
     kind, severity = parse_corruption(spec)
     rows = []
-    for cid in owned(range(sim.num_clients), sim.accelerator):
+    for cid in sim.owned(range(sim.num_clients)):
         torch.manual_seed(sim.seed_for(round_idx, cid, "eval"))  # same personal model as the clean evaluation
         model = algo.load_personal(cid, server_state, sim.private_state(cid), round_idx)
         sev = client_severity(cid) if severity is None else severity

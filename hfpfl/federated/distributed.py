@@ -1,6 +1,10 @@
 """Clients sharded over accelerate processes.
 
-Client i is owned by process i % world_size for the whole run, so its private state lives in one place.
+Each client has one owner process for the whole run (so its private state lives in one place), fixed by
+:class:`Ownership` from what every process already knows: each client's number of examples. The assignment is the
+greedy longest-processing-time rule (clients by cost, largest first, each to the least-loaded process), so under a
+skewed split (Dir(0.1): a few clients hold most images) every process trains and evaluates about the same number of
+examples, instead of ``client i -> process i % N`` leaving one process idle at the barrier.
 Streaming aggregation all-reduces running sums (O(model) traffic and memory); methods that need every upload get
 them gathered on the main process, which aggregates once and broadcasts the new server state. Either way the
 server's arithmetic is the same for any number of processes.
@@ -11,12 +15,52 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 
-def owner(client_id: int, world_size: int) -> int:
-    return client_id % world_size
+class Ownership:
+    """Which process owns each client: computed once per run, identically on every process, never changed.
+
+    ``costs[i]``: client ``i``'s work (the engine uses ``3 * train examples + test examples``: one local epoch's
+    forward + backward is about three forward passes per image, evaluation one). Clients are split by greedy
+    longest-processing-time: sorted by cost (largest first, ties by id), each goes to the process with the least
+    cost so far (ties: the lowest rank). ``groups`` balance separately (ids in one group are worked on together:
+    the training clients each round, the held-out new clients at the final evaluation). With one process every
+    client is owned by rank 0."""
+
+    def __init__(self, costs, world_size: int = 1, rank: int = 0, groups=None):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size} processes")
+        self.world_size, self.rank = int(world_size), int(rank)
+        costs = [float(c) for c in costs]
+        groups = [list(g) for g in groups] if groups is not None else [list(range(len(costs)))]
+        self._owner = [0] * len(costs)
+        self.loads = [0.0] * self.world_size   # summed cost per process, over every group
+        for ids in groups:
+            load = [0.0] * self.world_size
+            for c in sorted(ids, key=lambda i: (-costs[i], i)):
+                p = min(range(self.world_size), key=lambda r: (load[r], r))
+                self._owner[c] = p
+                load[p] += costs[c]
+                self.loads[p] += costs[c]
+
+    def owner(self, client_id: int) -> int:
+        return self._owner[client_id]
+
+    def owned(self, client_ids) -> list[int]:
+        """The ids of ``client_ids`` this process owns, in their given order."""
+        if self.world_size == 1:
+            return list(client_ids)
+        return [c for c in client_ids if self._owner[c] == self.rank]
+
+    def share(self, client_ids, costs) -> list[float]:
+        """Each process's share of ``costs`` over ``client_ids`` (e.g. a round's training examples)."""
+        out = [0.0] * self.world_size
+        for c in client_ids:
+            out[self._owner[c]] += float(costs[c])
+        return out
 
 
-def owned(client_ids, accelerator: Accelerator) -> list[int]:
-    return [c for c in client_ids if owner(c, accelerator.num_processes) == accelerator.process_index]
+def owned(client_ids, ownership: Ownership) -> list[int]:
+    """The clients of ``client_ids`` that this process owns (the one rule; see :class:`Ownership`)."""
+    return ownership.owned(client_ids)
 
 
 def all_gather(items: list, accelerator: Accelerator) -> list:

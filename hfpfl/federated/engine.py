@@ -26,7 +26,7 @@ from ..runtime import configure_determinism
 from ..training import TensorData
 from . import checkpoint as ckpt
 from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
-from .distributed import all_gather, barrier, broadcast_from_main, gather_to_main, owned
+from .distributed import Ownership, all_gather, barrier, broadcast_from_main, gather_to_main
 from .protocol import (FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, HParams, MethodContext, NonFiniteError,
                        ServerHParams, Update, WeightedSums, all_finite, get_algorithm)
 from .state import ClientStateStore, snapshot
@@ -75,6 +75,7 @@ class Simulation:
             raise ValueError("the federated dataset has no clients")
         from ..config import check_run_against_data
         check_run_against_data(run_args, fed_data)
+        self.ownership = self._build_ownership()
 
         algo_cls = get_algorithm(run_args.method)
         self.ctx = MethodContext(self)
@@ -114,6 +115,16 @@ class Simulation:
                            resume=bool(self.args.resume_from_checkpoint),
                            main_process=self.accelerator.is_main_process)
         barrier(self.accelerator)
+
+    def _build_ownership(self) -> Ownership:
+        """Which process owns each client for the whole run (training and new clients balanced separately), from
+        the split sizes every process has: cost = 3 x train examples (forward + backward) + test examples."""
+        acc = self.accelerator
+        everyone = list(self.data.clients) + list(self.data.new_clients)
+        costs = [3 * len(c.train) + (len(c.test) if c.test is not None else 0) for c in everyone]
+        n = self.num_clients
+        return Ownership(costs, acc.num_processes, acc.process_index,
+                         groups=[range(n), range(n, len(everyone))])
 
     def build_default_model(self) -> nn.Module:
         from ..config import warn_random_backbone
@@ -350,7 +361,7 @@ class Simulation:
         gather = algo.needs_all_uploads or type(algo).aggregate is not Algorithm.aggregate
         kept: list[Update] = []
         if gather:
-            kept.extend(self._client_updates(owned(sampled, acc), round_idx, server_state))
+            kept.extend(self._client_updates(self.ownership.owned(sampled), round_idx, server_state))
             everything = gather_to_main(kept, acc)
             if acc.is_main_process:  # server work once, then every process gets the result
                 everything = sorted(everything, key=lambda u: u.client_id)
@@ -371,7 +382,7 @@ class Simulation:
             # vectorized chunk's stacked uploads in one call instead of one call per client
             fold_chunks = (not self.keep_uploads and type(algo).accumulate is Algorithm.accumulate
                            and "accumulate" not in vars(algo))
-            for ups, stacked in self._client_update_batches(owned(sampled, acc), round_idx, server_state,
+            for ups, stacked in self._client_update_batches(self.ownership.owned(sampled), round_idx, server_state,
                                                             stacked=fold_chunks):
                 if stacked is not None:
                     sums.add_stacked(MODEL, stacked[MODEL], [weights[u.client_id] / total for u in ups])
@@ -434,7 +445,7 @@ class Simulation:
         if model is not None:
             out["global_accuracy"] = self._eval(model, self.global_test_data(), "the global model")["accuracy"]
         rows = []
-        ids = owned(self.eval_client_ids(round_idx, final), acc)
+        ids = self.ownership.owned(self.eval_client_ids(round_idx, final))
         from . import vectorized
         if len(ids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.can_vectorize_eval(self, ids):
             try:
@@ -467,8 +478,7 @@ class Simulation:
         out.update(algo.extra_metrics(round_idx, server_state))
         if final and self.data.new_clients:
             new_rows = []
-            for j in owned(range(len(self.data.new_clients)), acc):
-                cid = self.num_clients + j
+            for cid in self.ownership.owned(range(self.num_clients, self.num_clients + len(self.data.new_clients))):
                 self.seed_torch(self.seed_for(round_idx, cid, "new-client"))
                 self.ctx.load(self.initial_private)
                 model = algo.personalize_new_client(cid, server_state, self.train_data(cid), round_idx)
@@ -558,7 +568,7 @@ class Simulation:
         flat = {}
         for f in sorted(path.glob("clients-rank*.safetensors")):
             flat.update({k: v for k, v in ckpt.load_tensors(f).items()
-                         if int(k.split("::", 1)[0]) % acc.num_processes == acc.process_index})
+                         if self.ownership.owner(int(k.split("::", 1)[0])) == acc.process_index})
         self.load_state_dict({"round": state["round"], "server_state": unflatten_parts(
             ckpt.load_tensors(path / "server.safetensors")), "store": flat, "ledger": state["ledger"],
             "history": state["history"], "algorithm": state.get("algorithm", {}), "elapsed": state.get("elapsed", 0.0),

@@ -304,8 +304,8 @@ class MethodContext:
         return self._sim.accelerator.is_main_process
 
     def owned(self, client_ids) -> list[int]:
-        from .distributed import owned
-        return owned(client_ids, self._sim.accelerator)
+        """The clients of ``client_ids`` this process owns (fixed for the run; ``Simulation.ownership``)."""
+        return self._sim.ownership.owned(client_ids)
 
     def gather(self, items: list) -> list:
         from .distributed import all_gather
