@@ -102,6 +102,12 @@ class TensorData:
     def __len__(self) -> int:
         return len(next(iter(self._stored.values())))
 
+    def rows(self, start: int, stop: int) -> "TensorData":
+        """Rows ``[start, stop)`` as a TensorData sharing this one's storage (views; uint8 images stay uint8)."""
+        out = TensorData(extras={k: v[start:stop] for k, v in self._stored.items()})
+        out._encoded = set(self._encoded)
+        return out
+
     def select(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: self._col(k, idx) for k in self._stored}
 
@@ -307,7 +313,10 @@ def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: in
 # ---------------------------------------------------------------------------------------------- metrics
 class Metric:
     """How a task scores a model on a split: ``update(logits, batch)`` per batch, ``compute()`` at the end.
-    The default is classification accuracy and mean cross-entropy (``accuracy``, ``loss``)."""
+    The default is classification accuracy and mean cross-entropy (``accuracy``, ``loss``). State that ``reset``
+    sets to numbers is a running sum over batches (``update`` adds each batch's share): several processes then
+    score a split's batches between them and add the per-batch numbers in batch order (the same result as one
+    process). A metric with other state (lists, tensors) is computed whole on every process."""
 
     def reset(self) -> None:
         self.correct, self.loss_sum, self.n = 0.0, 0.0, 0

@@ -152,7 +152,10 @@ def test_resume_after_kill_gives_same_results(tmp_path, kill_after_first_checkpo
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fedbn", "feddf"])  # streaming (all-reduced sums) and gather (server work once)
 def test_two_processes_give_the_same_final_metrics(tmp_path, method):
-    args = ["--method", method, "--num_rounds", "2", "--num_new_clients", "1"]
+    # Dir(0.1) client sizes (train 25 / 103 / 66 / 10): the balanced owners are {1} and {0, 2, 3}, not i % 2; an
+    # evaluation batch of 16 splits the global test set over both processes
+    args = ["--method", method, "--num_rounds", "2", "--num_new_clients", "1", "--partition", "dirichlet",
+            "--alpha", "0.1", "--eval_batch_size", "16"]
     one = _recipe(args, tmp_path / "one", env_extra=CPU_ONLY)
     assert one.wait() == 0, one.stdout.read()
     two = _recipe(args, tmp_path / "two", env_extra=CPU_PROCESSES, launcher=LAUNCH_TWO)
@@ -161,3 +164,4 @@ def test_two_processes_give_the_same_final_metrics(tmp_path, method):
     res = json.loads((tmp_path / "two" / "results.json").read_text())
     assert res["world_size"] == 2, out
     assert _final(tmp_path / "one") == _final(tmp_path / "two")
+    assert res["process_train_examples"] == [103, 101]   # balanced (i % 2 would give 91 / 113)

@@ -92,3 +92,53 @@ def broadcast_from_main(obj, accelerator: Accelerator):
     box = [obj if accelerator.is_main_process else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def batch_shard(num_rows: int, batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of ``rank``'s contiguous share of a split's whole batches (the batches one process
+    forms: ``[0, b), [b, 2b), ...``), the first ``num_batches % world_size`` ranks one batch more."""
+    nb = -(-num_rows // batch_size)
+    per, extra = divmod(nb, world_size)
+    lo = rank * per + min(rank, extra)
+    hi = lo + per + (1 if rank < extra else 0)
+    return min(lo * batch_size, num_rows), min(hi * batch_size, num_rows)
+
+
+class _PerBatch:
+    """A metric wrapper that keeps each batch's numbers (the wrapped metric's state after ``reset`` + one
+    ``update``) instead of their running sum."""
+
+    def __init__(self, metric, rows: list):
+        self.metric, self.rows = metric, rows
+
+    def reset(self) -> None:
+        pass
+
+    def update(self, logits, batch) -> None:
+        self.metric.reset()
+        self.metric.update(logits, batch)
+        self.rows.append(dict(vars(self.metric)))
+
+    def compute(self) -> dict:
+        return {}
+
+
+def evaluate_sharded(evaluate, data, metric, batch_size: int, accelerator: Accelerator) -> dict:
+    """``evaluate(data, metric)`` (a split scored by one model) with the split's batches shared out: each process
+    scores a contiguous run of whole batches (the same batches, so the same logits as one process), the per-batch
+    sums of every process are gathered in batch order and added up from ``reset``'s zeros, as one process adds them:
+    the same numbers, to the bit (integer counts and float sums alike). One process, or a metric whose state is not
+    plain numbers: ``evaluate(data, metric)`` on the whole split."""
+    metric.reset()
+    fields = dict(vars(metric))
+    if accelerator.num_processes == 1 or not fields or not all(type(v) in (int, float) for v in fields.values()):
+        return evaluate(data, metric)
+    start, stop = batch_shard(len(data), batch_size, accelerator.num_processes, accelerator.process_index)
+    rows: list[dict] = []
+    if stop > start:
+        evaluate(data.rows(start, stop), _PerBatch(metric, rows))
+    metric.reset()
+    for row in all_gather(rows, accelerator):  # rank order = batch order
+        for k in fields:
+            setattr(metric, k, getattr(metric, k) + row[k])
+    return metric.compute()

@@ -26,7 +26,7 @@ from ..runtime import configure_determinism
 from ..training import TensorData
 from . import checkpoint as ckpt
 from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
-from .distributed import Ownership, all_gather, barrier, broadcast_from_main, gather_to_main
+from .distributed import Ownership, all_gather, barrier, broadcast_from_main, evaluate_sharded, gather_to_main
 from .protocol import (FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, HParams, MethodContext, NonFiniteError,
                        ServerHParams, Update, WeightedSums, all_finite, get_algorithm)
 from .state import ClientStateStore, snapshot
@@ -125,6 +125,11 @@ class Simulation:
         n = self.num_clients
         return Ownership(costs, acc.num_processes, acc.process_index,
                          groups=[range(n), range(n, len(everyone))])
+
+    def process_train_examples(self, client_ids=None) -> list[int]:
+        """Training examples per process over ``client_ids`` (default: every client): how balanced the owners are."""
+        ids = range(self.num_clients) if client_ids is None else client_ids
+        return [int(x) for x in self.ownership.share(ids, [len(c.train) for c in self.data.clients])]
 
     def build_default_model(self) -> nn.Module:
         from ..config import warn_random_backbone
@@ -418,8 +423,14 @@ class Simulation:
                                          "non-finite after aggregation; lower --lr or --server_lr")
 
     # ------------------------------------------------------------------ evaluation
-    def _eval(self, model, data, where: str = "") -> dict:
-        res = self.ctx.evaluate(model, data)
+    def _eval(self, model, data, where: str = "", shared: bool = False) -> dict:
+        """Score ``model`` on ``data``; ``shared``: every process calls this with the same model and data (the global
+        model on the global test set), which then scores its own share of the batches (the same numbers)."""
+        if shared:
+            res = evaluate_sharded(lambda d, m: self.ctx.evaluate(model, d, m), data, self.ctx.metric(),
+                                   self.args.eval_batch_size, self.accelerator)
+        else:
+            res = self.ctx.evaluate(model, data)
         if "loss" in res and not np.isfinite(res["loss"]):  # finite weights can still overflow the logits
             raise NonFiniteError(f"training diverged by round {self.round}: {where} has a non-finite evaluation loss; "
                                  f"lower --lr (now {self.args.lr}) or --server_lr")
@@ -443,7 +454,8 @@ class Simulation:
         self.ctx.load(self.initial_private)  # the global model never carries a client's private statistics
         model = algo.load_global(server_state)
         if model is not None:
-            out["global_accuracy"] = self._eval(model, self.global_test_data(), "the global model")["accuracy"]
+            out["global_accuracy"] = self._eval(model, self.global_test_data(), "the global model",
+                                                shared=True)["accuracy"]
         rows = []
         ids = self.ownership.owned(self.eval_client_ids(round_idx, final))
         from . import vectorized
@@ -681,6 +693,7 @@ class Simulation:
             "method": a.method, "model": a.model, "adapter": a.adapter, "dataset": self._dataset_name(),
             "partition": getattr(self.data_args, "partition", None), "num_clients": self.num_clients,
             "num_rounds": self.round, "seed": a.seed, "world_size": self.accelerator.num_processes,
+            "process_train_examples": self.process_train_examples(),
             "final": {k: v for k, v in final_eval.items() if not isinstance(v, dict)},
             "per_client_accuracy": per_client,
             "per_domain_accuracy": {d: float(np.mean(v)) for d, v in sorted(per_domain.items())},
