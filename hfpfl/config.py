@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from .launch import DEFAULT_NUM_PROCESSES, ENV_NUM_PROCESSES, env_num_processes
+
 
 ADAPTERS = ("none", "lora", "residual", "parallel")
 
@@ -77,10 +79,11 @@ class RunArguments:
         "help": "On a CUDA device: deterministic cuDNN/cuBLAS kernels and no TF32, so that the same seed gives the same "
                 "numbers (and the vectorized and sequential paths agree to float32 precision). False = cuDNN autotuning "
                 "and TF32 (faster; results then vary in their last bits). No effect on the CPU."})
-    num_processes: str = field(default="1", metadata={
+    num_processes: str = field(default=DEFAULT_NUM_PROCESSES, metadata={
         "help": "Processes to shard the clients over when the recipe is started with plain python: N, or auto (one "
                 "per GPU; on the CPU one per idle core, at most one per client per round). The recipe then launches "
-                "itself through accelerate; the same numbers as one process. Under accelerate launch the launcher's "
+                "itself through accelerate; the same numbers as one process. Default: the environment variable "
+                f"{ENV_NUM_PROCESSES} if set, else {DEFAULT_NUM_PROCESSES}. Under accelerate launch the launcher's "
                 "--num_processes wins."})
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | all."})
     progress: bool = field(default=True, metadata={"help": "Show tqdm progress bars (only when stderr is a terminal; "
@@ -292,7 +295,8 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
     """Parse RunArguments, DataArguments and the chosen method's config. Returns (run, data, method_config).
 
     ``defaults``: a recipe's own defaults (e.g. ``{"adapter": "residual"}``); precedence: dataclass defaults <
-    recipe defaults < YAML file < command-line flags. Every user error is a one-line ValueError naming the option."""
+    recipe defaults < ``HFPFL_NUM_PROCESSES`` (num_processes only) < YAML file < command-line flags. Every user error is
+    a one-line ValueError naming the option."""
     from .algorithms import get_algorithm
     from .data import DataArguments
 
@@ -317,7 +321,8 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
     parser = make_parser(types, prog=prog, description=description)
     parser.add_argument("--config", default=None, help="YAML/JSON file of options; command-line flags override it. "
                                                        "A run's saved config.yaml is one.")
-    parser.set_defaults(**{**(defaults or {}), **file_values, "method": method_name})
+    # precedence: dataclass < recipe defaults < HFPFL_NUM_PROCESSES < --config file < command line
+    parser.set_defaults(**{**(defaults or {}), **env_num_processes(), **file_values, "method": method_name})
     try:
         run, data, method_cfg, _extra, remaining = parser.parse_args_into_dataclasses(
             args=argv, return_remaining_strings=True)

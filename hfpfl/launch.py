@@ -15,14 +15,39 @@ import subprocess
 import sys
 
 
+#: ``--num_processes`` when neither the command line, a ``--config`` file nor ``HFPFL_NUM_PROCESSES`` sets it
+DEFAULT_NUM_PROCESSES = "1"
+#: the environment variable that overrides that default (``1``, ``2``, ``auto``); the command-line flag wins
+ENV_NUM_PROCESSES = "HFPFL_NUM_PROCESSES"
+
+#: set together by each of accelerate's launchers (simple, multi-GPU/CPU, SageMaker) for the processes it starts
+#: (accelerate/utils/launch.py); a user may export any one of them (ACCELERATE_MIXED_PRECISION, say) to configure
+#: ``Accelerator`` without launching anything, but not normally all of them
+_ACCELERATE_LAUNCH_VARS = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_DYNAMO_MODE",
+                           "ACCELERATE_DYNAMO_USE_FULLGRAPH", "ACCELERATE_DYNAMO_USE_DYNAMIC")
+
+
+def env_num_processes() -> dict:
+    """``{"num_processes": value}`` from ``HFPFL_NUM_PROCESSES`` when it is set (else ``{}``), checked."""
+    value = os.environ.get(ENV_NUM_PROCESSES, "").strip()
+    if not value:
+        return {}
+    if not (value == "auto" or (value.isdigit() and int(value) >= 1)):
+        raise ValueError(f"{ENV_NUM_PROCESSES} must be auto or a whole number >= 1, got {value!r}; unset it or set "
+                         f"e.g. {ENV_NUM_PROCESSES}=2 (--num_processes on the command line wins over it)")
+    return {"num_processes": value}
+
+
 def check_spec(spec: str) -> None:
     if not (spec == "auto" or (str(spec).isdigit() and int(spec) >= 1)):
         raise ValueError(f"--num_processes must be auto or a whole number >= 1, got {spec!r}")
 
 
 def launched() -> bool:
-    """Inside a multi-process launch already (accelerate launch, torchrun)."""
-    return "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
+    """Started by a launcher already: torchrun or a multi-process ``accelerate launch`` (``LOCAL_RANK``, set by
+    torch's elastic agent for each process), or accelerate's one-process launcher (the variables it sets together
+    for its child). A variable a user exports alone (``ACCELERATE_MIXED_PRECISION=no``) does not count."""
+    return "LOCAL_RANK" in os.environ or all(k in os.environ for k in _ACCELERATE_LAUNCH_VARS)
 
 
 def usable_cores() -> int:

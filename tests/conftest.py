@@ -5,6 +5,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HFPFL_NUM_PROCESSES", "1")   # tests run one process unless a test asks for more
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

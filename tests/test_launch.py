@@ -49,3 +49,59 @@ def test_num_processes_two_gives_the_same_numbers_as_one(tmp_path):
     assert r1["final"] == r2["final"] and r1["per_client_accuracy"] == r2["per_client_accuracy"]
     assert r1["communication"]["bytes_up"] == r2["communication"]["bytes_up"]
     assert two.stdout.count("results: ") == 1                 # the main process reports, once
+
+
+def _launcher_env(multi: bool) -> dict:
+    """The variables accelerate's own launcher adds for the process it starts (its code, not a copied list)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    flags = ["--multi_gpu", "--num_processes", "2"] if multi else ["--num_processes", "1"]
+    args = launch_command_parser().parse_args([*flags, "--num_machines", "1", "--mixed_precision", "no",
+                                               "--dynamo_backend", "no", "x.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args) if multi else prepare_simple_launcher_cmd_env(args)[1]
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
+
+
+def test_launched_means_a_launcher_started_this_process(monkeypatch):
+    for k in ("LOCAL_RANK", *launch._ACCELERATE_LAUNCH_VARS, "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(k, raising=False)
+    assert not launch.launched()
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")   # a user's export, no launcher: still relaunch
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    assert not launch.launched()
+    with monkeypatch.context() as m:                         # accelerate launch, one process (simple launcher)
+        for k, v in _launcher_env(multi=False).items():
+            m.setenv(k, v)
+        assert launch.launched()
+    with monkeypatch.context() as m:                         # torchrun / multi-process launch: LOCAL_RANK per rank
+        for k, v in _launcher_env(multi=True).items():
+            m.setenv(k, v)
+        assert launch.launched()
+        for k in launch._ACCELERATE_LAUNCH_VARS:
+            m.delenv(k, raising=False)
+        m.setenv("LOCAL_RANK", "0")
+        assert launch.launched()
+
+
+def test_num_processes_default_from_the_environment(monkeypatch):
+    from hfpfl.cli import _processes_to_launch
+    from hfpfl.config import parse_run_args
+    for k in ("LOCAL_RANK", *launch._ACCELERATE_LAUNCH_VARS):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("HFPFL_NUM_PROCESSES", raising=False)
+    assert parse_run_args([])[0].num_processes == launch.DEFAULT_NUM_PROCESSES == "1"
+    monkeypatch.setenv("HFPFL_NUM_PROCESSES", "auto")
+    run, data, _ = parse_run_args(["--num_clients", "4"])
+    assert run.num_processes == "auto"
+    assert parse_run_args(["--num_processes", "1"])[0].num_processes == "1"   # the flag wins
+    monkeypatch.setenv("HFPFL_NUM_PROCESSES", "2")
+    run, data, _ = parse_run_args(["--num_clients", "4"])
+    assert _processes_to_launch(run, data) == 2                                 # would relaunch in 2 processes
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")                      # an export alone changes nothing
+    assert _processes_to_launch(run, data) == 2
+    monkeypatch.setenv("LOCAL_RANK", "0")                                       # inside a launch: never again
+    assert _processes_to_launch(run, data) == 1
+    monkeypatch.setenv("HFPFL_NUM_PROCESSES", "two")
+    with pytest.raises(ValueError, match="HFPFL_NUM_PROCESSES must be auto or a whole number >= 1, got 'two'"):
+        parse_run_args([])
