@@ -98,3 +98,17 @@ def test_evaluate_sharded_gives_one_process_numbers_exactly(monkeypatch):
     assert seen == [21, 21, 8]           # 8 batches of 7 (the last holds 1 row): 3 + 3 + 2 batches, each row once
     assert all(r == whole for r in results)   # accuracy, loss and count: the same bits as one process
     assert whole["num_samples"] == 50 and 0 < whole["loss"]
+
+
+def test_checkpointed_clients_load_on_their_owner_under_another_world_size(run_sim):
+    sim, _ = run_sim("fedbn", num_rounds=1, output_dir="ck")   # FedBN keeps private BN statistics per client
+    assert sorted(sim.store.clients()) == [0, 1, 2, 3]
+    resumed, _ = run_sim("fedbn", num_rounds=1, output_dir="ck", resume_from_checkpoint="latest",
+                         overwrite_output_dir=False, run=False)
+    # as if resumed by 2 processes with owners from sizes [10, 1, 1, 1] (+ 1 new client): 0 -> p0, 1, 2, 3 -> p1
+    for rank, mine in ((0, [0]), (1, [1, 2, 3])):
+        resumed.ownership = Ownership([10, 1, 1, 1, 5], 2, rank, groups=[range(4), range(4, 5)])
+        resumed.load_checkpoint("latest")
+        assert sorted(resumed.store.clients()) == mine
+        for c in mine:
+            assert all(torch.equal(v, sim.store.get(c)["model"][k]) for k, v in resumed.store.get(c)["model"].items())

@@ -44,6 +44,10 @@ class Ownership:
     def owner(self, client_id: int) -> int:
         return self._owner[client_id]
 
+    def owns(self, client_id: int) -> bool:
+        """Whether this process owns ``client_id``."""
+        return self._owner[client_id] == self.rank
+
     def owned(self, client_ids) -> list[int]:
         """The ids of ``client_ids`` this process owns, in their given order."""
         if self.world_size == 1:

@@ -576,11 +576,10 @@ class Simulation:
         if int(state["round"]) > self.args.num_rounds:
             raise ValueError(f"--num_rounds {self.args.num_rounds} is smaller than the checkpoint's round "
                              f"{state['round']}; resume with --num_rounds >= {state['round']}")
-        acc = self.accelerator
         flat = {}
-        for f in sorted(path.glob("clients-rank*.safetensors")):
+        for f in sorted(path.glob("clients-rank*.safetensors")):  # any world size wrote them: keep the clients we own
             flat.update({k: v for k, v in ckpt.load_tensors(f).items()
-                         if self.ownership.owner(int(k.split("::", 1)[0])) == acc.process_index})
+                         if self.ownership.owns(int(k.split("::", 1)[0]))})
         self.load_state_dict({"round": state["round"], "server_state": unflatten_parts(
             ckpt.load_tensors(path / "server.safetensors")), "store": flat, "ledger": state["ledger"],
             "history": state["history"], "algorithm": state.get("algorithm", {}), "elapsed": state.get("elapsed", 0.0),
