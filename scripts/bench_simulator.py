@@ -14,7 +14,8 @@ default), client ``i`` holds split ``i % distinct`` (its own model state, seeds 
     python scripts/bench_simulator.py --clients 20 500 10000 --model cnn --rounds 3
     python scripts/bench_simulator.py --clients 20 --model cnn --parallel 1 t2 p2   # both cores: threads, processes
     python scripts/bench_simulator.py --clients 20 500 --model cnn --device cuda     # on a GPU (default: auto)
-Prints s/round, the ratio hfpfl / bare, peak RSS of each (with ``pN``: summed over the N processes) and, on a GPU,
+Prints s/round, the ratio hfpfl / bare, peak RSS of each (with ``pN``: summed over the N processes, and each
+process's share of the round's training examples, the balance of the client owners) and, on a GPU,
 the peak of ``torch.cuda.max_memory_allocated()`` (the bare loop keeps every client's data on the GPU; hfpfl keeps
 client data on the CPU and moves each batch, as its engine does).
 """
@@ -157,14 +158,20 @@ def worker(a) -> dict:
             times.append(time.perf_counter() - t)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    shares = None
     if a.impl == "hfpfl" and sim.accelerator.num_processes > 1:  # the total over processes, reported by the main one
         from hfpfl.federated.distributed import all_gather
+        acc_ = sim.accelerator
+        own = getattr(sim, "ownership", None)   # engines before the balanced ownership: client i on process i % N
+        mine = own.owned(range(n_clients)) if own is not None else \
+            [c for c in range(n_clients) if c % acc_.num_processes == acc_.process_index]
+        shares = all_gather([sum(n_train[c] for c in mine)], acc_)  # each process's training examples per round
         peak = sum(all_gather([peak], sim.accelerator))
         times = [max(t) for t in zip(*[x for x in all_gather([times], sim.accelerator)])]
         if not sim.accelerator.is_main_process:
             return None
     return {"s_per_round": min(times[1:] or times), "peak_rss_gb": peak, "mean_train_per_client": sum(n_train) / len(n_train),
-            "personal_accuracy": acc, "gpu_peak_gb": gpu_peak, "device": str(device)}
+            "personal_accuracy": acc, "gpu_peak_gb": gpu_peak, "device": str(device), "process_train_examples": shares}
 
 
 def main():
@@ -252,7 +259,9 @@ def main():
             ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
             print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
                   f"{r['peak_rss_gb']:>11.2f} " + (f"{r['gpu_peak_gb'] or 0:>11.3f} " if gpu else "")
-                  + f"{os.getloadavg()[0]:>5.2f}", flush=True)
+                  + f"{os.getloadavg()[0]:>5.2f}"
+                  + (f"  train examples per process: {' / '.join(map(str, r['process_train_examples']))}"
+                     if r.get("process_train_examples") else ""), flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
