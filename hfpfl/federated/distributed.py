@@ -6,8 +6,10 @@ greedy longest-processing-time rule (clients by cost, largest first, each to the
 skewed split (Dir(0.1): a few clients hold most images) every process trains and evaluates about the same number of
 examples, instead of ``client i -> process i % N`` leaving one process idle at the barrier.
 Streaming aggregation all-reduces running sums (O(model) traffic and memory); methods that need every upload get
-them gathered on the main process, which aggregates once and broadcasts the new server state. Either way the
-server's arithmetic is the same for any number of processes.
+them gathered on the main process, which aggregates once and broadcasts the new server state (uploads sorted by
+client id, the same list for any number of processes). Running sums are added per process and then across
+processes: the same float64 terms in another order, which can change a float64 sum's last bits (and, rarely, a float32
+weight's last bit after the cast; one process is unchanged).
 """
 from __future__ import annotations
 
@@ -60,11 +62,6 @@ class Ownership:
         for c in client_ids:
             out[self._owner[c]] += float(costs[c])
         return out
-
-
-def owned(client_ids, ownership: Ownership) -> list[int]:
-    """The clients of ``client_ids`` that this process owns (the one rule; see :class:`Ownership`)."""
-    return ownership.owned(client_ids)
 
 
 def all_gather(items: list, accelerator: Accelerator) -> list:
