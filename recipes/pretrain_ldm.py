@@ -50,7 +50,7 @@ class PretrainArguments:
     clip_steps: int = field(default=600, metadata={"help": "Contrastive (LiT) text-tower steps; 0 = a frozen random "
                                                            "text encoder (the UNet then ignores captions)."})
     unet_steps: int | None = field(default=None, metadata={
-        "help": "UNet optimisation steps (default: 3000 on the CPU, 6000 on an accelerator)."})
+        "help": "UNet optimisation steps (default: 3000 on the CPU, 4000 of a 4x batch on an accelerator)."})
     unet_batch_size: int | None = field(default=None, metadata={"help": "UNet batch size (default: 32 CPU, 128 "
                                                                          "accelerator)."})
     unet_lr: float = field(default=2e-3, metadata={"help": "UNet AdamW learning rate (cosine decay)."})
