@@ -362,3 +362,23 @@ def test_pretrain_ldm_refuses_a_missing_gpu_in_one_line(tmp_path):
     assert r.returncode == 2
     assert "--device cuda" in r.stderr and "--device cpu" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir()) or [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_ldm_judge_loads_from_the_snapshot_folder_and_reads_like_the_saved_one(tmp_path):
+    """FedBiP's comparison reads synthetic labels with the LDM's own public-image judge (``judge.pt``): the loaded
+    judge gives the saved judge's predictions, and a folder without one (a real SD checkpoint) gives None."""
+    from hfpfl.fedbip.quality import Judge, judge_accuracy, load_ldm_judge
+
+    assert load_ldm_judge(str(tmp_path)) is None
+    torch.manual_seed(0)
+    saved = Judge()
+    with torch.no_grad():  # non-trivial BN statistics, so that eval mode matters
+        saved.train()(torch.randn(16, 3, 32, 32))
+    saved.eval()
+    torch.save(saved.state_dict(), tmp_path / "judge.pt")
+    loaded = load_ldm_judge(str(tmp_path))
+    x = torch.rand(20, 3, 32, 32) * 2 - 1
+    assert not loaded.training and torch.equal(loaded(x).argmax(1), saved(x).argmax(1))
+    labels = saved(x).argmax(1)
+    assert judge_accuracy(loaded, x, labels) == 1.0
+    assert judge_accuracy(loaded, x, (labels + 1) % 10) == 0.0

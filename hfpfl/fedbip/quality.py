@@ -177,6 +177,18 @@ def make_fidelity_probe(judge, per_class: int = 5, guidance_scale: float = 3.0, 
     return probe
 
 
+def load_ldm_judge(path: str):
+    """The quality judge published with a tiny LDM (``judge.pt`` in its snapshot folder, trained on the pool's public
+    images; see :func:`measure_ldm`), in eval mode on the CPU; None when the folder has none (e.g. a real SD
+    checkpoint)."""
+    f = os.path.join(str(path), "judge.pt")
+    if not os.path.isfile(f):
+        return None
+    judge = Judge()
+    judge.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
+    return judge.eval()
+
+
 @torch.no_grad()
 def judge_accuracy(judge, images: torch.Tensor, labels: torch.Tensor) -> float:
     if len(labels) == 0:
