@@ -39,14 +39,20 @@ class PretrainArguments:
     force: bool = field(default=False, metadata={"help": "Retrain even if the repo id is already cached."})
     image_size: int = field(default=32, metadata={"help": "Image resolution (MNIST 28x28 is padded to 32)."})
     max_images: int | None = field(default=None, metadata={"help": "Cap on public images used (default: all)."})
-    vae_steps: int = field(default=400, metadata={"help": "VAE optimisation steps."})
-    vae_batch_size: int = field(default=32, metadata={"help": "VAE batch size."})
+    device: str = field(default="auto", metadata={
+        "help": "Where to train: auto (CUDA when available, else cpu), cpu, cuda, cuda:N. The step and batch "
+                "defaults below are the device's budget (hfpfl.fedbip.ldm.PRETRAIN_BUDGETS)."})
+    vae_steps: int | None = field(default=None, metadata={"help": "VAE optimisation steps (default: 400 on the CPU, "
+                                                                   "3000 on an accelerator)."})
+    vae_batch_size: int | None = field(default=None, metadata={"help": "VAE batch size (default: 32 CPU, 64 accelerator)."})
     vae_lr: float = field(default=2e-3, metadata={"help": "VAE AdamW learning rate (cosine decay)."})
     kl_weight: float = field(default=1e-6, metadata={"help": "Weight of the VAE KL term."})
     clip_steps: int = field(default=600, metadata={"help": "Contrastive (LiT) text-tower steps; 0 = a frozen random "
                                                            "text encoder (the UNet then ignores captions)."})
-    unet_steps: int = field(default=3000, metadata={"help": "UNet + text-encoder optimisation steps."})
-    unet_batch_size: int = field(default=32, metadata={"help": "UNet batch size."})
+    unet_steps: int | None = field(default=None, metadata={
+        "help": "UNet optimisation steps (default: 3000 on the CPU, 4000 of a 4x batch on an accelerator)."})
+    unet_batch_size: int | None = field(default=None, metadata={"help": "UNet batch size (default: 32 CPU, 128 "
+                                                                         "accelerator)."})
     unet_lr: float = field(default=2e-3, metadata={"help": "UNet AdamW learning rate (cosine decay)."})
     unet_warmup_steps: int = field(default=100, metadata={"help": "Linear learning-rate warm-up steps of the UNet."})
     probe_every: int = field(default=500, metadata={
@@ -70,7 +76,7 @@ class PretrainArguments:
         at_least = {"vae_steps": 1, "vae_batch_size": 1, "unet_steps": 1, "unet_batch_size": 1, "num_threads": 1,
                     "image_size": 8, "clip_steps": 0, "unet_warmup_steps": 0, "probe_every": 0}
         for name, low in at_least.items():
-            if getattr(self, name) < low:
+            if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ValueError(f"--{name} must be >= {low}, got {getattr(self, name)}; pass --{name} {low} or more")
         for name in ("vae_lr", "unet_lr"):
             if not 0 < getattr(self, name) < float("inf"):
@@ -81,6 +87,17 @@ class PretrainArguments:
             raise ValueError(f"--judge_pool must be public or all, got {self.judge_pool!r}")
         if self.measure_only and not self.output_dir:
             raise ValueError("--measure_only needs --output_dir (where judges.json goes)")
+        import torch
+
+        try:
+            dev = torch.device("cpu" if self.device == "auto" else self.device)
+        except RuntimeError:
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: CUDA is not available on this machine; pass --device cpu "
+                             "(or auto)")
         if self.max_images is not None and self.max_images < 1:
             raise ValueError(f"--max_images must be >= 1 (or None for all), got {self.max_images}")
 

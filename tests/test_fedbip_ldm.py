@@ -320,3 +320,65 @@ def test_measure_cached_ldm_scores_the_same_images_under_both_judges(tmp_path, m
     hold, _ = q.judge_split(n, 0)
     assert rep["judges"]["all"]["heldout_accuracy_all"] == pytest.approx(float((torch.as_tensor(fake["labels"])[hold]
                                                                                 == 0).float().mean()))
+
+
+def test_pretrain_budget_follows_the_device_and_keeps_explicit_values():
+    """``device="cpu"`` gets the CPU budget (the first-run recipe), an explicit value wins over the budget, and a
+    CUDA device where there is none is refused up front (not after building the pool)."""
+    from hfpfl.fedbip.ldm import PRETRAIN_BUDGETS, PretrainConfig, resolve_pretrain_config
+
+    cpu = resolve_pretrain_config(PretrainConfig(device="cpu", unet_steps=7))
+    assert (cpu.vae_steps, cpu.vae_batch_size, cpu.unet_batch_size) == (400, 32, 32) and cpu.unet_steps == 7
+    assert PRETRAIN_BUDGETS["accelerator"]["unet_batch_size"] > PRETRAIN_BUDGETS["cpu"]["unet_batch_size"]
+    assert resolve_pretrain_config(cpu) == cpu
+    if not torch.cuda.is_available():
+        assert resolve_pretrain_config(PretrainConfig()).device == "cpu"
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_pretrain_config(PretrainConfig(device="cuda"))
+
+
+def test_vae_training_noise_is_the_posterior_sample_of_the_same_generator():
+    """Pretraining draws the VAE's posterior sample as mean + std * randn(generator=g) on the CPU and moves it to the
+    training device: on the CPU that is exactly diffusers' ``latent_dist.sample(generator=g)`` (so the CPU recipe's
+    weights did not change when the device was added)."""
+    from hfpfl.fedbip.ldm import build_tiny_ldm
+
+    vae = build_tiny_ldm(16, seed=0)["vae"]
+    x = torch.rand(3, 3, 16, 16, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    post = vae.encode(x).latent_dist
+    ours = post.mean + post.std * torch.randn(post.mean.shape, generator=torch.Generator().manual_seed(5))
+    theirs = post.sample(generator=torch.Generator().manual_seed(5))
+    assert torch.equal(ours, theirs)
+
+
+def test_pretrain_ldm_refuses_a_missing_gpu_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = subprocess.run([sys.executable, "recipes/pretrain_ldm.py", "--device", "cuda", "--output_dir", str(tmp_path)],
+                       capture_output=True, text=True, env={**os.environ, "HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode == 2
+    assert "--device cuda" in r.stderr and "--device cpu" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir()) or [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_ldm_judge_loads_from_the_snapshot_folder_and_reads_like_the_saved_one(tmp_path):
+    """FedBiP's comparison reads synthetic labels with the LDM's own public-image judge (``judge.pt``): the loaded
+    judge gives the saved judge's predictions, and a folder without one (a real SD checkpoint) gives None."""
+    from hfpfl.fedbip.quality import Judge, judge_accuracy, load_ldm_judge
+
+    assert load_ldm_judge(str(tmp_path)) is None
+    torch.manual_seed(0)
+    saved = Judge()
+    with torch.no_grad():  # non-trivial BN statistics, so that eval mode matters
+        saved.train()(torch.randn(16, 3, 32, 32))
+    saved.eval()
+    torch.save(saved.state_dict(), tmp_path / "judge.pt")
+    loaded = load_ldm_judge(str(tmp_path))
+    x = torch.rand(20, 3, 32, 32) * 2 - 1
+    assert not loaded.training and torch.equal(loaded(x).argmax(1), saved(x).argmax(1))
+    labels = saved(x).argmax(1)
+    assert judge_accuracy(loaded, x, labels) == 1.0
+    assert judge_accuracy(loaded, x, (labels + 1) % 10) == 0.0

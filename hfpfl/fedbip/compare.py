@@ -213,7 +213,8 @@ def format_comparison(rows: list[dict]) -> str:
                      f" {f(r.get('syn_nn_dist_mean'), 7)} {r['wall_time_s']:>6.1f}")
     lines.append("accuracy per domain = the classifier on that client's real test split; mean = over clients; "
                  "syn-fid = accuracy of the Central (real-data) classifier on the variant's synthetic set (are the "
-                 "images of their label?); MIA gaps = |member - non-member| mean loss / entropy (lower = less "
+                 "images of their label?); judge-fid (in comparison.json / the seeds table) = the same read by the "
+                 "LDM's quality judge (trained on public images only, shipped as judge.pt); MIA gaps = |member - non-member| mean loss / entropy (lower = less "
                  "leakage); NN-dist = RMS pixel distance of synthetic images to the nearest client train image")
     return "\n".join(lines)
 
@@ -234,7 +235,9 @@ def run_comparison(run, data, cfg, rec, fed) -> dict:
     rows, main_res, syn_sets = [], None, {}
     main_name = {2: "FedBiP-S", 5: "FedBiP-M", 10: "FedBiP-L"}.get(cfg.multiplier, "FedBiP-L")
     # the LDM first (on a first run: minutes of pretraining), before any variant folder exists
-    resolve_ldm(cfg.ldm)
+    from .quality import load_ldm_judge
+
+    judge = load_ldm_judge(resolve_ldm(cfg.ldm))
     for name, r_args, m_cfg in variants(run, cfg, rec):
         t = time.perf_counter()
         with variant_folder(r_args.output_dir):
@@ -243,6 +246,12 @@ def run_comparison(run, data, cfg, rec, fed) -> dict:
         rows.append(summarize(name, sim, res, m_cfg))
         if res["method"] == "fedbip":
             syn_sets[name] = sim.algorithm.synthetic
+            if judge is not None:  # a second, client-independent reading of the synthetic labels
+                from .quality import judge_accuracy
+
+                x = sim.algorithm.synthetic["images"]
+                x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
+                rows[-1]["synthetic_fidelity_judge"] = judge_accuracy(judge, x, sim.algorithm.synthetic["labels"])
         if name == "Central":  # class fidelity of every synthetic set: the real-data oracle's accuracy on it
             model = sim.algorithm.load_global(sim.server_state)
             for row in rows:
@@ -278,7 +287,7 @@ def aggregate_seeds(comparisons: list[dict]) -> list[dict]:
     for name in names:
         rows = [next(r for r in c["rows"] if r["variant"] == name) for c in comparisons]
         agg = {"variant": name, "seeds": [c["seed"] for c in comparisons]}
-        for k in ("mean_accuracy", "global_accuracy", "synthetic_fidelity"):
+        for k in ("mean_accuracy", "global_accuracy", "synthetic_fidelity", "synthetic_fidelity_judge"):
             vals = [r.get(k) for r in rows if r.get(k) is not None]
             if vals:
                 agg[k] = float(np.mean(vals))
@@ -308,13 +317,16 @@ def claims(summary: list[dict]) -> list[tuple[str, bool]]:
 
 def format_summary(summary: list[dict]) -> str:
     domains = sorted({d for r in summary for d in r["per_domain"]})
-    head = (f"{'variant':<20} {'mean acc':>15} {'syn-fid':>15} " + " ".join(f"{d[:8]:>8}" for d in domains))
+    head = (f"{'variant':<20} {'mean acc':>15} {'syn-fid':>15} {'judge-fid':>15} " +
+            " ".join(f"{d[:8]:>8}" for d in domains))
     lines = [head, "-" * len(head)]
+
+    def pm(r, k):
+        return f"{r[k]:.3f} ± {r[k + '_std']:.3f}" if k in r else "-"
+
     for r in summary:
-        pm = (f"{r['mean_accuracy']:.3f} ± {r['mean_accuracy_std']:.3f}" if "mean_accuracy" in r else "-")
-        fid = (f"{r['synthetic_fidelity']:.3f} ± {r['synthetic_fidelity_std']:.3f}"
-               if "synthetic_fidelity" in r else "-")
-        lines.append(f"{r['variant']:<20} {pm:>15} {fid:>15} " +
+        lines.append(f"{r['variant']:<20} {pm(r, 'mean_accuracy'):>15} {pm(r, 'synthetic_fidelity'):>15} "
+                     f"{pm(r, 'synthetic_fidelity_judge'):>15} " +
                      " ".join(f"{r['per_domain'][d]:>8.3f}" for d in domains))
     lines.append(f"seeds {summary[0]['seeds']}; paper ordering: {PAPER_ORDER}")
     for text, ok in claims(summary):

@@ -286,8 +286,9 @@ class PretrainConfig:
     max_images: int | None = None
     pool_copies: int = 2  # procedural renderings per public digit shape (see hfpfl.fedbip.pool)
     pool_font_masks: int = 1500
-    vae_steps: int = 400
-    vae_batch_size: int = 32
+    # None = the budget of the device the run resolves to (:data:`PRETRAIN_BUDGETS`)
+    vae_steps: int | None = None
+    vae_batch_size: int | None = None
     vae_lr: float = 2e-3
     kl_weight: float = 1e-6
     # Initial log-variance of the VAE posterior (the bias of the logvar half of ``quant_conv``). At diffusers' init it
@@ -297,8 +298,8 @@ class PretrainConfig:
     # and judge accuracy on reconstructions 0.587 at diffusers' init, 0.062 and 0.593 at -8 (0.597 after 400 steps):
     # a faster decoder, but the VAE's keeping of the digit, not its noise, bounds fidelity. None = diffusers' init.
     vae_logvar_init: float | None = -8.0
-    unet_steps: int = 3000
-    unet_batch_size: int = 32
+    unet_steps: int | None = None
+    unet_batch_size: int | None = None
     # SD trains its UNet under a *frozen* text encoder that CLIP pretrained contrastively on image-text pairs. Tried
     # before (issue 8): a from-scratch tiny CLIP trained jointly with the UNet collapsed; a frozen *random* one (token
     # std 0.02 or 1.0) was not read: its outputs for "...digit three" and "...digit seven" differ only at the digit's
@@ -324,9 +325,39 @@ class PretrainConfig:
     cond_dropout: float = 0.1  # empty caption this often, so classifier-free guidance works
     seed: int = 0
     num_threads: int = 1
+    # where the VAE, text tower, UNet and judge train: "auto" = the accelerator (CUDA) when there is one, else "cpu".
+    # Random draws (batches, noise, timesteps, dropout) come from one CPU generator either way, so a seed draws the
+    # same batches on any device; the weights then differ only by the device's arithmetic.
+    device: str = "auto"
     # stop the UNet phase once the run has used this much CPU time (process time, so that a busy shared machine
     # does not shorten training: 1 thread => CPU seconds == seconds on one free core)
     time_budget_s: float | None = None  # None = exactly unet_steps (deterministic per seed)
+
+
+# Training budgets per device kind: the CPU budget is what fits the first run on 2 cores (~30 min measured, recipe
+# v4); on an accelerator the budget the H100 diagnostic measured (README "FedBiP status"): a 7.5x-step, 2x-batch
+# VAE raised the judge's accuracy on VAE reconstructions (the fidelity ceiling) from 0.65 to 0.80, and 13x the UNet
+# images (10,000 steps of 128) raised plain-prompt fidelity at guidance 5 from ~0.6 to 0.87-0.89; with this VAE the
+# 50-image guidance-3 probe reached 0.82 after 4,000 steps of 128 and stayed at 0.78-0.84 up to 6,000 (one H100 run),
+# so the accelerator budget stops at 4,000 (~5 min of UNet there).
+PRETRAIN_BUDGETS = {
+    "cpu": dict(vae_steps=400, vae_batch_size=32, unet_steps=3000, unet_batch_size=32),
+    "accelerator": dict(vae_steps=3000, vae_batch_size=64, unet_steps=4000, unet_batch_size=128),
+}
+
+
+def resolve_pretrain_config(cfg: PretrainConfig) -> PretrainConfig:
+    """``cfg`` with ``device`` resolved ("auto" -> "cuda" when available, else "cpu") and every budget field left at
+    None filled from :data:`PRETRAIN_BUDGETS` for that device kind. Idempotent."""
+    import dataclasses
+
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={cfg.device!r}: CUDA is not available here; use device='cpu' or 'auto'")
+    budget = PRETRAIN_BUDGETS["cpu" if torch.device(device).type == "cpu" else "accelerator"]
+    return dataclasses.replace(cfg, device=device, **{k: v for k, v in budget.items() if getattr(cfg, k) is None})
 
 
 def pool_to_tensor(images, image_size: int = 32) -> torch.Tensor:
@@ -369,20 +400,21 @@ def pretrain_text_tower(te, tok, image_features: torch.Tensor, ids: torch.Tensor
     at chance (loss 4.52 vs log(128) = 4.85) and left the digits' pooled text cosine at 0.994."""
     import torch.nn.functional as F
 
-    d = te.config.hidden_size
-    text_head = torch.nn.Linear(d, d, bias=False)
-    image_head = torch.nn.Linear(image_features.shape[1], d, bias=False)
-    logit_scale = torch.nn.Parameter(torch.tensor(float(np.log(1 / 0.07))))
+    d, dev = te.config.hidden_size, te.device
+    text_head = torch.nn.Linear(d, d, bias=False).to(dev)
+    image_head = torch.nn.Linear(image_features.shape[1], d, bias=False).to(dev)
+    logit_scale = torch.nn.Parameter(torch.tensor(float(np.log(1 / 0.07)), device=dev))
+    ids, image_features = ids.to(dev), image_features.to(dev)
     before = text_separation(te, tok)
     cap_ids = {c: i for i, c in enumerate(dict.fromkeys(captions))}
-    cap = torch.as_tensor([cap_ids[c] for c in captions])
+    cap = torch.as_tensor([cap_ids[c] for c in captions], device=dev)
     te.train().requires_grad_(True)
     params = list(te.parameters()) + list(text_head.parameters()) + list(image_head.parameters()) + [logit_scale]
     opt = torch.optim.AdamW(params, lr=cfg.clip_lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.clip_steps)
     n, loss_ema = len(cap), None
     for _ in range(cfg.clip_steps):
-        idx = torch.randint(0, n, (cfg.clip_batch_size,), generator=g)
+        idx = torch.randint(0, n, (cfg.clip_batch_size,), generator=g).to(dev)
         t = F.normalize(text_head(te(ids[idx])[0].mean(1)), dim=-1)
         v = F.normalize(image_head(image_features[idx]), dim=-1)
         logits = logit_scale.exp().clamp(max=100) * t @ v.T
@@ -421,8 +453,13 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
 
     from .pool import build_pool
 
-    cfg = cfg or PretrainConfig()
+    cfg = resolve_pretrain_config(cfg or PretrainConfig())
+    dev = torch.device(cfg.device)
     torch.set_num_threads(cfg.num_threads)
+    if dev.type == "cuda":  # same seed, same weights on this GPU (cuDNN/TF32 defaults are not)
+        from hfpfl.runtime import configure_determinism
+
+        configure_determinism(dev)
     t_start = time.time()
     cpu_start = time.process_time()
     g = torch.Generator().manual_seed(cfg.seed)
@@ -433,14 +470,20 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
         keep = np.sort(np.random.default_rng(cfg.seed).permutation(n)[: cfg.max_images])
         pool = {k: (v[keep] if isinstance(v, np.ndarray) else [v[i] for i in keep]) for k, v in pool.items()}
         n = len(keep)
-    x_all = pool_to_tensor(pool["images"], cfg.image_size)
+    x_cpu = pool_to_tensor(pool["images"], cfg.image_size)
+    x_all = x_cpu.to(dev)
     log(f"[pretrain] broad pool: {n} images, {len(set(pool['styles']))} styles, "
-        f"{len(set(pool['captions']))} distinct captions (built in {time.time() - t_start:.0f}s)")
+        f"{len(set(pool['captions']))} distinct captions (built in {time.time() - t_start:.0f}s); training on {dev}")
     comps = build_tiny_ldm(cfg.image_size, seed=cfg.seed)
     vae, unet, te, tok = comps["vae"], comps["unet"], comps["text_encoder"], comps["tokenizer"]
     if cfg.token_embedding_std:
         with torch.no_grad():
             te.get_input_embeddings().weight.normal_(0.0, cfg.token_embedding_std, generator=g)
+    for m in (vae, unet, te):
+        m.to(dev)
+
+    def randn(shape):  # every draw from the one CPU generator (same batches and noise on any device)
+        return torch.randn(shape, generator=g).to(dev)
 
     # ---- VAE ----------------------------------------------------------------------------------------------
     if cfg.vae_logvar_init is not None and vae.quant_conv is not None:
@@ -452,9 +495,9 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
     bar = tqdm(range(cfg.vae_steps), desc="VAE", mininterval=5)
     for step in bar:
         idx = torch.randint(0, n, (cfg.vae_batch_size,), generator=g)
-        x = x_all[idx]
+        x = x_all[idx.to(dev)]
         post = vae.encode(x).latent_dist
-        rec = vae.decode(post.sample(generator=g)).sample
+        rec = vae.decode(post.mean + post.std * randn(post.mean.shape)).sample  # = post.sample(generator=g)
         mse = F.mse_loss(rec, x)
         loss = mse + cfg.kl_weight * post.kl().mean()
         opt.zero_grad(set_to_none=True)
@@ -473,7 +516,7 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
             means.append(d.mean)
             stds.append(d.std)
         mean, std = torch.cat(means), torch.cat(stds)
-        sf = float(1.0 / (mean + std * torch.randn(mean.shape, generator=g)).std())
+        sf = float(1.0 / (mean + std * randn(mean.shape)).std())
         rec_mse = F.mse_loss(vae.decode(mean[:256]).sample, x_all[:256]).item()
     vae.register_to_config(scaling_factor=sf)
     log(f"[pretrain] VAE done in {t_vae:.0f}s, recon mse {rec_mse:.4f}, scaling_factor {sf:.4f}")
@@ -489,16 +532,17 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
 
         # the image tower: a CNN trained on the pool's digit labels (its own seed: not the judge that measures
         # the LDM's fidelity afterwards)
-        tower, tower_acc = train_judge(x_all, torch.as_tensor(pool["labels"]), epochs=cfg.image_tower_epochs,
-                                       seed=cfg.seed + 1)
+        tower, tower_acc = train_judge(x_cpu, torch.as_tensor(pool["labels"]), epochs=cfg.image_tower_epochs,
+                                       seed=cfg.seed + 1, device=dev)
         with torch.no_grad():
             feats = torch.cat([tower.features(x_all[i : i + 512]).mean((2, 3)) for i in range(0, n, 512)])
-        clip_stats = pretrain_text_tower(te, tok, feats, ids_all, pool["captions"], cfg, g, log)
+        clip_stats = pretrain_text_tower(te, tok, feats, ids_all.to(dev), pool["captions"], cfg, g, log)
         clip_stats["image_tower_heldout_accuracy"] = tower_acc
     t_clip = time.time() - t_clip0
 
     # ---- UNet (+ text encoder if cfg.train_text_encoder) -----------------------------------------------------
-    empty_ids = enc([""])[0]
+    empty_ids = enc([""])[0].to(dev)
+    ids_all = ids_all.to(dev)
     noise_sched = DDPMScheduler.from_config(comps["scheduler"].config)
     params = list(unet.parameters()) + (list(te.parameters()) if cfg.train_text_encoder else [])
     unet.train()
@@ -516,7 +560,8 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
     t_unet0 = time.time()
     ema = None
     ema_params = [p.detach().clone() for p in params] if cfg.ema_decay else None
-    snr = noise_sched.alphas_cumprod / (1 - noise_sched.alphas_cumprod)
+    snr = (noise_sched.alphas_cumprod / (1 - noise_sched.alphas_cumprod)).to(dev)
+    noise_sched.alphas_cumprod = noise_sched.alphas_cumprod.to(dev)  # add_noise on the device, no copy per step
     curve, probe_cpu, probe_wall = [], 0.0, 0.0
 
     def run_probe(step_done):
@@ -543,18 +588,16 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
                                             for k, v in res.items()))
 
     for step in bar:
-        idx = torch.randint(0, n, (cfg.unet_batch_size,), generator=g)
-        z0 = (mean[idx] + std[idx] * torch.randn(mean[idx].shape, generator=g)) * sf
-        drop = torch.rand(len(idx), generator=g) < cfg.cond_dropout
+        idx = torch.randint(0, n, (cfg.unet_batch_size,), generator=g).to(dev)
+        z0 = (mean[idx] + std[idx] * randn(mean[idx].shape)) * sf
+        drop = (torch.rand(len(idx), generator=g) < cfg.cond_dropout).to(dev)
         if h_all is not None:
-            h = h_all[idx].clone()
-            h[drop] = h_empty
+            h = torch.where(drop[:, None, None], h_empty, h_all[idx])  # (a masked assignment waits for the GPU)
         else:
-            ids = ids_all[idx].clone()
-            ids[drop] = empty_ids
+            ids = torch.where(drop[:, None], empty_ids, ids_all[idx])
             h = te(ids)[0]
-        eps = torch.randn(z0.shape, generator=g)
-        t = torch.randint(0, noise_sched.config.num_train_timesteps, (len(idx),), generator=g)
+        eps = randn(z0.shape)
+        t = torch.randint(0, noise_sched.config.num_train_timesteps, (len(idx),), generator=g).to(dev)
         zt = noise_sched.add_noise(z0, eps, t)
         per = F.mse_loss(unet(zt, t, h).sample, eps, reduction="none").mean((1, 2, 3))
         if cfg.min_snr_gamma:  # eps-prediction weight min(SNR, gamma) / SNR
@@ -567,11 +610,13 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
         sched.step()
         if ema_params is not None:
             dec = min(cfg.ema_decay, (1 + step) / (10 + step))
-            with torch.no_grad():
-                for e, p in zip(ema_params, params):
-                    e.mul_(dec).add_(p.detach(), alpha=1 - dec)
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{ema:.4f}")
+            with torch.no_grad():  # e <- dec * e + (1 - dec) * p, two calls over all tensors
+                torch._foreach_mul_(ema_params, dec)
+                torch._foreach_add_(ema_params, [p.detach() for p in params], alpha=1 - dec)
+        if dev.type == "cpu" or (step + 1) % 50 == 0 or step + 1 == cfg.unet_steps:  # a GPU is not waited for
+            # every step (the logged loss is then an EMA over every 50th step)
+            ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+            bar.set_postfix(loss=f"{ema:.4f}")
         last = step + 1 == cfg.unet_steps
         over = bool(cfg.time_budget_s) and time.process_time() - cpu_start - probe_cpu > cfg.time_budget_s
         if probe is not None and cfg.probe_every and ((step + 1) % cfg.probe_every == 0 or last or over):
@@ -585,6 +630,8 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
                 p.copy_(e)
     unet.eval().requires_grad_(False)
     te.eval().requires_grad_(False)
+    if dev.type != "cpu":
+        torch.cuda.synchronize(dev)
     from collections import Counter
 
     stats = dict(recipe_version=LDM_RECIPE_VERSION, pool="hfpfl.fedbip.pool.build_pool (broad public pool)", n_images=n,
@@ -593,7 +640,7 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
                  unet_seconds=time.time() - t_unet0 - probe_wall, unet_steps=step + 1, unet_loss_ema=ema,
                  total_seconds=time.time() - t_start - probe_wall,
                  total_cpu_seconds=time.process_time() - cpu_start - probe_cpu, probe_cpu_seconds=probe_cpu,
-                 curve=curve, num_threads=cfg.num_threads,
+                 curve=curve, num_threads=cfg.num_threads, device=str(dev),
                  config={k: getattr(cfg, k) for k in cfg.__dataclass_fields__})
     log(f"[pretrain] UNet done: {stats['unet_steps']} steps in {stats['unet_seconds']:.0f}s, loss(ema) {ema:.4f}")
     return comps, stats, pool
@@ -744,7 +791,7 @@ def _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, l
 
     from .pool import build_pool
 
-    cfg = config or PretrainConfig()
+    cfg = resolve_pretrain_config(config or PretrainConfig())
     pool = build_pool(cfg.seed, copies=cfg.pool_copies, font_masks=cfg.pool_font_masks)
     judge = probe = None
     if sample_grid:  # the judge first (its cost is the quality report's, not the LDM's), so that a probe can
@@ -756,7 +803,7 @@ def _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, l
         rep: dict = {"judge_pool": cfg.judge_pool}
         judge = (*train_judge(pool_to_tensor(pool["images"], cfg.image_size), torch.as_tensor(pool["labels"]),
                               seed=cfg.seed, styles=pool["styles"], report=rep,
-                              train_mask=judge_train_mask(pool["styles"], cfg.judge_pool)), rep)
+                              train_mask=judge_train_mask(pool["styles"], cfg.judge_pool), device=cfg.device), rep)
         rep.update(seconds=time.time() - t0, cpu_seconds=time.process_time() - c0)
         log(f"[ldm-quality] judge ({cfg.judge_pool} images) held-out accuracy {judge[1]:.3f} "
             f"({rep['seconds']:.0f}s)")
@@ -811,7 +858,9 @@ CNN trained on the pool's labels (LiT), then frozen (mean-pooled cosine between 
 digit word: {stats.get('text_tower', {}).get('before_pooled_cosine_between_digits', float('nan')):.3f} at random init,
 {stats.get('text_tower', {}).get('pooled_cosine_between_digits', float('nan')):.3f} after); the UNet (cross-attention
 and the global text path `addition_embed_type="text"`) {stats.get('unet_steps')} steps
-({stats.get('total_seconds', 0):.0f} s wall, {stats.get('total_cpu_seconds', 0):.0f} s CPU on 1 thread).
+({stats.get('total_seconds', 0):.0f} s wall on {stats.get('device', 'cpu')}, {stats.get('total_cpu_seconds', 0):.0f} s CPU,
+{stats.get('num_threads', 1)} thread(s); UNet batch {stats.get('config', {}).get('unet_batch_size')}, VAE batch
+{stats.get('config', {}).get('vae_batch_size')}: the budget of `hfpfl.fedbip.ldm.PRETRAIN_BUDGETS` for that device).
 
 **Quality**: class fidelity of plain prompts "a photo of the digit d" judged by a CNN trained on
 {JUDGE_POOL_TEXT.get(q.get('judge_pool', 'all'), q.get('judge_pool'))} (held-out accuracy

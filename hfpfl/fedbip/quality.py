@@ -96,7 +96,7 @@ def judge_train_mask(styles, judge_pool: str = "public") -> np.ndarray:
 
 def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int | None = None, batch_size: int = 64,
                 seed: int = 0, holdout: float = 0.1, augment: bool = True, lr: float = 3e-3, styles=None,
-                report: dict | None = None, train_mask=None):
+                report: dict | None = None, train_mask=None, device="cpu"):
     """Train the judge on (images (N,3,32,32) in [-1,1], labels); returns (judge, held-out accuracy). ``report`` (a
     dict) receives the held-out accuracy per style (``styles``: one name per image) and the recipe.
 
@@ -104,6 +104,9 @@ def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int | None =
     :func:`judge_train_mask`) restricts the *training* images to a subset. The returned accuracy is on the held-out
     images of that subset (the judge's own distribution); ``report["heldout_accuracy_all"]`` is on every held-out
     image.
+
+    ``device``: where the judge trains (batches are drawn and augmented on the CPU with the seeded generator, then
+    moved; the returned judge stays there).
 
     ``epochs`` (default): :data:`JUDGE_EPOCHS` over the whole pool's train split, i.e. the same number of optimisation
     steps whatever ``train_mask`` keeps (a subset of a third of the pool gets three times the epochs; measured on the
@@ -121,7 +124,7 @@ def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int | None =
         epochs = max(1, round(JUDGE_EPOCHS * n_train_all / max(1, len(train))))
     n_hold = len(hold)
     torch.manual_seed(seed)
-    judge = Judge()
+    judge = Judge().to(device)
     opt = torch.optim.AdamW(judge.parameters(), lr=lr, weight_decay=1e-4)
     steps = epochs * (len(train) // batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=max(1, steps))
@@ -136,7 +139,7 @@ def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int | None =
             else:  # the earlier recipe: one random shift by up to 2 pixels per batch
                 dx, dy = torch.randint(-2, 3, (2,), generator=g).tolist()
                 x = torch.roll(x, shifts=(dy, dx), dims=(2, 3))
-            loss = F.cross_entropy(judge(x), labels[idx])
+            loss = F.cross_entropy(judge(x.to(device)), labels[idx].to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -150,7 +153,8 @@ def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int | None =
         if styles is not None:
             st = np.asarray(styles)[hold.numpy()]
             with torch.no_grad():
-                pred = torch.cat([judge(images[hold][i : i + 256]).argmax(1) for i in range(0, n_hold, 256)])
+                pred = torch.cat([judge(images[hold][i : i + 256].to(device)).argmax(1).cpu()
+                                  for i in range(0, n_hold, 256)])
             ok = (pred == labels[hold]).numpy()
             report["heldout_accuracy_per_style"] = {s: float(ok[st == s].mean()) for s in sorted(set(st))}
     return judge, acc
@@ -173,12 +177,25 @@ def make_fidelity_probe(judge, per_class: int = 5, guidance_scale: float = 3.0, 
     return probe
 
 
+def load_ldm_judge(path: str):
+    """The quality judge published with a tiny LDM (``judge.pt`` in its snapshot folder, trained on the pool's public
+    images; see :func:`measure_ldm`), in eval mode on the CPU; None when the folder has none (e.g. a real SD
+    checkpoint)."""
+    f = os.path.join(str(path), "judge.pt")
+    if not os.path.isfile(f):
+        return None
+    judge = Judge()
+    judge.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
+    return judge.eval()
+
+
 @torch.no_grad()
 def judge_accuracy(judge, images: torch.Tensor, labels: torch.Tensor) -> float:
     if len(labels) == 0:
         return float("nan")
-    pred = torch.cat([judge(images[i : i + 256].float()).argmax(1) for i in range(0, len(images), 256)])
-    return float((pred == labels).float().mean())
+    dev = next(judge.parameters(), torch.empty(0)).device  # the judge's device (CPU for a parameter-free judge)
+    pred = torch.cat([judge(images[i : i + 256].to(dev).float()).argmax(1).cpu() for i in range(0, len(images), 256)])
+    return float((pred == labels.cpu()).float().mean())
 
 
 @torch.no_grad()
@@ -255,7 +272,7 @@ def save_pool_grid(pool: dict, path: str, per_style: int = 10, scale: int = 3, s
     return path
 
 
-def measure_ldm(pipe, pool: dict, out_dir: str, per_class: int = 10, guidance_scales=(1.0, 3.0), seed: int = 0,
+def measure_ldm(pipe, pool: dict, out_dir: str, per_class: int = 10, guidance_scales=(1.0, 3.0, 5.0), seed: int = 0,
                 log=print, judge=None, judge_pool: str = "public") -> dict:
     """Train the judge on the pool's ``judge_pool`` images (or take ``judge`` = (judge, held-out accuracy, report)
     trained before), measure plain-prompt fidelity at each guidance scale, write the grids."""
@@ -290,7 +307,7 @@ def measure_ldm(pipe, pool: dict, out_dir: str, per_class: int = 10, guidance_sc
 
 
 def measure_cached_ldm(path: str, out_dir: str, judge_pools=JUDGE_POOLS, per_class: int = 10,
-                       guidance_scales=(1.0, 3.0), seed: int = 0, num_inference_steps: int = 20, log=print) -> dict:
+                       guidance_scales=(1.0, 3.0, 5.0), seed: int = 0, num_inference_steps: int = 20, log=print) -> dict:
     """Quality of an already published tiny LDM (a snapshot folder) under several judges, without pretraining:
     each judge's held-out accuracy (on its own kind of held-out pool images and on all of them) and the plain-prompt
     fidelity of the *same* generated images under each judge. The snapshot's own ``judge.pt`` is reused for the
