@@ -310,6 +310,8 @@ def claims(summary: list[dict]) -> list[tuple[str, bool]]:
            ("FedBiP-L >= FedBiP-S", acc("FedBiP-L") >= acc("FedBiP-S")),
            ("instance-only > prompt-only", acc("instance-only") > acc("prompt-only")),
            ("FedBiP-L synthetic fidelity >= 0.6", m.get("FedBiP-L", {}).get("synthetic_fidelity", 0.0) >= 0.6),
+           ("FedBiP-L synthetic fidelity >= 0.6 under the LDM's public-image judge",
+            m.get("FedBiP-L", {}).get("synthetic_fidelity_judge", 0.0) >= 0.6),
            ("FedBiP-L > FedAvg (paper, on average)", acc("FedBiP-L") > acc("FedAvg")),
            ("FedBiP-L < Central (paper)", acc("FedBiP-L") < acc("Central"))]
     return out
