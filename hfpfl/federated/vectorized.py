@@ -614,10 +614,12 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
             lengths = torch.tensor([len(d) for d in datas])
             n_max = int(lengths.max())
             stacked = stacked_data(sim, chunk, "test", datas)
-            metrics = [algo.metric() for _ in chunk]
-            plain = all(type(m) is Metric for m in metrics)  # the default metric: scored for all clients at once
+            first = algo.metric()
+            plain = type(first) is Metric  # the default metric: scored for all clients at once, no object per client
+            metrics = [None] * len(chunk) if plain else [first] + [algo.metric() for _ in chunk[1:]]
             for m in metrics:
-                m.reset()
+                if m is not None:
+                    m.reset()
             loss_sum = torch.zeros(len(chunk), dtype=torch.float64, device=device)  # read once, after the chunk
             correct = torch.zeros(len(chunk), dtype=torch.int64, device=device)
             lengths_dev = lengths.to(device)
