@@ -269,13 +269,17 @@ class Simulation:
         from . import vectorized
         if len(cids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.should_vectorize(self, cids):
             algo = self.algorithm
+            # a client without a stored state starts from the initial private values: with the default
+            # init_private_state every such client reads the same tensors (stacked once), not a clone per client
+            default_init = (type(algo).init_private_state is Algorithm.init_private_state
+                            and "init_private_state" not in vars(algo))
             for chunk in vectorized.chunks_of(self, cids):
                 downs, privs = {}, {}
                 for cid in chunk:
                     downs[cid] = algo.download(server_state, cid)
                     privs[cid] = self.store.get(cid)
                     if privs[cid] is None:
-                        privs[cid] = algo.init_private_state(cid)
+                        privs[cid] = {MODEL: self.initial_private} if default_init else algo.init_private_state(cid)
                 try:
                     ups = vectorized.train_chunk(self, chunk, downs, privs, round_idx, uploads=not stacked)
                 except Exception as e:  # noqa: BLE001 - an op vmap cannot batch: the sequential path is exact
@@ -311,7 +315,8 @@ class Simulation:
             if key not in down_bytes:
                 down_bytes[key] = (tensor_bytes(down), bytes_by_part(down))
             upd.metrics["bytes_down"], parts_down = down_bytes[key]
-            upd.metrics["parts_down"], upd.metrics["parts_up"] = dict(parts_down), dict(ups.parts_up)
+            # one dict per chunk, read-only (the ledger sums them): no two dicts per client held until the round ends
+            upd.metrics["parts_down"], upd.metrics["parts_up"] = parts_down, ups.parts_up
         return list(ups)
 
     def _client_work(self, cid: int, round_idx: int, server_state: dict) -> Update:
