@@ -146,10 +146,11 @@ def worker(a) -> dict:
                 model.load_state_dict(glob)
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
                 order = torch.randperm(len(d), generator=torch.Generator().manual_seed(r * 10007 + cid)).to(device)
+                pixels, labels = d.pixel_values, d.labels  # the client's floats once per round, not once per step
                 for s, e in batch_bounds(len(d), a.batch_size):  # hfpfl's batches: a tiny trailing one joins
                     idx = order[s:e]
                     opt.zero_grad()
-                    model(pixel_values=d.pixel_values[idx], labels=d.labels[idx]).loss.backward()
+                    model(pixel_values=pixels[idx], labels=labels[idx]).loss.backward()
                     opt.step()
                 for k, v in model.state_dict().items():
                     sums[k] += v.double() * (len(d) / total)

@@ -1,6 +1,7 @@
 """Vectorized client training (``--vectorize``) gives the sequential loop's numbers; the per-client overhead cuts
 (uint8 client data, LRU data cache, evaluation subsets, skipped re-loads) change nothing they should not."""
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -167,6 +168,40 @@ def test_batch_schedule_is_the_training_loops():
                 break
         assert [s.tolist() for s in sched] == [r.tolist() for r in ref]
     assert [len(s) for s in vectorized.batch_schedule(11, 5, 1, None, torch.Generator())] == [5, 6]  # no singleton
+
+
+def test_chunk_schedules_are_each_clients_own_batch_schedule():
+    """The chunk's index matrix gives every client, at every step, the batch ``batch_schedule`` draws from its own
+    seeded generator (ragged sizes, several epochs, a step cap), grouped by batch size."""
+    for sizes, epochs, steps in (([23, 11, 23, 7, 16], 2, None), ([23, 11, 23, 7, 16], 1, 5), ([26] * 4, 1, None)):
+        seeds = [101 + 7 * i for i in range(len(sizes))]
+        sch = vectorized._Schedules(sizes, seeds, 5, epochs, steps)
+        ref = [vectorized.batch_schedule(n, 5, epochs, steps, torch.Generator().manual_seed(sd))
+               for n, sd in zip(sizes, seeds)]
+        assert sch.n_steps == [len(r) for r in ref]
+        got = [[] for _ in sizes]
+        for s in range(max(sch.n_steps)):
+            groups = sch.groups(s)
+            assert [len(idx[0]) for _, idx in groups] == sorted({len(r[s]) for r in ref if s < len(r)})
+            for members, idx in groups:
+                for j, i in enumerate(members):
+                    got[i].append(idx[j].tolist())
+        assert got == [[b.tolist() for b in r] for r in ref]
+
+
+def test_seeds_for_is_seed_for_for_many_clients():
+    """numpy's SeedSequence hash written out on arrays gives seed_for's seeds (incl. client -1 and large ids)."""
+    class Stub:
+        seed_for, seeds_for = Simulation.seed_for, Simulation.seeds_for
+
+    sim = Stub()
+    ids = [-1, 0, 1, 2, 3, 17, 999, 123456789, 2**32 - 2]
+    for seed in (0, 7, 2**32 - 1):
+        sim.args = types.SimpleNamespace(seed=seed)
+        for r, tag in ((0, ""), (1, "client"), (12345, "eval")):
+            assert sim.seeds_for(r, ids, tag) == [sim.seed_for(r, c, tag) for c in ids]
+    sim.args = types.SimpleNamespace(seed=2**40)  # more entropy words: numpy's own path
+    assert sim.seeds_for(3, [0, 5], "x") == [sim.seed_for(3, c, "x") for c in (0, 5)]
 
 
 def test_uint8_storage_is_exact_and_quarter_size(small_digits):

@@ -234,6 +234,18 @@ class Simulation:
         ss = np.random.SeedSequence([self.args.seed, round_idx, client_id + 1, zlib.crc32(tag.encode())])
         return int(ss.generate_state(1)[0])
 
+    def seeds_for(self, round_idx: int, client_ids, tag: str = "") -> list[int]:
+        """``[seed_for(round_idx, c, tag) for c in client_ids]``, computed for all clients at once (numpy's
+        SeedSequence hash written out on arrays: ~1 us per client instead of ~40 us)."""
+        ids = [int(c) for c in client_ids]
+        words = [self.args.seed, round_idx, zlib.crc32(tag.encode())]
+        if not ids or not all(0 <= w < 2**32 for w in words) or min(ids) < -1 or max(ids) + 1 >= 2**32:
+            return [self.seed_for(round_idx, c, tag) for c in ids]  # other word counts: numpy's own path
+        entropy = np.empty((len(ids), 4), dtype=np.uint32)
+        entropy[:, 0], entropy[:, 1], entropy[:, 3] = words[0], words[1], words[2]
+        entropy[:, 2] = np.asarray(ids, dtype=np.int64) + 1
+        return _seed_sequence_words(entropy).tolist()
+
     def generator(self, round_idx: int, client_id: int, tag: str = "") -> torch.Generator:
         return torch.Generator().manual_seed(self.seed_for(round_idx, client_id, tag))
 
@@ -273,13 +285,17 @@ class Simulation:
         from . import vectorized
         if len(cids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.should_vectorize(self, cids):
             algo = self.algorithm
+            # a client without a stored state starts from the initial private values: with the default
+            # init_private_state every such client reads the same tensors (stacked once), not a clone per client
+            default_init = (type(algo).init_private_state is Algorithm.init_private_state
+                            and "init_private_state" not in vars(algo))
             for chunk in vectorized.chunks_of(self, cids):
                 downs, privs = {}, {}
                 for cid in chunk:
                     downs[cid] = algo.download(server_state, cid)
                     privs[cid] = self.store.get(cid)
                     if privs[cid] is None:
-                        privs[cid] = algo.init_private_state(cid)
+                        privs[cid] = {MODEL: self.initial_private} if default_init else algo.init_private_state(cid)
                 try:
                     ups = vectorized.train_chunk(self, chunk, downs, privs, round_idx, uploads=not stacked)
                 except Exception as e:  # noqa: BLE001 - an op vmap cannot batch: the sequential path is exact
@@ -315,7 +331,8 @@ class Simulation:
             if key not in down_bytes:
                 down_bytes[key] = (tensor_bytes(down), bytes_by_part(down))
             upd.metrics["bytes_down"], parts_down = down_bytes[key]
-            upd.metrics["parts_down"], upd.metrics["parts_up"] = dict(parts_down), dict(ups.parts_up)
+            # one dict per chunk, read-only (the ledger sums them): no two dicts per client held until the round ends
+            upd.metrics["parts_down"], upd.metrics["parts_up"] = parts_down, ups.parts_up
         return list(ups)
 
     def _client_work(self, cid: int, round_idx: int, server_state: dict) -> Update:
@@ -701,6 +718,41 @@ class Simulation:
             "parameters": self.parameter_counts(),
             "wall_time_s": wall,
         }
+
+
+# numpy's SeedSequence (numpy/random/bit_generator.pyx: pool size 4, uint32 words), for many entropy rows at once
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43b0d7e5, 0x931e8875, 0x8b51f9dd, 0x58f38ded
+_MIX_MULT_L, _MIX_MULT_R, _MASK32 = 0xca01f9dd, 0x4973f715, 0xFFFFFFFF
+
+
+def _seed_sequence_words(entropy: np.ndarray) -> np.ndarray:
+    """``SeedSequence(list(row)).generate_state(1)[0]`` for every row of a ``[n, 4]`` uint32 array of entropy
+    words (four words each: exactly the pool, so no extra mixing rounds). Tested against numpy."""
+    u32 = np.uint32
+    hash_const = _INIT_A
+
+    def hashmix(value):
+        nonlocal hash_const
+        value = value ^ u32(hash_const)
+        hash_const = (hash_const * _MULT_A) & _MASK32
+        value = value * u32(hash_const)
+        return value ^ (value >> u32(16))
+
+    def mix(x, y):
+        r = u32(_MIX_MULT_L) * x - u32(_MIX_MULT_R) * y
+        return r ^ (r >> u32(16))
+
+    with np.errstate(over="ignore"):
+        pool = [hashmix(entropy[:, i].astype(u32)) for i in range(4)]
+        for src in range(4):
+            for dst in range(4):
+                if src != dst:
+                    pool[dst] = mix(pool[dst], hashmix(pool[src]))
+        hb = _INIT_B
+        v = pool[0] ^ u32(hb)
+        hb = (hb * _MULT_B) & _MASK32
+        v = v * u32(hb)
+        return v ^ (v >> u32(16))
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> dict:

@@ -52,7 +52,7 @@ class ClientStateStore:
     state ...), never a model copy. With ``max_bytes`` (``--max_state_mb``) and a ``spill_dir``, the least recently
     used clients' states beyond the cap are written to ``spill_dir/<client>.safetensors`` and read back
     when the client is next needed, so memory stays bounded however many clients keep personal adapters
-    (scripts/bench_scale_memory.py: peak RSS 1.39 GB at 1,000 clients, 1.66 GB at 10,000; README "Performance").
+    (scripts/bench_scale_memory.py: peak RSS 1.29 GB at 1,000 clients, 1.61 GB at 10,000; README "Performance").
     """
 
     def __init__(self, max_bytes: int | None = None, spill_dir=None):

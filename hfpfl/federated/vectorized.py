@@ -134,6 +134,72 @@ def batch_schedule(n: int, batch_size: int, epochs: int, max_steps: int | None,
             return out
 
 
+def schedule_spans(n: int, batch_size: int, epochs: int, max_steps: int | None) -> tuple[int, list[tuple[int, int]]]:
+    """:func:`batch_schedule` without drawing: ``(draws, spans)``, where the schedule's ``randperm(n)`` draws,
+    concatenated, hold batch ``j`` at ``[start, start + size)`` for ``(start, size) = spans[j]`` (the same loop,
+    so the same number of draws from the generator)."""
+    bounds = batch_bounds(n, batch_size)
+    spans, draws = [], 0
+    while True:
+        off = draws * n
+        draws += 1
+        for s, e in bounds:
+            spans.append((off + s, e - s))
+            if max_steps is not None and len(spans) >= max_steps:
+                return draws, spans
+        epochs -= 1
+        if max_steps is None and epochs <= 0:
+            return draws, spans
+
+
+class _Schedules:
+    """Every client's batches of a vectorized chunk, drawn as the sequential loop draws them (one generator per
+    client, seeded with ``seed_for(round, client, "")``, ``randperm`` per epoch), kept as one padded index matrix
+    ``[clients, draws * n]``: a step's group of clients gets its batches with one indexing call instead of one
+    slice per client."""
+
+    def __init__(self, sizes: list[int], seeds: list[int], batch_size: int, epochs: int, max_steps: int | None):
+        by_n: dict[int, tuple[int, list]] = {}
+        gen = torch.Generator()  # re-seeded per client: the draws of a fresh generator seeded the same
+        flats = []
+        for n, seed in zip(sizes, seeds):
+            if n not in by_n:
+                by_n[n] = schedule_spans(n, batch_size, epochs, max_steps)
+            draws = by_n[n][0]
+            gen.manual_seed(seed)
+            flats.append(torch.randperm(n, generator=gen) if draws == 1 else
+                         torch.cat([torch.randperm(n, generator=gen) for _ in range(draws)]))
+        self.spans = [by_n[n][1] for n in sizes]
+        self.n_steps = [len(sp) for sp in self.spans]
+        self.uniform = len(by_n) == 1  # every client has the same spans: every step is one group of everyone
+        width = max(len(f) for f in flats)
+        if all(len(f) == width for f in flats):
+            self.index = torch.stack(flats)
+        else:
+            self.index = torch.zeros(len(flats), width, dtype=flats[0].dtype)
+            for i, f in enumerate(flats):
+                self.index[i, :len(f)] = f
+
+    def groups(self, step: int) -> list[tuple[list[int], torch.Tensor]]:
+        """``(members, idx)`` per batch size at ``step``, smallest size first: the clients that still have a batch
+        and their sample indices ``[len(members), size]``."""
+        if self.uniform:
+            if step >= self.n_steps[0]:
+                return []
+            start, size = self.spans[0][step]
+            return [(list(range(len(self.spans))), self.index[:, start:start + size])]
+        by_size: dict[int, list[int]] = {}
+        for i, sp in enumerate(self.spans):
+            if step < len(sp):
+                by_size.setdefault(sp[step][1], []).append(i)
+        out = []
+        for size, members in sorted(by_size.items()):
+            starts = torch.tensor([self.spans[i][step][0] for i in members])
+            rows = torch.tensor(members)
+            out.append((members, self.index[rows[:, None], starts[:, None] + torch.arange(size)]))
+        return out
+
+
 # ---------------------------------------------------------------------------------------------- optimizers
 @dataclass
 class _Opt:
@@ -304,7 +370,12 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
 
 
 # ---------------------------------------------------------------------------------------------- the trainer
-def _stack(values: list[torch.Tensor], device) -> torch.Tensor:
+def _stack(values: list[torch.Tensor], device, copy_shared: bool = False) -> torch.Tensor:
+    """``torch.stack`` of ``values`` on ``device``; with ``copy_shared``, values that are all one tensor (FedAvg's
+    download) are copied once into the ``[clients, ...]`` result instead of moved and stacked one by one."""
+    first = values[0]
+    if copy_shared and all(v is first for v in values):
+        return first.to(device).unsqueeze(0).expand(len(values), *first.shape).clone()
     return torch.stack([v.to(device) for v in values])
 
 
@@ -348,8 +419,9 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
         return state[k]
 
     with torch.no_grad():
-        P = {k: _stack([client_value(c, k) for c in clients], device).to(params_all[k].dtype) for k in trainable}
-        B = {k: _stack([client_value(c, k) for c in clients], device) for k in buffer_keys}
+        P = {k: _stack([client_value(c, k) for c in clients], device, copy_shared=True).to(params_all[k].dtype)
+             for k in trainable}
+        B = {k: _stack([client_value(c, k) for c in clients], device, copy_shared=True) for k in buffer_keys}
     shared = {k: v.detach() for k, v in shared.items()}
 
     hooks = {}
@@ -388,27 +460,23 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
     # schedules: every client's batches, drawn as the sequential loop draws them
     epochs, steps = hp.local_epochs, hp.local_steps
     datas = {c: sim.train_data(c) for c in clients}
-    scheds = [batch_schedule(len(datas[c]), hp.batch_size, epochs or 1, steps,
-                             sim.generator(round_idx, c, "")) for c in clients]
+    sizes = [len(datas[c]) for c in clients]
+    scheds = _Schedules(sizes, sim.seeds_for(round_idx, clients, ""), hp.batch_size, epochs or 1, steps)
     stacked = stacked_data(sim, clients, "train", [datas[c] for c in clients])
-    n_steps = [len(s) for s in scheds]
+    n_steps = scheds.n_steps
     loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device)  # read once, after the last step
     opt = _Opt(hp, {})
     model.train()
     for s in range(max(n_steps)):
-        groups: dict[int, list[int]] = {}
-        for i, sch in enumerate(scheds):
-            if s < len(sch):
-                groups.setdefault(len(sch[s]), []).append(i)
-        for _, members in sorted(groups.items()):
+        for members, batch_idx in scheds.groups(s):
             everyone = len(members) == len(clients)
             idx = None if everyone else torch.tensor(members, device=device)
             if stacked is not None:  # one gather per column for the whole group
                 rows = None if everyone else torch.tensor(members)
-                batch = stacked.gather(rows, torch.stack([scheds[i][s] for i in members]))
+                batch = stacked.gather(rows, batch_idx)
                 batch = {k: v.to(device) for k, v in batch.items()}
             else:
-                sel = [datas[clients[i]].select(scheds[i][s]) for i in members]
+                sel = [datas[clients[i]].select(batch_idx[j]) for j, i in enumerate(members)]
                 batch = {k: torch.stack([b[k] for b in sel]).to(device) for k in sel[0]}
             p = P if everyone else {k: v[idx] for k, v in P.items()}
             b = B if everyone else {k: v[idx] for k, v in B.items()}
@@ -456,7 +524,7 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
         upload = {MODEL: {k: up_rows[k][i] for k in gkeys}} if uploads else {}
         private = {MODEL: Fresh({k: priv_rows[k][i].clone() for k in pkeys})}
         metrics = {"train_loss": losses[i] / max(n_steps[i], 1), "steps": n_steps[i]}
-        upd = Update(c, upload=upload, num_samples=len(datas[c]), private=private, metrics=metrics)
+        upd = Update(c, upload=upload, num_samples=sizes[i], private=private, metrics=metrics)
         upd.finite = finite[i]  # checked here for the whole chunk (the engine checks only what is not)
         out.append(upd)
     return out
@@ -546,10 +614,12 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
             lengths = torch.tensor([len(d) for d in datas])
             n_max = int(lengths.max())
             stacked = stacked_data(sim, chunk, "test", datas)
-            metrics = [algo.metric() for _ in chunk]
-            plain = all(type(m) is Metric for m in metrics)  # the default metric: scored for all clients at once
+            first = algo.metric()
+            plain = type(first) is Metric  # the default metric: scored for all clients at once, no object per client
+            metrics = [None] * len(chunk) if plain else [first] + [algo.metric() for _ in chunk[1:]]
             for m in metrics:
-                m.reset()
+                if m is not None:
+                    m.reset()
             loss_sum = torch.zeros(len(chunk), dtype=torch.float64, device=device)  # read once, after the chunk
             correct = torch.zeros(len(chunk), dtype=torch.int64, device=device)
             lengths_dev = lengths.to(device)
