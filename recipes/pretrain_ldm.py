@@ -46,7 +46,8 @@ class PretrainArguments:
                 "defaults below are the device's budget (hfpfl.fedbip.ldm.PRETRAIN_BUDGETS)."})
     vae_steps: int | None = field(default=None, metadata={"help": "VAE optimisation steps (default: 400 on the CPU, "
                                                                    "3000 on an accelerator)."})
-    vae_batch_size: int | None = field(default=None, metadata={"help": "VAE batch size (default: 32 CPU, 64 accelerator)."})
+    vae_batch_size: int | None = field(default=None, metadata={
+        "help": "VAE batch size (default: 32 CPU, 64 accelerator)."})
     vae_lr: float = field(default=2e-3, metadata={"help": "VAE AdamW learning rate (cosine decay)."})
     kl_weight: float = field(default=1e-6, metadata={"help": "Weight of the VAE KL term."})
     clip_steps: int = field(default=600, metadata={"help": "Contrastive (LiT) text-tower steps; 0 = a frozen random "

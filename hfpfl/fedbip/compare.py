@@ -196,7 +196,8 @@ def summarize(name, sim, res, cfg) -> dict:
 def format_comparison(rows: list[dict]) -> str:
     domains = sorted({d for r in rows for d in r["per_domain"]})
     head = (f"{'variant':<20} " + " ".join(f"{d[:8]:>8}" for d in domains) +
-            f" {'mean':>6} {'global':>6} {'#syn':>5} {'syn-fid':>7} {'up KiB':>8} {'MIA-loss':>8} {'MIA-ent':>7}"
+            f" {'mean':>6} {'global':>6} {'#syn':>5} {'syn-fid':>7} {'judge':>6} {'up KiB':>8} {'MIA-loss':>8}"
+            f" {'MIA-ent':>7}"
             f" {'NN-dist':>7}"
             f" {'time s':>6}")
     lines = [head, "-" * len(head)]
@@ -208,14 +209,15 @@ def format_comparison(rows: list[dict]) -> str:
         lines.append(f"{r['variant']:<20} " + " ".join(f(r["per_domain"].get(d), 8) for d in domains) +
                      f" {f(r['mean_accuracy'], 6)} {f(r['global_accuracy'], 6)}"
                      f" {(str(r.get('num_synthetic')) if r.get('num_synthetic') else '-'):>5}"
-                     f" {f(r.get('synthetic_fidelity'), 7)}"
+                     f" {f(r.get('synthetic_fidelity'), 7)} {f(r.get('synthetic_fidelity_judge'), 6)}"
                      f" {r['bytes_up'] / 1024:>8.1f} {f(r.get('mia_loss_gap'), 8)} {f(r.get('mia_entropy_gap'), 7)}"
                      f" {f(r.get('syn_nn_dist_mean'), 7)} {r['wall_time_s']:>6.1f}")
     lines.append("accuracy per domain = the classifier on that client's real test split; mean = over clients; "
                  "syn-fid = accuracy of the Central (real-data) classifier on the variant's synthetic set (are the "
-                 "images of their label?); judge-fid (in comparison.json / the seeds table) = the same read by the "
-                 "LDM's quality judge (trained on public images only, shipped as judge.pt); MIA gaps = |member - non-member| mean loss / entropy (lower = less "
-                 "leakage); NN-dist = RMS pixel distance of synthetic images to the nearest client train image")
+                 "images of their label?); judge = the same read by the LDM's quality judge (trained on public "
+                 "images only, shipped as judge.pt; '-' when the LDM has none); MIA gaps = |member - non-member| "
+                 "mean loss / entropy (lower = less leakage); NN-dist = RMS pixel distance of synthetic images to "
+                 "the nearest client train image")
     return "\n".join(lines)
 
 

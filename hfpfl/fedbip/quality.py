@@ -307,7 +307,8 @@ def measure_ldm(pipe, pool: dict, out_dir: str, per_class: int = 10, guidance_sc
 
 
 def measure_cached_ldm(path: str, out_dir: str, judge_pools=JUDGE_POOLS, per_class: int = 10,
-                       guidance_scales=(1.0, 3.0, 5.0), seed: int = 0, num_inference_steps: int = 20, log=print) -> dict:
+                       guidance_scales=(1.0, 3.0, 5.0), seed: int = 0, num_inference_steps: int = 20,
+                       log=print) -> dict:
     """Quality of an already published tiny LDM (a snapshot folder) under several judges, without pretraining:
     each judge's held-out accuracy (on its own kind of held-out pool images and on all of them) and the plain-prompt
     fidelity of the *same* generated images under each judge. The snapshot's own ``judge.pt`` is reused for the
