@@ -35,37 +35,56 @@ def test_pool_shares_nothing_with_client_splits():
     assert all(len(v) >= 1 for v in STYLE_WORDS.values())
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="issue 8: the tiny LDM (recipe v4: 3,000 UNet steps of 32) renders digits only "
-                   "in part: measured plain-prompt fidelity 0.220 at guidance 1, 0.500 at guidance 3 (v3: 0.090 / "
-                   "0.140), judge on VAE reconstructions 0.646 (its ceiling with this VAE); target >= 0.9")
-def test_pretrained_ldm_plain_prompt_fidelity():
-    """The published tiny LDM renders the digit a plain prompt names: the judge (trained on the public pool, shipped
-    in the snapshot) labels >= 80% of 40 plain-prompt images correctly (measured on 100/class at publishing).
-    Needs the model in the local Hub cache (``python recipes/pretrain_ldm.py`` or one FedBiP run publishes it);
-    ``HFPFL_TEST_PRETRAIN_LDM=1`` pretrains it here (minutes: too long for CI by default)."""
+def test_shipped_ldm_renders_the_digit_a_plain_prompt_names(tmp_path):
+    """The tiny foundation LDM that ships with hfpfl, published into an empty Hub cache on first use, renders the digit
+    a plain prompt names: the public-image judge shipped beside it labels >= 80% of 40 plain-prompt images at guidance
+    5 correctly (issue 8's target is >= 0.9; measured at publishing: 0.907 on 300 images). An LDM that ignores its
+    caption scores ~0.1; the CPU-budget recipe v4 scored 0.50 at guidance 3."""
     from diffusers import StableDiffusionPipeline
 
-    from hfpfl.fedbip.ldm import (DEFAULT_LDM_REPO, LDM_RECIPE_VERSION, cached_snapshot, ensure_pretrained_ldm,
-                                  snapshot_recipe_version)
-    from hfpfl.fedbip.quality import Judge, plain_prompt_fidelity
+    from hfpfl.fedbip.ldm import DEFAULT_LDM_REPO, LDM_RECIPE_VERSION, ensure_pretrained_ldm, snapshot_recipe_version
+    from hfpfl.fedbip.quality import load_ldm_judge, plain_prompt_fidelity
 
-    cached = cached_snapshot(DEFAULT_LDM_REPO)
-    if (cached is None or snapshot_recipe_version(cached) != LDM_RECIPE_VERSION) and \
-            os.environ.get("HFPFL_TEST_PRETRAIN_LDM") != "1":
-        pytest.skip(f"{DEFAULT_LDM_REPO} (recipe version {LDM_RECIPE_VERSION}) is not in the local Hub cache (set "
-                    f"HFPFL_TEST_PRETRAIN_LDM=1 to pretrain)")
-    path = ensure_pretrained_ldm(DEFAULT_LDM_REPO)
+    path = ensure_pretrained_ldm(DEFAULT_LDM_REPO, cache_dir=str(tmp_path / "hub"), log=lambda *a: None)
+    assert path.startswith(str(tmp_path)) and snapshot_recipe_version(path) == LDM_RECIPE_VERSION
     pipe = StableDiffusionPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
-    judge = Judge()
-    judge.load_state_dict(torch.load(os.path.join(path, "judge.pt")))
-    judge.eval()
-    acc, images, labels = plain_prompt_fidelity(pipe, judge, per_class=4, guidance_scale=3.0, seed=1)
+    judge = load_ldm_judge(path)
+    acc, images, labels = plain_prompt_fidelity(pipe, judge, per_class=4, guidance_scale=5.0, seed=1)
     assert images.shape == (40, 3, 32, 32)
     assert acc >= 0.8
-    for m in (pipe.unet, pipe.vae, pipe.text_encoder):
-        assert not any(p.requires_grad for p in m.parameters()) or not m.training
+
+
+def test_shipped_ldm_is_published_as_float32_and_loads_like_a_hub_checkpoint(tmp_path, monkeypatch):
+    """First use of the default repo id publishes the shipped float16 snapshot, upcast to float32 and nothing else
+    changed, into the Hub cache layout (no training: ``_pretrain_and_publish`` must not run); a second call reuses it;
+    an explicit pretraining config (``recipes/pretrain_ldm.py``) or ``force`` trains instead."""
+    from safetensors.torch import load_file
+
+    from hfpfl.fedbip import ldm
+
+    trained = []
+    monkeypatch.setattr(ldm, "_pretrain_and_publish", lambda repo_id, *a, **k: trained.append(repo_id) or "trained")
+    cache = str(tmp_path / "hub")
+    path = ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None)
+    assert trained == [] and os.path.isfile(os.path.join(path, "model_index.json"))
+    assert os.path.realpath(path).startswith(os.path.realpath(cache))
+    src = ldm.SHIPPED_LDM_DIRS[ldm.DEFAULT_LDM_REPO]
+    for sub, name in (("unet", "diffusion_pytorch_model.safetensors"), ("vae", "diffusion_pytorch_model.safetensors"),
+                      ("text_encoder", "model.safetensors")):
+        half, full = load_file(os.path.join(src, sub, name)), load_file(os.path.join(path, sub, name))
+        assert set(half) == set(full) and len(full) > 10
+        for k, v in full.items():
+            assert v.dtype == torch.float32 and half[k].dtype == torch.float16
+            assert torch.equal(v, half[k].float())
+    assert ldm.cached_snapshot(ldm.DEFAULT_LDM_REPO, cache) == path
+    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None) == path
+    assert trained == []
+    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, force=True) == "trained"
+    assert ldm.ensure_pretrained_ldm("someone/other-ldm", cache_dir=cache) == "trained"
+    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=str(tmp_path / "empty"),
+                                     config=ldm.PretrainConfig()) == "trained"
+    assert trained == [ldm.DEFAULT_LDM_REPO, "someone/other-ldm", ldm.DEFAULT_LDM_REPO]
 
 
 def test_unet_has_a_global_text_path_and_cross_attention():
@@ -122,8 +141,8 @@ def test_lit_text_tower_separates_digit_words():
 
 
 def test_cached_ldm_of_an_older_recipe_is_retrained(tmp_path, monkeypatch):
-    """A cached hfpfl/tiny-ldm-digits-broad without the current recipe_version is retrained on first use; one with it
-    is reused as is."""
+    """A cached hfpfl/tiny-ldm-digits-broad without the current recipe_version is replaced on first use (here by
+    pretraining: a config is given; without one the shipped snapshot replaces it); one with it is reused as is."""
     import json
 
     from hfpfl.fedbip import ldm
@@ -144,7 +163,8 @@ def test_cached_ldm_of_an_older_recipe_is_retrained(tmp_path, monkeypatch):
     monkeypatch.setattr(ldm, "_pretrain_and_publish", fake_publish)
     cache = str(tmp_path / "cache")
     old = _publish(ldm.DEFAULT_LDM_REPO, cache, None)  # a snapshot of the previous recipe
-    new = ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None)
+    new = ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, config=ldm.PretrainConfig(),
+                                    log=lambda *a: None)
     assert calls == [ldm.DEFAULT_LDM_REPO] and new != old
     assert ldm.snapshot_recipe_version(new) == ldm.LDM_RECIPE_VERSION
     assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None) == new

@@ -78,7 +78,8 @@ class FedBiPConfig:
     ldm: str = field(default="hfpfl/tiny-ldm-digits-broad", metadata={
         "help": "Frozen pretrained latent diffusion model: a Hub repo id or a local folder, loaded with "
                 "FedBiPPipeline.from_pretrained (e.g. CompVis/stable-diffusion-v1-4). The default tiny LDM is "
-                "pretrained on a broad public digit-style pool (hfpfl.fedbip.pool) and published to the local Hub cache on first use."})
+                "pretrained on a broad public digit-style pool (hfpfl.fedbip.pool); it ships with hfpfl and is "
+                "published to the local Hub cache on first use."})
     multiplier: int = field(default=2, metadata={
         "help": "Synthetic images per real client image: 2 / 5 / 10 = FedBiP-S / -M / -L ([D] §5.1)."})
     personalization: str = field(default="full", metadata={
@@ -200,7 +201,8 @@ _CONCEPTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def resolve_ldm(ldm: str) -> str:
-    """Local folder of the LDM: a folder as is; the default tiny repo id pretrained on first use; any other repo id
+    """Local folder of the LDM: a folder as is; the default tiny repo id published (the shipped snapshot) on first use;
+    any other repo id
     from the Hub cache (offline) or downloaded. Clear error when offline and not cached."""
     from ..fedbip.ldm import DEFAULT_LDM_REPO, cached_snapshot, ensure_pretrained_ldm
 

@@ -4,8 +4,8 @@ mean +- std aggregation over seeds (the recipe itself only calls :func:`main`).
 Default setting (feature-space heterogeneity, [D] §5.1 scaled down): 3 clients, one Digits domain each among
 ``usps``, ``mnistm``, ``syn`` (source ``digits-nomnist``), ``shots_per_class`` real train images per class per client,
 each client's own real test split for per-domain accuracy, and the global test set. The frozen tiny LDM
-(``hfpfl/tiny-ldm-digits-broad``, pretrained on the broad public pool of :mod:`hfpfl.fedbip.pool`) is pretrained and
-published to the local Hub cache on first use.
+(``hfpfl/tiny-ldm-digits-broad``, pretrained on the broad public pool of :mod:`hfpfl.fedbip.pool`; the snapshot ships
+with hfpfl, see :data:`hfpfl.fedbip.ldm.SHIPPED_LDM_DIRS`) is published to the local Hub cache on first use.
 
 Seeds: ``--seed`` (or ``--seeds 0,1,2`` for mean +- std) drives the few-shot draw of every client's images, the
 latents, the concepts, the synthesis and the classifier. The *data split* seed of the built-in sources stays at

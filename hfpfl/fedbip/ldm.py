@@ -751,12 +751,45 @@ def save_sample_grid(pipe, path: str, num_inference_steps: int = 20, guidance_sc
     return path
 
 
+# The default repo id ships with the package (issue 8): made once by ``recipes/pretrain_ldm.py --device cuda`` on one
+# H100 (the accelerator budget: plain-prompt fidelity ~0.9), stored as float16 safetensors (2.6 MB with the judge).
+# Two CPU cores cannot reach that quality in the first-run budget (the CPU recipe: ~31 min, fidelity 0.43 at guidance
+# 3), so a first run publishes this snapshot, as a user of Stable Diffusion downloads its checkpoint.
+SHIPPED_LDM_DIRS = {DEFAULT_LDM_REPO: os.path.join(os.path.dirname(__file__), "snapshots", "tiny-ldm-digits-broad")}
+
+
+def publish_shipped_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, log=print) -> str:
+    """Publish the snapshot shipped with hfpfl for ``repo_id`` into the local Hub cache, its float16 weights upcast to
+    float32 (what ``save_pretrained`` of the trained float32 model wrote), and return the snapshot path."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = SHIPPED_LDM_DIRS[repo_id]
+    with tempfile.TemporaryDirectory(prefix="hfpfl_shipped_ldm_") as tmp:
+        folder = os.path.join(tmp, "snapshot")
+        shutil.copytree(src, folder)
+        for root, _, names in os.walk(folder):
+            for name in names:
+                if name.endswith(".safetensors"):
+                    path = os.path.join(root, name)
+                    tensors = load_file(path)
+                    save_file({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, path,
+                              metadata={"format": "pt"})
+        snap = push_folder_to_cache(folder, repo_id, cache_dir=cache_dir)
+    log(f"[ldm] published the snapshot shipped with hfpfl ({src}; pretrained on an accelerator, see its README.md) "
+        f"as {repo_id} -> {snap}; retrain it with recipes/pretrain_ldm.py --force")
+    return str(snap)
+
+
 def ensure_pretrained_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, force: bool = False,
                           config: PretrainConfig | None = None, output_dir: str | None = None,
                           sample_grid: bool = True, log=print) -> str:
-    """Return the local snapshot path of the pretrained tiny LDM ``repo_id``; pretrain and publish it to the local
-    Hub cache first if it is not cached (or ``force``). Afterwards ``StableDiffusionPipeline.from_pretrained(repo_id)``
-    and ``FedBiPPipeline.from_pretrained(repo_id)`` load it offline like ``CompVis/stable-diffusion-v1-4``."""
+    """Return the local snapshot path of the pretrained tiny LDM ``repo_id``. If it is not cached (or a cached copy is
+    of an older recipe), publish it to the local Hub cache first: the snapshot shipped with hfpfl when there is one
+    for ``repo_id`` and neither ``force`` nor a ``config`` asks for training, else pretrain it here. Afterwards
+    ``StableDiffusionPipeline.from_pretrained(repo_id)`` and ``FedBiPPipeline.from_pretrained(repo_id)`` load it
+    offline like ``CompVis/stable-diffusion-v1-4``."""
     from filelock import FileLock
     from huggingface_hub.constants import HF_HUB_CACHE
 
@@ -770,7 +803,7 @@ def ensure_pretrained_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, force
             return path
         if path is not None:
             log(f"[pretrain] cached {repo_id} is of recipe version {snapshot_recipe_version(path)}, not "
-                f"{LDM_RECIPE_VERSION}: retraining it")
+                f"{LDM_RECIPE_VERSION}: replacing it")
     # one trainer at a time per repo id (several processes of a simulation may ask at once)
     lock_dir = os.path.join(str(cache_dir or HF_HUB_CACHE), ".locks")
     os.makedirs(lock_dir, exist_ok=True)
@@ -779,6 +812,8 @@ def ensure_pretrained_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, force
             path = cached_snapshot(repo_id, cache_dir)
             if current(path):
                 return path
+        if not force and config is None and repo_id in SHIPPED_LDM_DIRS:
+            return publish_shipped_ldm(repo_id, cache_dir, log=log)
         return _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, log)
 
 
