@@ -202,8 +202,7 @@ _CONCEPTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def resolve_ldm(ldm: str) -> str:
     """Local folder of the LDM: a folder as is; the default tiny repo id published (the shipped snapshot) on first use;
-    any other repo id
-    from the Hub cache (offline) or downloaded. Clear error when offline and not cached."""
+    any other repo id from the Hub cache (offline) or downloaded. Clear error when offline and not cached."""
     from ..fedbip.ldm import DEFAULT_LDM_REPO, cached_snapshot, ensure_pretrained_ldm
 
     if os.path.isdir(ldm):
