@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     if cmd == "run":
         run_recipe(argv=rest)
     elif cmd == "methods":
-        from .algorithms import REGISTRY
+        from .algorithms import REGISTRY, load_builtin_methods
+        load_builtin_methods()
         import dataclasses
         for name, cls in sorted(REGISTRY.items()):
             opts = ", ".join(f.name for f in dataclasses.fields(cls.Config)) or "-"

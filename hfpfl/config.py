@@ -62,6 +62,10 @@ class RunArguments:
         "help": "Train the sampled clients of a round together in batched (torch.func.vmap) calls: auto (when the "
                 "method's local update can be vectorized and the model is small enough to be overhead-bound) | on "
                 "(whenever the method can be vectorized) | off. Same numbers either way (float tolerance)."})
+    vector_chunk_mb: float = field(default=256.0, metadata={
+        "help": "Most MiB of stacked client state (parameters, gradients, optimizer state) per vectorized chunk: "
+                "fewer clients per batched call, lower peak memory (the chunk is most of a vectorized round's peak). "
+                "Same numbers at any size (float tolerance)."})
     max_state_mb: float = field(default=2048.0, metadata={
         "help": "Most MiB of client private state (adapters, heads, optimizer state) kept in memory; the least "
                 "recently used clients' states beyond it are written to <output_dir>/client_states/*.safetensors "
@@ -109,6 +113,7 @@ class RunArguments:
                                                                                       float(self.eval_clients).is_integer())),
              "a whole number >= 1 or a fraction in (0, 1) (or None = all)"),
             ("vectorize", self.vectorize in ("auto", "on", "off"), "one of auto, on, off"),
+            ("vector_chunk_mb", self.vector_chunk_mb > 0, "> 0"),
             ("data_cache_mb", self.data_cache_mb >= 0, ">= 0 (0 = no cap)"),
             ("max_state_mb", self.max_state_mb >= 0, ">= 0 (0 = no cap)"),
             ("new_client_epochs", self.new_client_epochs >= 0, ">= 0"),
@@ -280,7 +285,7 @@ def check_model_name(model: str) -> None:
 
     if "/" in model or os.path.exists(model):
         return
-    from .models.builders import TINY_CLASSIFIERS, TINY_VQA_MODELS
+    from .models.names import TINY_CLASSIFIER_NAMES as TINY_CLASSIFIERS, TINY_VQA_MODELS
     builtins = sorted(set(TINY_CLASSIFIERS) | set(TINY_VQA_MODELS))
     if model in builtins:
         return
@@ -373,7 +378,7 @@ def warn_random_backbone(run) -> bool:
 
     if run.adapter == "none" or getattr(run, "random_backbone_ok", False):
         return False
-    from .models.builders import TINY_CLASSIFIERS, TINY_VQA_MODELS
+    from .models.names import TINY_CLASSIFIER_NAMES as TINY_CLASSIFIERS, TINY_VQA_MODELS
     if run.model not in TINY_CLASSIFIERS and run.model not in TINY_VQA_MODELS:
         return False
     logging.getLogger("hfpfl").warning(

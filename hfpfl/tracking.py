@@ -36,7 +36,7 @@ def describe_model(model: str, adapter: str = "none") -> str:
     """The model and where it comes from, for the run header."""
     import os
 
-    from .models.builders import TINY_CLASSIFIERS, TINY_VQA_MODELS
+    from .models.names import TINY_CLASSIFIER_NAMES as TINY_CLASSIFIERS, TINY_VQA_MODELS
 
     if model in TINY_CLASSIFIERS or model in TINY_VQA_MODELS:
         src = "built-in config, random init"

@@ -108,7 +108,7 @@ def worker(a) -> dict:
 
     run = RunArguments(method="bench_fedavg", num_rounds=a.rounds, batch_size=a.batch_size, lr=0.01, momentum=0.0,
                        checkpoint_every=0, vectorize=a.vectorize, eval_every=a.eval_every,
-                       eval_clients=a.eval_clients, progress=False, num_threads=a.threads, report_to="none",
+                       eval_clients=a.eval_clients, vector_chunk_mb=a.vector_chunk_mb, progress=False, num_threads=a.threads, report_to="none",
                        output_dir=a.output_dir or tempfile.mkdtemp(prefix=f"hfpfl_bench_{a.model}_{n_clients}_"),
                        overwrite_output_dir=True)
     n_train = [len(c.train) for c in fed.clients]
@@ -167,12 +167,14 @@ def worker(a) -> dict:
         mine = own.owned(range(n_clients)) if own is not None else \
             [c for c in range(n_clients) if c % acc_.num_processes == acc_.process_index]
         shares = all_gather([sum(n_train[c] for c in mine)], acc_)  # each process's training examples per round
-        peak = sum(all_gather([peak], sim.accelerator))
+        peaks = all_gather([peak], sim.accelerator)
+        peak = sum(peaks)
         times = [max(t) for t in zip(*[x for x in all_gather([times], sim.accelerator)])]
         if not sim.accelerator.is_main_process:
             return None
     return {"s_per_round": min(times[1:] or times), "peak_rss_gb": peak, "mean_train_per_client": sum(n_train) / len(n_train),
-            "personal_accuracy": acc, "gpu_peak_gb": gpu_peak, "device": str(device), "process_train_examples": shares}
+            "personal_accuracy": acc, "gpu_peak_gb": gpu_peak, "device": str(device), "process_train_examples": shares,
+            "process_peak_rss_gb": peaks if shares is not None else None}
 
 
 def main():
@@ -187,6 +189,8 @@ def main():
                    help="hfpfl's --vectorize settings to measure (each its own run)")
     p.add_argument("--eval_every", type=int, default=1, help="hfpfl evaluates every N rounds (1: every round, "
                    "every client, as PFLlib does)")
+    p.add_argument("--vector_chunk_mb", type=float, default=256.0, help="hfpfl's --vector_chunk_mb (stacked "
+                   "client state per vectorized chunk)")
     p.add_argument("--eval_clients", type=float, default=None, help="hfpfl's --eval_clients (default: all)")
     p.add_argument("--test_fraction", type=float, default=0.25, help="per-client test fraction")
     p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
@@ -237,7 +241,7 @@ def main():
                     "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
                     "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
                     "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1",
-                    "--device", a.device]
+                    "--device", a.device, "--vector_chunk_mb", str(a.vector_chunk_mb)]
             if a.eval_clients is not None:
                 args += ["--eval_clients", str(a.eval_clients)]
             env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -262,7 +266,9 @@ def main():
                   f"{r['peak_rss_gb']:>11.2f} " + (f"{r['gpu_peak_gb'] or 0:>11.3f} " if gpu else "")
                   + f"{os.getloadavg()[0]:>5.2f}"
                   + (f"  train examples per process: {' / '.join(map(str, r['process_train_examples']))}"
-                     if r.get("process_train_examples") else ""), flush=True)
+                     if r.get("process_train_examples") else "")
+                  + (f"; peak RSS per process: {' / '.join(f'{x:.2f}' for x in r['process_peak_rss_gb'])} GB"
+                     if r.get("process_peak_rss_gb") else ""), flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

@@ -104,6 +104,26 @@ def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
     assert rs["per_client_accuracy"] == rv["per_client_accuracy"]  # evaluated in one batched call, same scores
 
 
+def test_vector_chunk_mb_splits_chunks_and_changes_no_numbers(ragged, tmp_path, monkeypatch):
+    # TinyNet: 766 trainable parameters x 4 (value, gradient, two optimizer slots) x 4 bytes + 40 bytes of BN buffers
+    per_client = 4 * 766 * 4 + 40
+    calls, evals = [], []
+    real, real_eval = vectorized.train_chunk, vectorized.evaluate_clients
+    monkeypatch.setattr(vectorized, "train_chunk", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    monkeypatch.setattr(vectorized, "evaluate_clients", lambda *a, **k: evals.append(len(a[1])) or real_eval(*a, **k))
+    one, r1 = _run(ragged, tmp_path, "tiny_fedbn", "on")
+    assert calls == [4, 4]
+    calls.clear(), evals.clear()
+    two, r2 = _run(ragged, tmp_path / "c", "tiny_fedbn", "on", vector_chunk_mb=2.5 * per_client / 2**20)
+    assert calls == [2, 2, 2, 2]  # two training chunks of two clients per round
+    _close(one.server_state["model"], two.server_state["model"], atol=1e-6)
+    for c in range(4):
+        _close(one.store.get(c)["model"], two.store.get(c)["model"], atol=1e-6)
+    assert r1["per_client_accuracy"] == r2["per_client_accuracy"]
+    with pytest.raises(ValueError, match="--vector_chunk_mb"):
+        RunArguments(vector_chunk_mb=0)
+
+
 @pytest.mark.parametrize("opt", [dict(optimizer="adam", weight_decay=0.01, lr=0.01),
                                  dict(optimizer="adamw", weight_decay=0.1, lr=0.01),
                                  dict(optimizer="sgd", momentum=0.9, weight_decay=0.01, local_steps=7)])

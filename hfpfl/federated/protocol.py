@@ -659,7 +659,8 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
 def get_algorithm(name: str) -> type[Algorithm]:
     if name not in REGISTRY:
         import importlib
-        importlib.import_module("hfpfl.algorithms")  # plug-in discovery: the built-in methods register on import
+        # plug-in discovery: the built-in methods register on import (those that build transformers models on first use)
+        importlib.import_module("hfpfl.algorithms").load_builtin_methods(name)
     try:
         return REGISTRY[name]
     except KeyError:

@@ -48,7 +48,8 @@ AUTO_MID_MAX_PARAMS = 1_000_000
 AUTO_MID_MAX_BATCH = 16
 AUTO_MID_MIN_GROUP = 12
 AUTO_MID_MIN_FILL = 0.7
-# stacked client states per chunk (parameters + buffers + optimizer state), bytes
+# stacked client states per chunk (parameters + buffers + optimizer state), bytes, unless the run says
+# (``--vector_chunk_mb``)
 CHUNK_BYTES = 256 * 2**20
 # a chunk's client splits are stacked once per round (``[clients, longest split, ...]``, images kept uint8) when
 # that takes at most this many bytes; larger data is gathered client by client per step (then compute dominates)
@@ -531,7 +532,8 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
 
 
 def chunks_of(sim, clients: list[int]) -> list[list[int]]:
-    """Clients with the same hyperparameters, in chunks whose stacked state fits :data:`CHUNK_BYTES`."""
+    """Clients with the same hyperparameters, in chunks whose stacked state fits ``--vector_chunk_mb``
+    (:data:`CHUNK_BYTES` by default)."""
     if len(clients) >= PIN_MMAP_CLIENTS:
         pin_mmap_threshold()
     per_client = 0
@@ -539,7 +541,8 @@ def chunks_of(sim, clients: list[int]) -> list[list[int]]:
         if p.requires_grad:
             per_client += 4 * p.numel() * p.element_size()  # parameter, gradient, two optimizer slots
     per_client += sum(b.numel() * b.element_size() for b in sim.model.buffers())
-    size = max(1, CHUNK_BYTES // max(per_client, 1))
+    mb = getattr(sim.args, "vector_chunk_mb", None)
+    size = max(1, (int(mb * 2**20) if mb else CHUNK_BYTES) // max(per_client, 1))
     by_hp: dict[HParams, list[int]] = {}
     algo = sim.algorithm
     if (not sim._client_hp_overrides and type(algo).client_hparams is Algorithm.client_hparams

@@ -3,23 +3,18 @@
 Adapters live in :mod:`hfpfl.models.adapters`; pretrained tiny stand-in backbones in :mod:`hfpfl.models.pretrained`.
 """
 
-from .builders import (
-    TINY_CLASSIFIERS,
-    TINY_VQA_MODELS,
-    build_classifier,
-    build_vqa_model,
-    build_vqa_tokenizer,
-    classifier_config,
-    count_parameters,
-    norm_layer_names,
-    resnet18_config,
-    resnet26_config,
-    tiny_resnet_config,
-    tiny_vit_config,
-    tiny_vqa_vocab,
-)
+import importlib
+
+from .names import TINY_CLASSIFIER_NAMES, TINY_VQA_MODELS
+
+# the builders (and transformers' model code they import, ~130 MB RSS per process) load on first use: a run with its
+# own model (``Algorithm.build_model``) never imports them
+_BUILDERS = ("TINY_CLASSIFIERS", "build_classifier", "build_vqa_model", "build_vqa_tokenizer", "classifier_config",
+             "count_parameters", "norm_layer_names", "resnet18_config", "resnet26_config", "tiny_resnet_config",
+             "tiny_vit_config", "tiny_vqa_vocab")
 
 __all__ = [
+    "TINY_CLASSIFIER_NAMES",
     "TINY_CLASSIFIERS",
     "TINY_VQA_MODELS",
     "build_classifier",
@@ -44,6 +39,7 @@ def build_run_model(model: str, adapter: str = "none", num_labels: int = 10, ima
     (``hfpfl/tiny-resnet-ood``, ``hfpfl/tiny-vit-ood``) is pretrained and published on first use -- then
     ``--adapter`` (none | lora | residual | parallel) freezes it and adds the adapter."""
     from .adapters import make_adapter_model
+    from .builders import build_classifier
     from .pretrained import STANDINS, ensure_standin
 
     if model in STANDINS:
@@ -52,9 +48,11 @@ def build_run_model(model: str, adapter: str = "none", num_labels: int = 10, ima
     return make_adapter_model(base, adapter, lora_r=lora_r)
 
 
-def __getattr__(name):  # lazy: pretrained pulls in accelerate/datasets
+def __getattr__(name):  # lazy: the builders pull in transformers' models, pretrained accelerate/datasets
+    if name in _BUILDERS:
+        return getattr(importlib.import_module(f"{__name__}.builders"), name)
     if name == "ensure_pretrained":
         from .pretrained import ensure_pretrained
 
         return ensure_pretrained
-    raise AttributeError(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

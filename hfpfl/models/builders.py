@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from ..hub import resolve_pretrained
+from .names import TINY_CLASSIFIER_NAMES, TINY_VQA_MODELS  # noqa: F401  (the names, also without this module)
 
 __all__ = [
     "TINY_CLASSIFIERS",
@@ -282,7 +283,6 @@ def _tiny_blip(image_size: int, vocab_size: int, **overrides) -> BlipForQuestion
     return BlipForQuestionAnswering(config)
 
 
-TINY_VQA_MODELS = ("tiny-vilt", "tiny-blip")
 
 
 def build_vqa_model(
