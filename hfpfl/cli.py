@@ -43,23 +43,72 @@ def user_error_line(e: BaseException) -> str:
     return "error: " + " ".join(text.splitlines()[:1]) + (" (...)" if len(text.splitlines()) > 1 else "")
 
 
+def _worker() -> bool:
+    """A non-main process forked by ``--num_processes`` (its main process reports errors and interruptions)."""
+    from .launch import forked
+    return forked() and os.environ.get("RANK", "0") != "0"
+
+
 def fail(e: BaseException) -> None:
-    print(user_error_line(e), file=sys.stderr, flush=True)
+    if not _worker():  # every process meets the same bad input; the main process says it once
+        print(user_error_line(e), file=sys.stderr, flush=True)
     raise SystemExit(2) from None
 
 
 def run_recipe(method: str | None = None, argv: list[str] | None = None, defaults: dict | None = None,
                name: str | None = None, data_fn=None, after=None, script: str | None = None,
-               description: str | None = None, recipe_settings: dict | None = None) -> dict | None:
+               description: str | None = None, recipe_settings: dict | None = None,
+               top_level: bool | None = None) -> dict | None:
     """Parse flags (+ --config YAML), run one simulation, print the result table. User errors exit with code 2 and
     one line; SIGINT/SIGTERM leave the last round checkpoint and print the command that resumes.
     ``defaults`` are the recipe's own option defaults (below YAML and flags); ``name`` names the default output
     folder ``outputs/<name>-<timestamp>`` (default: the method). A recipe with its own benchmark passes
     ``data_fn(run, data) -> FederatedData`` and ``after(sim, results)`` (extra plots, main process only);
     ``script`` names the recipe in messages when ``argv`` is given explicitly; ``recipe_settings`` are the recipe's own
-    options that shape its data (checked on resume)."""
+    options that shape its data (checked on resume). ``top_level`` (default: ``argv is None``): this call is the
+    program's entry point, so ``--num_processes`` may start more processes (hfpfl.launch); a call from other Python
+    code runs in its own process (``auto`` then means one)."""
+    workers = []  # the hfpfl.launch.Workers once this process forked
+    try:
+        results = _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, description,
+                              recipe_settings, argv is None if top_level is None else top_level)
+    except BaseException as e:
+        if workers and workers[0].rank:
+            _exit_worker(e)
+        if workers:   # the main process failed or was interrupted: the others stop too (they normally have)
+            workers[0].wait(timeout=30)
+        raise
+    if workers:
+        if workers[0].rank:
+            _exit_worker(None)
+        code = workers[0].wait()
+        if code:
+            print(f"error: a worker process exited with code {code}; see its output above", file=sys.stderr)
+            raise SystemExit(code)
+    return results
+
+
+def _exit_worker(e: BaseException | None) -> None:
+    """A forked worker never returns into its caller's code: it leaves here with its exit code."""
+    code = 0
+    if isinstance(e, SystemExit):
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    elif isinstance(e, KeyboardInterrupt):
+        code = 130
+    elif e is not None:
+        import traceback
+        traceback.print_exception(e)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, description, recipe_settings,
+                top_level) -> dict | None:
     import dataclasses
 
+    from . import runtime
     from .config import parse_run_args
     from .runtime import Interrupted, cleanup_on_failure, interruptible, interrupted_message, resolve_output_dir
 
@@ -75,16 +124,15 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
                     args_list, method=method, prog=prog, defaults=defaults,
                     description=description or f"hfpfl: federated simulation ({method or 'any method'})")
                 run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, name or run.method))
-                n_proc = _processes_to_launch(run, data)
-                if n_proc > 1:  # --num_processes: this recipe again, in n_proc processes (same numbers as one)
-                    from .launch import relaunch
-                    if argv is not None and (method or defaults or data_fn or after):
-                        raise ValueError("--num_processes: a recipe called from Python runs in this process; start "
-                                         "the recipe script with --num_processes, or use accelerate launch")
-                    raise SystemExit(relaunch(n_proc, args_list if argv is None else ["run", *args_list],
-                                              output_dir=run.output_dir,
-                                              script=sys.argv[0] if argv is None else None,
-                                              module=None if argv is None else "hfpfl.cli"))
+                n_proc = _processes_to_launch(run, data, top_level)
+                if n_proc > 1:  # --num_processes: this recipe in n_proc processes (same numbers as one)
+                    from .launch import fork_workers, relaunch
+                    import torch
+                    if not torch.cuda.is_available():
+                        workers.append(fork_workers(n_proc))
+                    else:  # CUDA cannot be forked: accelerate's launcher, the whole command line again
+                        raise SystemExit(relaunch(n_proc, sys.argv[1:], output_dir=run.output_dir,
+                                                  script=sys.argv[0]))
                 with cleanup_on_failure(run.output_dir):
                     from .federated.engine import Simulation
                     sim = Simulation(run, data, method_cfg, fed_data=data_fn(run, data) if data_fn else None,
@@ -93,12 +141,24 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
                     if after is not None and sim.accelerator.is_main_process:
                         after(sim, results)
             except USER_ERRORS as e:
-                fail(e)
+                if runtime.last_signal is None:
+                    fail(e)
+                raise Interrupted(runtime.last_signal) from None
+            except Exception:
+                if runtime.last_signal is None:  # a collective that failed because the others were interrupted
+                    raise
+                raise Interrupted(runtime.last_signal) from None
     except KeyboardInterrupt as e:
         code = 128 + (e.signum if isinstance(e, Interrupted) else 2)
-        print(interrupted_message(args_list, run.output_dir if run else None,
-                                  script=script or (None if argv is None else "hfpfl run")), file=sys.stderr,
-              flush=True)
+        if workers:   # Ctrl-C reached every process of the terminal's group; a SIGTERM sent to this one only: pass
+            import signal  # it on. Then wait, so that the message below comes last and nothing is left running.
+            if isinstance(e, Interrupted) and e.signum == signal.SIGTERM:
+                workers[0].signal(signal.SIGTERM)
+            workers[0].wait(timeout=30)
+        if not _worker():
+            print(interrupted_message(args_list, run.output_dir if run else None,
+                                      script=script or (None if argv is None else "hfpfl run")), file=sys.stderr,
+                  flush=True)
         raise SystemExit(code) from None
     if sim.accelerator.is_main_process:
         print(format_table(results))
@@ -106,16 +166,26 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
     return results
 
 
-def _processes_to_launch(run, data) -> int:
-    """> 1 when ``--num_processes`` asks for several processes and this is not already a multi-process launch."""
-    from .launch import launched, resolve
+def _processes_to_launch(run, data, top_level: bool = True) -> int:
+    """How many processes to run in: > 1 when ``--num_processes`` (default ``auto``, hfpfl.launch.decide) asks for
+    several and this is not already a launched process. Prints the choice in one line when ``auto`` decided."""
+    from .launch import decide, launched, machine
     spec = str(getattr(run, "num_processes", "1"))
     if spec == "1" or launched():
         return 1
+    if not top_level:
+        if spec == "auto":
+            return 1
+        raise ValueError("--num_processes: a recipe called from Python runs in this process; start "
+                         "the recipe script with --num_processes, or use accelerate launch")
     clients = run.clients_per_round
     if clients is None and data is not None and getattr(data, "num_clients", None):
         clients = max(1, int(round(run.client_fraction * data.num_clients)))
-    return resolve(spec, clients)
+    n, why = decide(spec, clients, run.num_rounds, **machine())
+    if spec == "auto":
+        print(f"using {n} process{'es' if n > 1 else ''}: {why}; set --num_processes "
+              f"{'1 to disable' if n > 1 else 'N to force N'}", flush=True)
+    return n
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     cmd, rest = argv[0], argv[1:]
     if cmd == "run":
-        run_recipe(argv=rest)
+        run_recipe(argv=rest, top_level=True)
     elif cmd == "methods":
         from .algorithms import REGISTRY, load_builtin_methods
         load_builtin_methods()

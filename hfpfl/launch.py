@@ -1,9 +1,17 @@
-"""``--num_processes auto|N``: a recipe started with plain ``python`` uses several processes by launching itself
-through accelerate (clients sharded over the processes, the same numbers as one process; README "Several processes
-and machines"). Under ``accelerate launch`` (or torchrun) the launcher's own settings win and nothing is relaunched.
+"""``--num_processes auto|N`` (default ``auto``): a recipe started with plain ``python`` shards its clients over
+several processes (the same numbers as one process; README "Several processes and machines"). Under ``accelerate
+launch`` (or torchrun) the launcher's own settings win and nothing is launched again.
 
-``auto`` picks, on a machine with CUDA GPUs, one process per GPU; on the CPU, one process per core that is idle now
-(usable cores minus the 1-minute load average, rounded), at most one per client trained each round, and at least one.
+How the processes start: on the CPU the recipe forks itself after parsing its options (:func:`fork_workers`: the
+imports, ~10-16 s of a run's start here, are not paid again; each process is one rank of a gloo process group that
+accelerate's ``PartialState`` sets up from the usual ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables); with CUDA GPUs
+it launches itself through accelerate's launcher (:func:`relaunch`; CUDA cannot be forked), one process per GPU.
+
+``auto`` (:func:`decide`, a pure function of what it is given) uses several processes where it pays:
+* capacity: on a machine with CUDA GPUs one process per GPU; on the CPU one per core that is idle now (usable cores
+  minus the 1-minute load average, rounded), at most one per client trained each round;
+* and the run is long enough to amortize the start-up: at least :data:`MIN_CLIENT_UPDATES` client updates
+  (rounds x clients per round). Tiny runs (the README's 15-second first run, the tests) stay in one process.
 Measured on a 2-core box (README "Performance"): two processes beat one only when the second core is idle; with it
 busy (another job), two processes were slower than one, which is why ``auto`` counts idle cores, not cores.
 """
@@ -11,12 +19,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 
 #: ``--num_processes`` when neither the command line, a ``--config`` file nor ``HFPFL_NUM_PROCESSES`` sets it
-DEFAULT_NUM_PROCESSES = "1"
+DEFAULT_NUM_PROCESSES = "auto"
 #: the environment variable that overrides that default (``1``, ``2``, ``auto``); the command-line flag wins
 ENV_NUM_PROCESSES = "HFPFL_NUM_PROCESSES"
 
@@ -75,6 +85,117 @@ def resolve(spec: str, clients_per_round: int | None = None, *, cores: int | Non
     if clients_per_round:
         n = min(n, clients_per_round)
     return max(1, n)
+
+
+#: ``auto`` uses one process for a run with fewer client updates (rounds x clients trained per round) than this:
+#: forking and joining a gloo group, each process building the data again and the per-round exchange cost ~2-4 s
+#: here (README "Performance"), which a client update of the smallest built-in models (~0.1-0.3 s) repays after
+#: about 20 updates shared between two processes
+MIN_CLIENT_UPDATES = 20
+
+
+def decide(spec: str, clients_per_round: int | None, num_rounds: int, *, cores: int, load: float,
+           gpus: int) -> tuple[int, str]:
+    """``(processes, why)`` for ``--num_processes spec``: a pure function of its arguments (the run's clients per
+    round and rounds, the usable cores, the 1-minute load average, the CUDA GPUs), so that the choice can be
+    logged, tested and checked. The numbers a run computes do not depend on it (the same for any process count)."""
+    check_spec(spec)
+    if spec != "auto":
+        return int(spec), "set by --num_processes"
+    load = round(load, 2)   # the value printed is the value used
+    if gpus:
+        n, capacity = gpus, f"{gpus} GPU{'s' if gpus > 1 else ''}"
+    else:
+        n = max(0, int(cores - load + 0.5))
+        capacity = f"{n} idle core{'s' if n != 1 else ''} ({cores} usable, load {load:.2f})"
+    if clients_per_round:
+        n = min(n, clients_per_round)
+    if n < 2:
+        return 1, capacity + (f", {clients_per_round} client per round" if clients_per_round == 1 else "")
+    updates = (clients_per_round or 0) * num_rounds
+    if clients_per_round and updates < MIN_CLIENT_UPDATES:
+        return 1, (f"{capacity}, but a short run: {clients_per_round} clients x {num_rounds} rounds = {updates} client "
+                   f"updates < {MIN_CLIENT_UPDATES}, start-up would not pay")
+    return n, f"{capacity}, {clients_per_round or '?'} clients x {num_rounds} rounds"
+
+
+def machine() -> dict:
+    """What :func:`decide` reads from this machine now: usable cores, 1-minute load average, CUDA GPUs."""
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return {"cores": usable_cores(), "load": load, "gpus": gpus}
+
+
+class Workers:
+    """The processes :func:`fork_workers` made: ``rank`` is this process's; the main process (rank 0) holds the
+    others' pids and waits for them."""
+
+    def __init__(self, rank: int, pids: list[int]):
+        self.rank, self.pids, self.codes = rank, pids, {}
+
+    def signal(self, signum: int) -> None:
+        for pid in self.pids:
+            if pid not in self.codes:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the other processes (at most ``timeout`` s, then SIGTERM, then SIGKILL after 10 s more); returns
+        the first non-zero exit code among them (0 when all succeeded)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        escalated = 0
+        while len(self.codes) < len(self.pids):
+            for pid in self.pids:
+                if pid in self.codes:
+                    continue
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG if deadline is not None else 0)
+                except ChildProcessError:
+                    done, status = pid, 0
+                except InterruptedError:
+                    continue
+                if done:
+                    self.codes[pid] = os.waitstatus_to_exitcode(status) if status else 0
+            if deadline is not None and len(self.codes) < len(self.pids):
+                if time.monotonic() > deadline:
+                    self.signal(signal.SIGTERM if escalated == 0 else signal.SIGKILL)
+                    escalated += 1
+                    deadline = time.monotonic() + 10
+                time.sleep(0.05)
+        codes = [c for c in self.codes.values() if c]
+        return (128 - codes[0] if codes[0] < 0 else codes[0]) if codes else 0
+
+
+def forked() -> bool:
+    """This process is one of :func:`fork_workers`' (the main one included)."""
+    return os.environ.get("HFPFL_FORKED") == "1"
+
+
+def fork_workers(n: int) -> Workers:
+    """Fork this process into ``n`` CPU processes, ranks 0..n-1 of one gloo group (this process stays rank 0);
+    returns each process's :class:`Workers`. Call it before anything creates accelerate's process state, CUDA or
+    torch's thread pool. Each process then sees the variables torchrun would set (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and ``ACCELERATE_USE_CPU=1``, so
+    ``Accelerator()`` joins the group like under ``accelerate launch --multi_gpu``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(n),
+                       "LOCAL_WORLD_SIZE": str(n), "ACCELERATE_USE_CPU": "1", "HFPFL_FORKED": "1"})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(1, n):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+            return Workers(rank, [])
+        pids.append(pid)
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0"})
+    return Workers(0, pids)
 
 
 def relaunch(n: int, argv: list[str], *, script: str | None = None, module: str | None = None,

@@ -43,19 +43,27 @@ def _state():
 
 def default_output_dir(name: str, root: str = "outputs") -> str:
     """``outputs/<name>-<timestamp>``, the same on every process of a multi-process launch."""
+    from .launch import launched
+    if not launched():  # one process: no process state needed (and none created before a fork)
+        return _new_output_dir(name, root)
     path = None
     state = _state()
     if state.is_main_process:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(root, f"{name}-{stamp}")
-        n = 2
-        while os.path.exists(path):
-            path, n = os.path.join(root, f"{name}-{stamp}-{n}"), n + 1
+        path = _new_output_dir(name, root)
     if state.num_processes > 1:
         from accelerate.utils import broadcast_object_list
         box = [path]
         broadcast_object_list(box, from_process=0)
         path = box[0]
+    return path
+
+
+def _new_output_dir(name: str, root: str) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.join(root, f"{name}-{stamp}")
+    n = 2
+    while os.path.exists(path):
+        path, n = os.path.join(root, f"{name}-{stamp}-{n}"), n + 1
     return path
 
 
@@ -148,6 +156,12 @@ def cleanup_on_failure(output_dir: str | os.PathLike | None):
 
 
 # ------------------------------------------------------------------------------------------------ interruptions
+#: the last SIGINT/SIGTERM that :func:`interruptible` turned into :class:`Interrupted` (None: none yet). In a
+#: multi-process run a signal can reach a process while it waits in a collective, which then fails because its
+#: peers stopped; the run still counts as interrupted.
+last_signal: int | None = None
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT / SIGTERM during a run."""
 
@@ -160,6 +174,8 @@ class Interrupted(KeyboardInterrupt):
 def interruptible():
     """Turn SIGTERM (and SIGINT) into :class:`Interrupted` for the duration of the block (main thread only)."""
     def handler(signum, frame):
+        global last_signal
+        last_signal = signum
         raise Interrupted(signum)
 
     try:
@@ -196,7 +212,8 @@ def resume_command(argv: list[str], output_dir: str, script: str | None = None) 
     if script is None:
         script = sys.argv[0]
         script = os.path.relpath(script) if os.path.isabs(script) else script
-        launched = "ACCELERATE_MIXED_PRECISION" in os.environ or "LOCAL_RANK" in os.environ
+        launched = (("ACCELERATE_MIXED_PRECISION" in os.environ or "LOCAL_RANK" in os.environ)
+                    and os.environ.get("HFPFL_FORKED") != "1")   # forked by the recipe itself: started with python
         prefix = ["accelerate", "launch"] if launched else [os.path.relpath(sys.executable)
                                                              if ".venv" in sys.executable else "python"]
         head = [*prefix, script]

@@ -43,6 +43,7 @@ def build_data(run, data, split, train_n, test_n):
 
 
 def main(argv=None):
+    top_level = argv is None  # the script's entry point: --num_processes may start more processes
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--backbone", default="vilt")
@@ -69,7 +70,7 @@ def main(argv=None):
 
     defaults = {**DEFAULTS, "model": BACKBONES[known.backbone]}
     return run_recipe(method="feddat", argv=rest, defaults=defaults, script="recipes/feddat.py", name=f"feddat-{known.vqa_split}",
-                      description=__doc__,
+                      description=__doc__, top_level=top_level,
                       data_fn=lambda run, data: build_data(run, data, known.vqa_split, known.train_per_client,
                                                            known.test_per_client),
                       recipe_settings=vars(known))

@@ -53,6 +53,7 @@ def main(argv=None):
     pre.add_argument("--levels", choices=["paper", "cycled"], default="paper")
     known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
     return run_recipe(method="fedpce", argv=rest, defaults=DEFAULTS, script="recipes/fedpce.py", description=__doc__,
+                      top_level=argv is None,
                       data_fn=lambda run, data: build_data(data, run.seed, known.benchmark, known.new_client_budget,
                                                            known.held_out_domain, known.levels),
                       recipe_settings=vars(known),

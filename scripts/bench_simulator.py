@@ -108,7 +108,8 @@ def worker(a) -> dict:
 
     run = RunArguments(method="bench_fedavg", num_rounds=a.rounds, batch_size=a.batch_size, lr=0.01, momentum=0.0,
                        checkpoint_every=0, vectorize=a.vectorize, eval_every=a.eval_every,
-                       eval_clients=a.eval_clients, vector_chunk_mb=a.vector_chunk_mb, progress=False, num_threads=a.threads, report_to="none",
+                       channels_last=a.channels_last, vector_chunk_mb=a.vector_chunk_mb,
+                       eval_clients=a.eval_clients, progress=False, num_threads=a.threads, report_to="none",
                        output_dir=a.output_dir or tempfile.mkdtemp(prefix=f"hfpfl_bench_{a.model}_{n_clients}_"),
                        overwrite_output_dir=True)
     n_train = [len(c.train) for c in fed.clients]
@@ -199,6 +200,9 @@ def main():
     p.add_argument("--parallel", nargs="+", default=["1"], help="how hfpfl uses the cores, each its own run: auto "
                    "(what the recipes' --num_processes auto picks here and now: pN or 1), 1 (one "
                    "process, one thread), tN (one process, N torch threads), pN (N processes, accelerate launch)")
+    p.add_argument("--channels_last", nargs="+", choices=["off", "on"], default=["off"],
+                   help="hfpfl's --channels_last settings to measure (each its own run; conv weights in channels_last "
+                        "memory format while training on the CPU; the bare loop stays plain PyTorch)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where both sides run (auto: cuda when a GPU is visible, else cpu)")
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -215,7 +219,7 @@ def main():
         if not torch.cuda.is_available():
             p.error("--device cuda: no CUDA GPU is visible to torch; use --device cpu (or auto)")
     if a.impl:  # worker mode
-        a.vectorize = a.vectorize[0]
+        a.vectorize, a.channels_last = a.vectorize[0], a.channels_last[0] == "on"
         r = worker(a)
         if r is not None:
             print(json.dumps(r))
@@ -231,7 +235,8 @@ def main():
         res = {}
         runs = ([("bare", "off", "1")] if a.only != "hfpfl" else []) + \
                ([("hfpfl", v, par) for v in a.vectorize for par in a.parallel] if a.only != "bare" else [])
-        for impl, vec, par in runs:
+        runs = [(impl, vec, par, cl) for impl, vec, par in runs for cl in (a.channels_last if impl == "hfpfl" else ["off"])]
+        for impl, vec, par, cl in runs:
             shown = par
             if par == "auto":  # the recipes' --num_processes auto, resolved now (idle cores, at most n clients)
                 from hfpfl.launch import resolve
@@ -241,7 +246,7 @@ def main():
                     "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
                     "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
                     "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1",
-                    "--device", a.device, "--vector_chunk_mb", str(a.vector_chunk_mb)]
+                    "--device", a.device, "--channels_last", cl, "--vector_chunk_mb", str(a.vector_chunk_mb)]
             if a.eval_clients is not None:
                 args += ["--eval_clients", str(a.eval_clients)]
             env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -258,9 +263,10 @@ def main():
             if out.returncode != 0:
                 sys.exit(f"{impl} with {n} clients failed:\n{out.stderr[-2000:]}")
             r = json.loads([ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")][-1])
-            res[(impl, vec, par)] = r
-            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}")
-            bare = res.get(("bare", "off", "1"))
+            res[(impl, vec, par, cl)] = r
+            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}") \
+                + (" cl" if cl == "on" else "")
+            bare = res.get(("bare", "off", "1", "off"))
             ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
             print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
                   f"{r['peak_rss_gb']:>11.2f} " + (f"{r['gpu_peak_gb'] or 0:>11.3f} " if gpu else "")

@@ -28,6 +28,27 @@ def test_auto_counts_idle_cores_gpus_and_clients():
         launch.resolve("0")
 
 
+def test_auto_uses_more_processes_only_where_it_pays():
+    """``decide`` (the default ``--num_processes auto``): hand-checked cases of its rule."""
+    d = launch.decide
+    assert launch.DEFAULT_NUM_PROCESSES == "auto" and launch.MIN_CLIENT_UPDATES == 20
+    assert d("3", 4, 2, cores=2, load=5.0, gpus=0) == (3, "set by --num_processes")   # a number is never second-guessed
+    assert d("auto", 8, 10, cores=2, load=0.3, gpus=0)[0] == 2       # the README default (8 x 10) on an idle 2-core box
+    assert d("auto", 8, 10, cores=2, load=1.6, gpus=0)[0] == 1       # round(2 - 1.6) = 0 idle cores
+    assert d("auto", 8, 10, cores=2, load=1.4, gpus=0)[0] == 1       # round(0.6) = 1 idle core: one process
+    assert d("auto", 8, 10, cores=4, load=1.4, gpus=0)[0] == 3       # round(2.6) = 3
+    assert d("auto", 3, 10, cores=16, load=0.0, gpus=0)[0] == 3      # at most one per client per round
+    assert d("auto", 1, 50, cores=16, load=0.0, gpus=0)[0] == 1      # one client per round: nothing to share
+    assert d("auto", 20, 10, cores=16, load=0.0, gpus=4)[0] == 4     # one per GPU, whatever the cores
+    n, why = d("auto", 4, 4, cores=2, load=0.0, gpus=0)             # 16 client updates < 20: start-up would not pay
+    assert n == 1 and "4 clients x 4 rounds = 16 client updates < 20" in why and "2 idle cores" in why
+    assert d("auto", 4, 5, cores=2, load=0.0, gpus=0)[0] == 2        # 20 updates: it pays
+    assert d("auto", 4, 2, cores=2, load=0.0, gpus=0)[0] == 1        # the README's first run (4 x 2) stays in one
+    assert d("auto", 500, 3, cores=2, load=0.2, gpus=0) == (2, "2 idle cores (2 usable, load 0.20), 500 clients x 3 rounds")
+    with pytest.raises(ValueError, match="--num_processes must be auto or a whole number >= 1"):
+        d("0", 4, 5, cores=2, load=0.0, gpus=0)
+
+
 def _run(args, out, extra_env=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
            **(extra_env or {})}
@@ -90,7 +111,15 @@ def test_num_processes_default_from_the_environment(monkeypatch):
     for k in ("LOCAL_RANK", *launch._ACCELERATE_LAUNCH_VARS):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.delenv("HFPFL_NUM_PROCESSES", raising=False)
-    assert parse_run_args([])[0].num_processes == launch.DEFAULT_NUM_PROCESSES == "1"
+    run, data, _ = parse_run_args(["--num_clients", "8"])
+    assert run.num_processes == launch.DEFAULT_NUM_PROCESSES == "auto"
+    monkeypatch.setattr(launch, "machine", lambda: {"cores": 2, "load": 0.0, "gpus": 0})
+    assert _processes_to_launch(run, data) == 2                                 # 8 clients x 10 rounds, 2 idle cores
+    assert _processes_to_launch(run, data, top_level=False) == 1                # called from Python: this process
+    with pytest.raises(ValueError, match="--num_processes: a recipe called from Python runs in this process"):
+        _processes_to_launch(parse_run_args(["--num_processes", "2"])[0], data, top_level=False)
+    run, data, _ = parse_run_args(["--num_clients", "4", "--num_rounds", "2"])
+    assert _processes_to_launch(run, data) == 1                                 # a short run stays in one process
     monkeypatch.setenv("HFPFL_NUM_PROCESSES", "auto")
     run, data, _ = parse_run_args(["--num_clients", "4"])
     assert run.num_processes == "auto"
@@ -105,3 +134,31 @@ def test_num_processes_default_from_the_environment(monkeypatch):
     monkeypatch.setenv("HFPFL_NUM_PROCESSES", "two")
     with pytest.raises(ValueError, match="HFPFL_NUM_PROCESSES must be auto or a whole number >= 1, got 'two'"):
         parse_run_args([])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(launch.usable_cores() < 2, reason="one core: auto always runs one process")
+def test_default_launches_what_the_rule_says(tmp_path):
+    """The default (HFPFL_NUM_PROCESSES unset) on a run long enough to pay (12 clients x 2 rounds): the one line it
+    prints holds the inputs of ``decide`` (cores, load); the run used exactly the processes the rule gives for them
+    (2 where the second core was idle when it started, else 1; this shared box decides which)."""
+    import re
+    env = {k: v for k, v in os.environ.items() if k != "HFPFL_NUM_PROCESSES"}
+    out = tmp_path / "auto"
+    p = subprocess.run([sys.executable, str(ROOT / "recipes" / "run.py"), "--num_clients", "12", "--max_per_domain",
+                        "60", "--image_size", "16", "--batch_size", "16", "--num_rounds", "2", "--checkpoint_every",
+                        "0", "--progress", "false", "--output_dir", str(out)],
+                       env={**env, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""},
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("using ")]
+    assert len(lines) == 1, p.stdout[:2000]                      # one line, printed once (not by every process)
+    m = re.match(r"using (\d+) process(?:es)?: \d+ idle cores? \((\d+) usable, load ([\d.]+)\)", lines[0])
+    assert m, lines[0]
+    n, cores, load = int(m[1]), int(m[2]), float(m[3])
+    assert (n, lines[0]) == (launch.decide("auto", 12, 2, cores=cores, load=load, gpus=0)[0],
+                             f"using {n} process{'es' if n > 1 else ''}: "
+                             f"{launch.decide('auto', 12, 2, cores=cores, load=load, gpus=0)[1]}; set --num_processes "
+                             f"{'1 to disable' if n > 1 else 'N to force N'}")
+    assert json.loads((out / "results.json").read_text())["world_size"] == n
+    assert p.stdout.count("results: ") == 1

@@ -36,7 +36,7 @@ logger = logging.getLogger("hfpfl")
 # run settings that do not change what a run computes (they may differ on resume)
 _NOT_FINGERPRINTED = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "num_rounds", "progress",
                       "report_to", "num_threads", "num_processes", "checkpoint_every", "keep_checkpoints",
-                      "eval_clients", "vectorize", "vector_chunk_mb", "data_cache_mb", "max_state_mb"}
+                      "eval_clients", "vectorize", "vector_chunk_mb", "channels_last", "data_cache_mb", "max_state_mb"}
 
 
 class Simulation:

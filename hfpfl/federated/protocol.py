@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import torch
 from torch import nn
 
-from ..training import Metric, TensorData, default_loss, evaluate, load_optimizer_state, make_optimizer, \
-    optimizer_state_tensors, train_local
+from ..training import Metric, TensorData, conv_channels_last, default_loss, evaluate, load_optimizer_state, \
+    make_optimizer, optimizer_state_tensors, train_local
 from .comm import Parts, TensorDict
 from .state import load_into, snapshot
 
@@ -287,7 +287,8 @@ class MethodContext:
                                            if k.startswith(f"{i}:")}, names)
         if epochs is None and steps is None:
             epochs, steps = hp.local_epochs, hp.local_steps
-        with dropout_rate(self.model, hp.dropout):
+        channels_last = getattr(sim.args, "channels_last", False) and self.device.type == "cpu"
+        with dropout_rate(self.model, hp.dropout), conv_channels_last(self.model, channels_last):
             metrics = train_local(self.model, data if data is not None else self.train_data(client_id),
                                   optimizers if several else optimizers[0], batch_size=hp.batch_size,
                                   epochs=epochs or 1, max_steps=steps,

@@ -1,0 +1,50 @@
+"""``--channels_last``: conv weights in channels_last memory format while training on the CPU, and back after."""
+import torch
+from torch import nn
+
+from hfpfl.training import conv_channels_last, optimizer_state_tensors
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def _steps(model, n=5):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        x, y = torch.randn(6, 2, 8, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return opt
+
+
+def test_conv_channels_last_trains_the_same_weights_in_place():
+    plain, cl = _net(), _net()
+    _steps(plain)
+    w = cl[0].weight
+    ptr = w.data_ptr()
+    state = cl.state_dict()                                    # a cached state dict shares the weights' storage
+    with conv_channels_last(cl):
+        assert w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+        assert w.stride() == (18, 1, 6, 2) and cl[2].weight.stride() == (4, 1, 4, 4)   # [4, 2, 3, 3], [4, 4, 1, 1]
+        opt = _steps(cl)
+        buf = optimizer_state_tensors(opt, {id(p): n for n, p in cl.named_parameters()})
+    assert w.data_ptr() == ptr and w.is_contiguous()   # the original tensor, back
+    assert all(v.is_contiguous() for v in buf.values())                          # optimizer state saves as is
+    assert torch.equal(state["0.weight"], w)                   # the cached state dict sees the trained values
+    assert not torch.equal(w, _net()[0].weight)                # it trained
+    for (k, a), b in zip(plain.state_dict().items(), cl.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)   # the same training, to float precision
+    with conv_channels_last(cl, enabled=False):                # off: nothing changes
+        assert w.data_ptr() == ptr
+
+
+def test_run_with_channels_last_matches_the_default(run_sim):
+    _, off = run_sim("fedavg", num_rounds=1, output_dir="off")
+    sim, on = run_sim("fedavg", num_rounds=1, output_dir="on", channels_last=True)
+    assert abs(on["final"]["global_accuracy"] - off["final"]["global_accuracy"]) <= 1 / 60
+    assert all(v.is_contiguous() for part in sim.server_state.values() for v in part.values())
+    assert all(v.is_contiguous() for v in sim.model.parameters())
