@@ -402,3 +402,16 @@ def test_ldm_judge_loads_from_the_snapshot_folder_and_reads_like_the_saved_one(t
     labels = saved(x).argmax(1)
     assert judge_accuracy(loaded, x, labels) == 1.0
     assert judge_accuracy(loaded, x, (labels + 1) % 10) == 0.0
+
+
+def test_missing_shipped_snapshot_falls_back_to_pretraining_and_says_so(tmp_path, monkeypatch):
+    """An install without the package data (no shipped folder) does not fail on a missing path: the default LDM is
+    pretrained here instead, with one log line that says why and how to avoid it."""
+    from hfpfl.fedbip import ldm
+
+    monkeypatch.setitem(ldm.SHIPPED_LDM_DIRS, ldm.DEFAULT_LDM_REPO, str(tmp_path / "not-installed"))
+    monkeypatch.setattr(ldm, "_pretrain_and_publish", lambda repo_id, *a, **k: "trained")
+    lines = []
+    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=str(tmp_path / "hub"), log=lines.append) == \
+        "trained"
+    assert len(lines) == 1 and "missing" in lines[0] and "package data" in lines[0]

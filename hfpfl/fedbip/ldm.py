@@ -813,7 +813,11 @@ def ensure_pretrained_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, force
             if current(path):
                 return path
         if not force and config is None and repo_id in SHIPPED_LDM_DIRS:
-            return publish_shipped_ldm(repo_id, cache_dir, log=log)
+            if os.path.isfile(os.path.join(SHIPPED_LDM_DIRS[repo_id], "model_index.json")):
+                return publish_shipped_ldm(repo_id, cache_dir, log=log)
+            # an install without the package data (e.g. a wheel built without it): train here, and say so
+            log(f"[pretrain] the snapshot shipped for {repo_id} is missing ({SHIPPED_LDM_DIRS[repo_id]}): pretraining "
+                "it here instead (about 30 min on 2 CPU cores; reinstall hfpfl with its package data to skip this)")
         return _pretrain_and_publish(repo_id, cache_dir, config, output_dir, sample_grid, log)
 
 
