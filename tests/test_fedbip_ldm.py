@@ -415,3 +415,40 @@ def test_missing_shipped_snapshot_falls_back_to_pretraining_and_says_so(tmp_path
     assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=str(tmp_path / "hub"), log=lines.append) == \
         "trained"
     assert len(lines) == 1 and "missing" in lines[0] and "package data" in lines[0]
+
+
+def test_cache_published_from_other_shipped_weights_is_replaced_and_a_local_pretraining_is_kept(tmp_path, monkeypatch):
+    """The published copy records the shipped folder's fingerprint: when hfpfl ships other weights under the same
+    recipe version, the next first use republishes them; a snapshot the user pretrained here (no marker) is kept."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from hfpfl.fedbip import ldm
+
+    monkeypatch.setattr(ldm, "_pretrain_and_publish", lambda *a, **k: pytest.fail("must not pretrain"))
+    shipped = tmp_path / "shipped"
+    shutil.copytree(ldm.SHIPPED_LDM_DIRS[ldm.DEFAULT_LDM_REPO], shipped)
+    monkeypatch.setitem(ldm.SHIPPED_LDM_DIRS, ldm.DEFAULT_LDM_REPO, str(shipped))
+    cache, lines = str(tmp_path / "hub"), []
+    first = ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lines.append)
+    assert ldm.published_fingerprint(first) == ldm.shipped_fingerprint(str(shipped))
+    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lines.append) == first
+    assert len(lines) == 1  # the first publish only
+    # a new hfpfl ships other UNet weights (same names and recipe version): one value changed
+    unet = shipped / "unet" / "diffusion_pytorch_model.safetensors"
+    from safetensors.torch import save_file
+    tensors = load_file(str(unet))
+    key = sorted(tensors)[0]
+    tensors[key] = tensors[key] + 1
+    save_file(tensors, str(unet), metadata={"format": "pt"})
+    second = ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lines.append)
+    assert "another hfpfl's shipped snapshot" in lines[1] and "published the snapshot shipped" in lines[2]
+    got = load_file(os.path.join(second, "unet", "diffusion_pytorch_model.safetensors"))[key]
+    assert torch.equal(got, tensors[key].float())
+    # a snapshot pretrained here carries no marker: it stays, whatever is shipped
+    own = tmp_path / "own"
+    shutil.copytree(second, own, ignore=shutil.ignore_patterns(ldm.SHIPPED_MARKER))
+    mine = ldm.push_folder_to_cache(str(own), ldm.DEFAULT_LDM_REPO, cache_dir=cache)
+    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lines.append) == mine
+    assert len(lines) == 3  # nothing replaced, nothing published

@@ -758,9 +758,42 @@ def save_sample_grid(pipe, path: str, num_inference_steps: int = 20, guidance_sc
 SHIPPED_LDM_DIRS = {DEFAULT_LDM_REPO: os.path.join(os.path.dirname(__file__), "snapshots", "tiny-ldm-digits-broad")}
 
 
+# Written into a published copy of a shipped snapshot: the shipped folder's fingerprint, so that a cache published by
+# an older hfpfl (other shipped weights, same recipe version) is replaced, and a snapshot the user pretrained here
+# (no marker) is kept.
+SHIPPED_MARKER = "shipped_from.json"
+
+
+def shipped_fingerprint(src: str) -> str:
+    """sha256 over the relative paths and bytes of every file under a shipped snapshot folder (~3 MB: milliseconds)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for root, dirs, names in sorted(os.walk(src)):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, src).replace(os.sep, "/").encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def published_fingerprint(path: str) -> str | None:
+    """The shipped fingerprint a cached snapshot was published from, or None (pretrained here, or an older hfpfl)."""
+    import json as _json
+
+    try:
+        with open(os.path.join(path, SHIPPED_MARKER)) as f:
+            return _json.load(f).get("fingerprint")
+    except (OSError, ValueError):
+        return None
+
+
 def publish_shipped_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, log=print) -> str:
     """Publish the snapshot shipped with hfpfl for ``repo_id`` into the local Hub cache, its float16 weights upcast to
     float32 (what ``save_pretrained`` of the trained float32 model wrote), and return the snapshot path."""
+    import json as _json
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -776,6 +809,9 @@ def publish_shipped_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, log=pri
                     tensors = load_file(path)
                     save_file({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, path,
                               metadata={"format": "pt"})
+        with open(os.path.join(folder, SHIPPED_MARKER), "w") as f:
+            _json.dump({"fingerprint": shipped_fingerprint(src), "source": "the snapshot shipped with hfpfl",
+                        "stored_as": "float16, upcast to float32 when published"}, f, indent=1)
         snap = push_folder_to_cache(folder, repo_id, cache_dir=cache_dir)
     log(f"[ldm] published the snapshot shipped with hfpfl ({src}; pretrained on an accelerator, see its README.md) "
         f"as {repo_id} -> {snap}; retrain it with recipes/pretrain_ldm.py --force")
@@ -786,31 +822,38 @@ def ensure_pretrained_ldm(repo_id: str = DEFAULT_LDM_REPO, cache_dir=None, force
                           config: PretrainConfig | None = None, output_dir: str | None = None,
                           sample_grid: bool = True, log=print) -> str:
     """Return the local snapshot path of the pretrained tiny LDM ``repo_id``. If it is not cached (or a cached copy is
-    of an older recipe), publish it to the local Hub cache first: the snapshot shipped with hfpfl when there is one
+    of an older recipe, or was published from a shipped snapshot other than this hfpfl's), publish it to the local Hub cache first: the snapshot shipped with hfpfl when there is one
     for ``repo_id`` and neither ``force`` nor a ``config`` asks for training, else pretrain it here. Afterwards
     ``StableDiffusionPipeline.from_pretrained(repo_id)`` and ``FedBiPPipeline.from_pretrained(repo_id)`` load it
     offline like ``CompVis/stable-diffusion-v1-4``."""
     from filelock import FileLock
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    def current(path):  # the default repo id is retrained when its cached copy is of an older recipe
-        return path is not None and (repo_id != DEFAULT_LDM_REPO or
-                                     snapshot_recipe_version(path) == LDM_RECIPE_VERSION)
+    def stale(path):  # why a cached copy of the default repo id must be replaced, or None when it is current
+        if repo_id != DEFAULT_LDM_REPO:
+            return None
+        if snapshot_recipe_version(path) != LDM_RECIPE_VERSION:
+            return f"is of recipe version {snapshot_recipe_version(path)}, not {LDM_RECIPE_VERSION}"
+        shipped = published_fingerprint(path)
+        src = SHIPPED_LDM_DIRS.get(repo_id)
+        if shipped is not None and src and os.path.isfile(os.path.join(src, "model_index.json")) and \
+                shipped != shipped_fingerprint(src):
+            return "was published from another hfpfl's shipped snapshot"
+        return None
 
     if not force:
         path = cached_snapshot(repo_id, cache_dir)
-        if current(path):
+        if path is not None and stale(path) is None:
             return path
         if path is not None:
-            log(f"[pretrain] cached {repo_id} is of recipe version {snapshot_recipe_version(path)}, not "
-                f"{LDM_RECIPE_VERSION}: replacing it")
+            log(f"[pretrain] cached {repo_id} {stale(path)}: replacing it")
     # one trainer at a time per repo id (several processes of a simulation may ask at once)
     lock_dir = os.path.join(str(cache_dir or HF_HUB_CACHE), ".locks")
     os.makedirs(lock_dir, exist_ok=True)
     with FileLock(os.path.join(lock_dir, "hfpfl-pretrain-" + repo_id.replace("/", "--") + ".lock")):
         if not force:
             path = cached_snapshot(repo_id, cache_dir)
-            if current(path):
+            if path is not None and stale(path) is None:
                 return path
         if not force and config is None and repo_id in SHIPPED_LDM_DIRS:
             if os.path.isfile(os.path.join(SHIPPED_LDM_DIRS[repo_id], "model_index.json")):
