@@ -13,7 +13,7 @@ CHILD = """
 import os, time
 b = b"x" * (200 << 20)          # 200 MiB, every page written
 pid = os.fork()
-time.sleep(1.5)                 # parent and child both hold the pages; the child writes none
+time.sleep(2.5)                 # parent and child both hold the pages; the child writes none
 if pid:
     os.waitpid(pid, 0)
 """
@@ -25,7 +25,7 @@ def test_tree_memory_counts_shared_pages_once_in_pss():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     proc = subprocess.Popen([sys.executable, "-c", CHILD])
-    with bench.TreeMemory(proc.pid, 0.02) as mem:
+    with bench.TreeMemory(proc.pid, 0.02, pss_every=0.1) as mem:
         proc.wait(timeout=60)
     assert proc.returncode == 0 and mem.samples > 10
     mib = 1 / 1024   # GiB per MiB
