@@ -46,7 +46,8 @@ def worker(a) -> dict:
     run = RunArguments(method=a.method, model="tiny-resnet", adapter="lora", lora_r=4, num_rounds=2, batch_size=16,
                        checkpoint_every=0, progress=False, output_dir=out, overwrite_output_dir=True,
                        random_backbone_ok=True, eval_every=10**6, max_state_mb=a.max_state_mb,
-                       vectorize=a.vectorize, vector_chunk_mb=a.vector_chunk_mb, local_steps=1)
+                       vectorize=a.vectorize, vector_chunk_mb=a.vector_chunk_mb, local_steps=1,
+                       data_cache_mb=a.data_cache_mb)
     sim = Simulation(run, data_args, fed_data=fed)
     model_bytes = tensor_bytes(sim.model_state)
     t = time.perf_counter()
@@ -69,19 +70,21 @@ def main():
     p.add_argument("--max_state_mb", type=float, default=64.0, help="client state kept in memory (the rest spills)")
     p.add_argument("--vectorize", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--vector_chunk_mb", type=float, default=256.0, help="stacked client state per vectorized chunk")
+    p.add_argument("--data_cache_mb", type=float, default=1024.0, help="client splits cached as tensors (LRU cap; "
+                   "the engine's default 1024)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         print(json.dumps(worker(a)))
         return
     print(f"{a.method} on tiny-resnet + LoRA r=4, 1 round (1 local step per client), --max_state_mb {a.max_state_mb}, "
-          f"--vector_chunk_mb {a.vector_chunk_mb}, load average {os.getloadavg()[0]:.2f}")
+          f"--vector_chunk_mb {a.vector_chunk_mb}, --data_cache_mb {a.data_cache_mb}, load average {os.getloadavg()[0]:.2f}")
     print(f"{'clients':>8} {'s/round':>8} {'peak RSS GB':>11} {'KB/client':>9} {'store MB':>9} {'in memory MB':>12} "
           f"{'spilled':>8}")
     for n in a.clients:
         cmd = [sys.executable, __file__, "--worker", "--clients", str(n), "--distinct", str(a.distinct),
                "--method", a.method, "--max_state_mb", str(a.max_state_mb), "--vectorize", a.vectorize,
-               "--vector_chunk_mb", str(a.vector_chunk_mb)]
+               "--vector_chunk_mb", str(a.vector_chunk_mb), "--data_cache_mb", str(a.data_cache_mb)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             sys.exit(f"{n} clients failed:\n{r.stderr[-3000:]}")

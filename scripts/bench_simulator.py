@@ -14,8 +14,12 @@ default), client ``i`` holds split ``i % distinct`` (its own model state, seeds 
     python scripts/bench_simulator.py --clients 20 500 10000 --model cnn --rounds 3
     python scripts/bench_simulator.py --clients 20 --model cnn --parallel 1 t2 p2   # both cores: threads, processes
     python scripts/bench_simulator.py --clients 20 500 --model cnn --device cuda     # on a GPU (default: auto)
-Prints s/round, the ratio hfpfl / bare, peak RSS of each (with ``pN``: summed over the N processes, and each
-process's share of the round's training examples, the balance of the client owners) and, on a GPU,
+Prints s/round, the ratio hfpfl / bare, peak RSS of each (``peak RSS``: each process's own peak, ``ru_maxrss``,
+summed over the N processes with ``pN``, with each process's share of the round's training examples, the balance of
+the client owners), the peak over time of the whole process tree's summed RSS (``tree RSS``) and summed PSS (``tree
+PSS``: a page shared by k processes counts 1/k in each, so this is the physical memory the configuration holds;
+RSS counts shared pages, torch's libraries and a forked parent's untouched pages, once per process), sampled every
+``--mem_sample_ms`` by the parent, and, on a GPU,
 the peak of ``torch.cuda.max_memory_allocated()`` (the bare loop keeps every client's data on the GPU; hfpfl keeps
 client data on the CPU and moves each batch, as its engine does).
 """
@@ -29,6 +33,90 @@ import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class TreeMemory:
+    """Peak over time of the summed memory of a process tree (``pid`` and every descendant), sampled by a thread
+    every ``interval`` s: ``peak_rss_gb`` sums each process's RSS (pages shared between processes, such as torch's
+    libraries or a forked parent's untouched heap, count once per process); ``peak_pss_gb`` sums the proportional
+    set sizes from ``/proc/PID/smaps_rollup`` (a page shared by k processes counts 1/k in each), i.e. the physical
+    memory the tree holds. RSS is read every ``interval`` from ``/proc/PID/statm`` (cheap); smaps_rollup walks the
+    page tables (~7 ms of CPU for a 0.5 GB process), so PSS is read when the summed RSS reaches a new peak and at
+    least every ``pss_every`` s; the tree is re-listed every second. ``cpu_s``: the sampler's own CPU time. A spike
+    shorter than the interval can be missed (the workers' ``ru_maxrss`` cannot); Linux only (elsewhere the peaks
+    stay 0)."""
+
+    def __init__(self, pid: int, interval: float = 0.1, pss_every: float = 0.5):
+        import threading
+        self.pid, self.interval, self.pss_every = pid, interval, pss_every
+        self.peak_rss_gb = self.peak_pss_gb = self.cpu_s = 0.0
+        self.samples, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._page_kb = os.sysconf("SC_PAGE_SIZE") // 1024 if hasattr(os, "sysconf") else 4
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def tree(self) -> list[int]:
+        """``pid`` and its descendants now (parents read from ``/proc/*/stat``)."""
+        children = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(name))
+        out, todo = [], [self.pid]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            todo += children.get(p, [])
+        return out
+
+    def rss_kb(self, pids) -> int:
+        total = 0
+        for p in pids:
+            try:
+                with open(f"/proc/{p}/statm") as f:
+                    total += int(f.read().split()[1]) * self._page_kb
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+        return total
+
+    @staticmethod
+    def pss_kb(pids) -> int:
+        total = 0
+        for p in pids:
+            try:
+                with open(f"/proc/{p}/smaps_rollup") as f:
+                    total += next(int(ln.split()[1]) for ln in f if ln.startswith("Pss:"))
+            except (OSError, StopIteration, ValueError):
+                continue
+        return total
+
+    def _run(self):
+        listed = read = float("-inf")
+        pids = []
+        while True:
+            now = time.monotonic()
+            if now - listed >= 1.0:
+                listed, pids = now, self.tree()
+            rss = self.rss_kb(pids) / 2**20
+            if rss > self.peak_rss_gb or now - read >= self.pss_every:
+                read = now
+                self.peak_pss_gb = max(self.peak_pss_gb, self.pss_kb(pids) / 2**20)
+            self.peak_rss_gb = max(self.peak_rss_gb, rss)
+            self.samples += 1
+            self.cpu_s = time.thread_time()
+            if self._stop.wait(self.interval):
+                return
 
 
 def build_model(kind: str, num_channels: int, image_size: int):
@@ -74,7 +162,6 @@ def build_model(kind: str, num_channels: int, image_size: int):
 
 def worker(a) -> dict:
     import torch
-    torch.set_num_threads(1)
     device = torch.device(a.device)
     cuda = device.type == "cuda"
 
@@ -88,6 +175,11 @@ def worker(a) -> dict:
     from hfpfl.algorithms.fedavg import FedAvg
 
     import dataclasses
+    workers = None
+    if a.fork > 1:  # as the recipes do on the CPU: fork after the imports (hfpfl.launch.fork_workers)
+        from hfpfl.launch import fork_workers
+        workers = fork_workers(a.fork)
+    torch.set_num_threads(1)
     n_clients = a.clients[0]
     distinct = min(n_clients, a.distinct)
     size = 28 if a.model == "cnn" else 8
@@ -173,6 +265,8 @@ def worker(a) -> dict:
         times = [max(t) for t in zip(*[x for x in all_gather([times], sim.accelerator)])]
         if not sim.accelerator.is_main_process:
             return None
+        if workers is not None:
+            workers.wait()
     return {"s_per_round": min(times[1:] or times), "peak_rss_gb": peak, "mean_train_per_client": sum(n_train) / len(n_train),
             "personal_accuracy": acc, "gpu_peak_gb": gpu_peak, "device": str(device), "process_train_examples": shares,
             "process_peak_rss_gb": peaks if shares is not None else None}
@@ -199,18 +293,23 @@ def main():
     p.add_argument("--distinct", type=int, default=500, help="distinct client splits (more clients reuse them)")
     p.add_argument("--parallel", nargs="+", default=["1"], help="how hfpfl uses the cores, each its own run: auto "
                    "(what the recipes' --num_processes auto picks here and now: pN or 1), 1 (one "
-                   "process, one thread), tN (one process, N torch threads), pN (N processes, accelerate launch)")
+                   "process, one thread), tN (one process, N torch threads), pN (N processes as the recipes start "
+                   "them: forked after the imports on the CPU, accelerate launch on a GPU), lN (N processes "
+                   "through accelerate launch, each importing everything itself)")
     p.add_argument("--channels_last", nargs="+", choices=["off", "on"], default=["off"],
                    help="hfpfl's --channels_last settings to measure (each its own run; conv weights in channels_last "
                         "memory format while training on the CPU; the bare loop stays plain PyTorch)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where both sides run (auto: cuda when a GPU is visible, else cpu)")
+    p.add_argument("--mem_sample_ms", type=float, default=100.0, help="how often the parent samples the summed "
+                   "RSS and PSS of each configuration's process tree (0: not sampled)")
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--fork", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--output_dir", help=argparse.SUPPRESS)
     a = p.parse_args()
     for spec in a.parallel:
-        if not (spec in ("1", "auto") or (spec[:1] in ("t", "p") and spec[1:].isdigit() and int(spec[1:]) >= 1)):
-            p.error(f"--parallel: {spec!r} is not auto, 1, tN or pN (e.g. --parallel 1 t2 p2)")
+        if not (spec in ("1", "auto") or (spec[:1] in ("t", "p", "l") and spec[1:].isdigit() and int(spec[1:]) >= 1)):
+            p.error(f"--parallel: {spec!r} is not auto, 1, tN, pN or lN (e.g. --parallel 1 t2 p2)")
     if a.device == "auto":
         import torch
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -220,9 +319,20 @@ def main():
             p.error("--device cuda: no CUDA GPU is visible to torch; use --device cpu (or auto)")
     if a.impl:  # worker mode
         a.vectorize, a.channels_last = a.vectorize[0], a.channels_last[0] == "on"
-        r = worker(a)
+        try:
+            r = worker(a)
+        except BaseException:
+            if a.fork > 1 and os.environ.get("RANK", "0") != "0":  # a forked worker never returns into main()
+                import traceback
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(1)
+            raise
         if r is not None:
             print(json.dumps(r))
+        if a.fork > 1 and os.environ.get("RANK", "0") != "0":
+            sys.stdout.flush()
+            os._exit(0)
         return
     part = "iid" if a.partition == "iid" else f"Dir({a.alpha})"
     print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread unless tN/pN, real MNIST {part}; hfpfl evaluates every "
@@ -230,6 +340,7 @@ def main():
           f"load average {os.getloadavg()[0]:.2f} at start; device {a.device}")
     gpu = a.device == "cuda"
     print(f"{'clients':>8} {'train/client':>12} {'run':>20} {'s/round':>8} {'ratio to bare':>13} {'peak RSS GB':>11} "
+          f"{'tree RSS GB':>11} {'tree PSS GB':>11} "
           + (f"{'GPU peak GB':>11} " if gpu else "") + f"{'load':>5}")
     for n in a.clients:
         res = {}
@@ -252,14 +363,23 @@ def main():
             env = {**os.environ, "HF_HUB_OFFLINE": "1"}
             if a.device == "cpu":  # accelerate would otherwise take a visible GPU
                 env["ACCELERATE_USE_CPU"] = "1"
-            if par.startswith("p"):  # clients sharded over N processes (see README "Several processes")
+            if par.startswith("p") and a.device == "cpu":  # as the recipes: fork after the imports
+                cmd = [sys.executable, __file__, *args, "--fork", par[1:],
+                       "--output_dir", tempfile.mkdtemp(prefix="hfpfl_bench_mp_")]
+            elif par[:1] in ("p", "l"):  # clients sharded over N processes launched by accelerate
                 outdir = tempfile.mkdtemp(prefix="hfpfl_bench_mp_")
                 cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", par[1:],
                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", __file__, *args,
                        "--output_dir", outdir]
             else:
                 cmd = [sys.executable, __file__, *args]
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            if a.mem_sample_ms > 0:
+                with TreeMemory(proc.pid, a.mem_sample_ms / 1000) as mem:
+                    stdout, stderr = proc.communicate()
+            else:
+                mem, (stdout, stderr) = None, proc.communicate()
+            out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
             if out.returncode != 0:
                 sys.exit(f"{impl} with {n} clients failed:\n{out.stderr[-2000:]}")
             r = json.loads([ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")][-1])
@@ -269,7 +389,9 @@ def main():
             bare = res.get(("bare", "off", "1", "off"))
             ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
             print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
-                  f"{r['peak_rss_gb']:>11.2f} " + (f"{r['gpu_peak_gb'] or 0:>11.3f} " if gpu else "")
+                  f"{r['peak_rss_gb']:>11.2f} "
+                  + (f"{mem.peak_rss_gb:>11.2f} {mem.peak_pss_gb:>11.2f} " if mem else f"{'-':>11} {'-':>11} ")
+                  + (f"{r['gpu_peak_gb'] or 0:>11.3f} " if gpu else "")
                   + f"{os.getloadavg()[0]:>5.2f}"
                   + (f"  train examples per process: {' / '.join(map(str, r['process_train_examples']))}"
                      if r.get("process_train_examples") else "")
