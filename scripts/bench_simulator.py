@@ -296,9 +296,10 @@ def main():
                    "process, one thread), tN (one process, N torch threads), pN (N processes as the recipes start "
                    "them: forked after the imports on the CPU, accelerate launch on a GPU), lN (N processes "
                    "through accelerate launch, each importing everything itself)")
-    p.add_argument("--channels_last", nargs="+", choices=["off", "on"], default=["off"],
+    p.add_argument("--channels_last", nargs="+", choices=["auto", "on", "off"], default=["auto"],
                    help="hfpfl's --channels_last settings to measure (each its own run; conv weights in channels_last "
-                        "memory format while training on the CPU; the bare loop stays plain PyTorch)")
+                        "memory format on the CPU, auto: models with stride-1 convolutions only; the bare loop stays "
+                        "plain PyTorch)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="where both sides run (auto: cuda when a GPU is visible, else cpu)")
     p.add_argument("--mem_sample_ms", type=float, default=100.0, help="how often the parent samples the summed "
@@ -318,7 +319,7 @@ def main():
         if not torch.cuda.is_available():
             p.error("--device cuda: no CUDA GPU is visible to torch; use --device cpu (or auto)")
     if a.impl:  # worker mode
-        a.vectorize, a.channels_last = a.vectorize[0], a.channels_last[0] == "on"
+        a.vectorize, a.channels_last = a.vectorize[0], a.channels_last[0]
         try:
             r = worker(a)
         except BaseException:
@@ -385,7 +386,7 @@ def main():
             r = json.loads([ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")][-1])
             res[(impl, vec, par, cl)] = r
             name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}") \
-                + (" cl" if cl == "on" else "")
+                + (f" cl={cl}" if len(a.channels_last) > 1 or cl != "auto" else "")
             bare = res.get(("bare", "off", "1", "off"))
             ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
             print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "

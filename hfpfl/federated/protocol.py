@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import torch
 from torch import nn
 
-from ..training import Metric, TensorData, conv_channels_last, default_loss, evaluate, load_optimizer_state, \
+from ..training import Metric, TensorData, channels_last_pays, conv_channels_last, default_loss, evaluate, load_optimizer_state, \
     make_optimizer, optimizer_state_tensors, train_local
 from .comm import Parts, TensorDict
 from .state import load_into, snapshot
@@ -256,8 +256,13 @@ class MethodContext:
         return self._sim.seed_for(round_idx, client_id, tag)
 
     def evaluate(self, model: nn.Module, data: TensorData, metric: Metric | None = None) -> dict:
-        return evaluate(model, data, batch_size=self.args.eval_batch_size, device=self.device,
-                        metric=metric or self.metric())
+        with conv_channels_last(model, self.channels_last(model)):
+            return evaluate(model, data, batch_size=self.args.eval_batch_size, device=self.device,
+                            metric=metric or self.metric())
+
+    def channels_last(self, model: nn.Module) -> bool:
+        """Whether this run's ``--channels_last`` applies to ``model`` (:func:`hfpfl.training.channels_last_pays`)."""
+        return channels_last_pays(model, getattr(self.args, "channels_last", "off"), self.device)
 
     def train(self, client_id: int, round_idx: int, *, params=None, hp: HParams | None = None, epochs=None,
               steps=None, data=None, tag: str = "", optimizer_state: TensorDict | None = None,
@@ -287,8 +292,7 @@ class MethodContext:
                                            if k.startswith(f"{i}:")}, names)
         if epochs is None and steps is None:
             epochs, steps = hp.local_epochs, hp.local_steps
-        channels_last = getattr(sim.args, "channels_last", False) and self.device.type == "cpu"
-        with dropout_rate(self.model, hp.dropout), conv_channels_last(self.model, channels_last):
+        with dropout_rate(self.model, hp.dropout), conv_channels_last(self.model, self.channels_last(self.model)):
             metrics = train_local(self.model, data if data is not None else self.train_data(client_id),
                                   optimizers if several else optimizers[0], batch_size=hp.batch_size,
                                   epochs=epochs or 1, max_steps=steps,
