@@ -78,8 +78,8 @@ class RunArguments:
                 "recently used clients' states beyond it are written to <output_dir>/client_states/*.safetensors "
                 "and read back when needed (0 = no cap, everything in memory)."})
     data_cache_mb: float = field(default=1024.0, metadata={
-        "help": "Most MiB of client tensors kept in memory (images as uint8); the least recently used client splits "
-                "are converted again when needed (0 = no cap)."})
+        "help": "Most MiB of client tensors kept in memory (images as uint8), one copy per split (clients that share "
+                "a Dataset share it); the least recently used splits are converted again when needed (0 = no cap)."})
     new_client_epochs: int = field(default=3, metadata={"help": "Fine-tuning epochs for held-out new clients."})
     checkpoint_every: int = field(default=1, metadata={"help": "Checkpoint every N rounds (0 = never)."})
     keep_checkpoints: int = field(default=2, metadata={"help": "How many round checkpoints to keep."})
