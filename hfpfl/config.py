@@ -62,7 +62,7 @@ class RunArguments:
         "help": "Train the sampled clients of a round together in batched (torch.func.vmap) calls: auto (when the "
                 "method's local update can be vectorized and the model is small enough to be overhead-bound) | on "
                 "(whenever the method can be vectorized) | off. Same numbers either way (float tolerance)."})
-    vector_chunk_mb: float = field(default=256.0, metadata={
+    vector_chunk_mb: float = field(default=64.0, metadata={
         "help": "Most MiB of stacked client state (parameters, gradients, optimizer state) per vectorized chunk: "
                 "fewer clients per batched call, lower peak memory (the chunk is most of a vectorized round's peak). "
                 "Same numbers at any size (float tolerance)."})

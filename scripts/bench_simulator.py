@@ -284,8 +284,8 @@ def main():
                    help="hfpfl's --vectorize settings to measure (each its own run)")
     p.add_argument("--eval_every", type=int, default=1, help="hfpfl evaluates every N rounds (1: every round, "
                    "every client, as PFLlib does)")
-    p.add_argument("--vector_chunk_mb", type=float, default=256.0, help="hfpfl's --vector_chunk_mb (stacked "
-                   "client state per vectorized chunk)")
+    p.add_argument("--vector_chunk_mb", type=float, default=64.0, help="hfpfl's --vector_chunk_mb (stacked "
+                   "client state per vectorized chunk; 64 = hfpfl's default)")
     p.add_argument("--eval_clients", type=float, default=None, help="hfpfl's --eval_clients (default: all)")
     p.add_argument("--test_fraction", type=float, default=0.25, help="per-client test fraction")
     p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
