@@ -61,7 +61,8 @@ class RunArguments:
     vectorize: str = field(default="auto", metadata={
         "help": "Train the sampled clients of a round together in batched (torch.func.vmap) calls: auto (when the "
                 "method's local update can be vectorized and the model is small enough to be overhead-bound) | on "
-                "(whenever the method can be vectorized) | off. Same numbers either way (float tolerance)."})
+                "(whenever the method can be vectorized) | off. Same numbers either way (float tolerance).",
+        "choices": ["auto", "on", "off"]})
     vector_chunk_mb: float = field(default=64.0, metadata={
         "help": "Most MiB of stacked client state (parameters, gradients, optimizer state) per vectorized chunk: "
                 "fewer clients per batched call, lower peak memory (the chunk is most of a vectorized round's peak). "
@@ -143,6 +144,10 @@ class RunArguments:
             ("server_momentum", 0 <= self.server_momentum < 1, "in [0, 1)"),
             ("server_lr_decay", 0 < self.server_lr_decay <= 1, "in (0, 1]"),
         ])
+
+
+#: text options whose values include the words on / off (``vectorize: off`` in a YAML file arrives as False)
+ON_OFF_OPTIONS = frozenset(f.name for f in dataclasses.fields(RunArguments) if "on" in f.metadata.get("choices", ()))
 
 
 def check_options(obj, checks) -> None:
@@ -233,9 +238,9 @@ def _check_value(path, key: str, value, allowed: set, nullable: bool):
                 pass
         raise ValueError(f"config key {key!r} in {str(path)!r} must be {what}, got {value!r}")
     if str in allowed:
-        if isinstance(value, bool):   # YAML 1.1 reads the words on/off as booleans (vectorize: off, channels_last: on)
+        if isinstance(value, bool) and key in ON_OFF_OPTIONS:  # YAML 1.1 reads the words on/off as booleans
             return "on" if value else "off"
-        if isinstance(value, (str, int, float)):
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ValueError(f"config key {key!r} in {str(path)!r} must be text, got {value!r}")
     return value

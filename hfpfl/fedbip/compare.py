@@ -45,9 +45,9 @@ DEFAULTS = {
     # FedBiP, scaled down for 2 CPU cores (paper: 50 concept epochs, 50 classifier epochs; steps and guidance are
     # not stated in [D]). 20 PNDM steps (the authors' validation setting, [C] train.py; the steps the shipped LDM's
     # plain-prompt fidelity was certified at) and guidance 3, chosen on the public judge's fidelity of FedBiP-L's
-    # synthetic set (seed 0, no client test data): guidance 1 / 10 steps 0.420, 1 / 20 0.382, 3 / 20 0.661, 5 / 10
-    # 0.361 (docs/fedbip_ldm_history.md, stop 24). Concepts stay randomly initialised as in [D] (the authors' code
-    # initialises them from words: --concept_init words, 0.739 at 3 / 20).
+    # synthetic set (no client test data): guidance 1 / 10 steps 0.414 and 5 / 10 0.361 (seeds 0-2, stop 23), seed 0
+    # probes 1 / 20 0.382 and 3 / 20 0.661 (docs/fedbip_ldm_history.md, stop 24). Concepts stay randomly
+    # initialised as in [D] (the authors' code initialises them from words: --concept_init words, 0.739 at 3 / 20).
     "concept_epochs": 20, "classifier_epochs": 20, "num_inference_steps": 20, "guidance_scale": 3.0,
     # the tiny LDM was pretrained on captions "a [style word] photo of the digit seven": a Table-5-style template
     "prompt_template": "a [S] photo of the digit [V]",
