@@ -124,6 +124,23 @@ def test_vector_chunk_mb_splits_chunks_and_changes_no_numbers(ragged, tmp_path, 
         RunArguments(vector_chunk_mb=0)
 
 
+def test_large_rounds_give_freed_heap_back_after_every_chunk_and_change_no_numbers(ragged, tmp_path, monkeypatch):
+    per_client = 4 * 766 * 4 + 40   # TinyNet's stacked state, as above: two clients per chunk
+    small = dict(vector_chunk_mb=2.5 * per_client / 2**20)
+    plain, r1 = _run(ragged, tmp_path, "tiny_fedbn", "on", **small)
+    trims = []
+    real = vectorized.release_freed_heap
+    monkeypatch.setattr(vectorized, "PIN_MMAP_CLIENTS", 4)            # these 4 clients count as a large round
+    monkeypatch.setattr(vectorized, "pin_mmap_threshold", lambda: None)  # (leave the test process's malloc alone)
+    monkeypatch.setattr(vectorized, "release_freed_heap", lambda: trims.append(1) or real())
+    trimmed, r2 = _run(ragged, tmp_path / "t", "tiny_fedbn", "on", **small)
+    assert len(trims) == 4                                             # 2 chunks x 2 rounds
+    assert plain.history == trimmed.history and r1["per_client_accuracy"] == r2["per_client_accuracy"]
+    for c in range(4):
+        a, b = plain.store.get(c)["model"], trimmed.store.get(c)["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("opt", [dict(optimizer="adam", weight_decay=0.01, lr=0.01),
                                  dict(optimizer="adamw", weight_decay=0.1, lr=0.01),
                                  dict(optimizer="sgd", momentum=0.9, weight_decay=0.01, local_steps=7)])

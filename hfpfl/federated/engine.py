@@ -309,6 +309,8 @@ class Simulation:
                     for cid in chunk:
                         yield [self._client_work(cid, round_idx, server_state)], None
                     continue
+                if len(cids) >= vectorized.PIN_MMAP_CLIENTS:
+                    vectorized.release_freed_heap()  # many chunks: keep freed temporaries from piling up in the heap
                 self.seed_torch(self.seed_for(round_idx, chunk[-1], "client"))  # the RNG as the sequential path leaves it
                 yield self._finish_chunk(ups, downs, round_idx), (ups.stacked if stacked else None)
             return
