@@ -116,8 +116,18 @@ def show_progress_bars(enabled: bool) -> bool:
     return bool(enabled) and sys.stderr.isatty()
 
 
-def write_history(output_dir: Path, history: list[dict]) -> None:
-    atomic_write_text(output_dir / "metrics.jsonl", "".join(json.dumps(h) + "\n" for h in history))
+def write_history(output_dir: Path, history: list[dict], written: int = 0) -> int:
+    """``metrics.jsonl``, one line per round. ``written``: how many of ``history``'s rounds this process has already
+    written; those stay and only the new ones are appended (rewriting every round each round grows with rounds x
+    clients: 2 ms of a 25 ms 100-client round at round 40). ``written == 0`` (a fresh or resumed run) rewrites the
+    whole file atomically, so a resumed run drops any line a crash left after its checkpoint. Returns the new count."""
+    path = output_dir / "metrics.jsonl"
+    if written == 0 or not path.exists():
+        atomic_write_text(path, "".join(json.dumps(h) + "\n" for h in history))
+    else:
+        with open(path, "a") as f:
+            f.write("".join(json.dumps(h) + "\n" for h in history[written:]))
+    return len(history)
 
 
 def write_results(output_dir: Path, results: dict) -> None:

@@ -65,6 +65,7 @@ class TensorData:
             raise ValueError(f"TensorData columns differ in length: { {k: len(v) for k, v in cols.items()} }")
         self._stored: dict[str, torch.Tensor] = cols
         self._encoded: set[str] = set()      # columns stored as uint8 pixels
+        self._len = n.pop()                  # asked hundreds of times a round by the engine's bookkeeping
 
     @classmethod
     def of(cls, **columns: torch.Tensor) -> "TensorData":
@@ -101,7 +102,7 @@ class TensorData:
         return {k: self._col(k) for k in self._stored if k not in ("pixel_values", "labels")}
 
     def __len__(self) -> int:
-        return len(next(iter(self._stored.values())))
+        return self._len
 
     def rows(self, start: int, stop: int) -> "TensorData":
         """Rows ``[start, stop)`` as a TensorData sharing this one's storage (views; uint8 images stay uint8)."""

@@ -127,6 +127,24 @@ def test_corrupt_and_mismatched_checkpoints(run_sim, tmp_path):
         run_sim("fedavg", output_dir="empty", resume_from_checkpoint="latest", overwrite_output_dir=False)
 
 
+def test_metrics_file_is_appended_and_a_resume_drops_lines_after_its_checkpoint(run_sim, tmp_path):
+    import shutil
+    sim, _ = run_sim("fedavg", num_rounds=3, output_dir="hist", checkpoint_every=2)
+    out = Path(sim.args.output_dir)
+    metrics = out / "metrics.jsonl"
+    ref = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [h["round"] for h in ref] == [1, 2, 3]  # rounds 2 and 3 were appended to round 1's file
+    # a crash after round 3's metrics but before its checkpoint, mid-way through a later line
+    shutil.rmtree(out / "checkpoints" / "round-00003")
+    with open(metrics, "a") as f:
+        f.write('{"round": 4, "global_acc')
+    run_sim("fedavg", num_rounds=3, output_dir="hist", checkpoint_every=2, resume_from_checkpoint="latest",
+            overwrite_output_dir=False)
+    got = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [h["round"] for h in got] == [1, 2, 3]
+    assert got[2]["global_accuracy"] == ref[2]["global_accuracy"]
+
+
 def _recipe(args, out, env_extra=None, launcher=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env_extra or {})}
     cmd = (launcher or [sys.executable]) + [str(ROOT / "recipes" / "run.py"), *SMALL, "--output_dir", str(out), *args]

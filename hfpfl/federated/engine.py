@@ -97,6 +97,7 @@ class Simulation:
                                       f"rank{self.accelerator.process_index}")
         self.ledger = CommLedger()
         self.history: list[dict] = []
+        self._history_written = 0  # rounds of history in metrics.jsonl (0: rewrite it whole, as after a resume)
         # the data cache, keyed by the split object: clients that share a split (the same Dataset) share one
         # converted copy; each entry keeps its split alive so its id cannot be reused while the entry exists
         self._tensors: OrderedDict[int, tuple[object, TensorData]] = OrderedDict()  # least recently used first
@@ -548,6 +549,7 @@ class Simulation:
         self.store.load_flat(state["store"])
         self.ledger = CommLedger.from_json(state["ledger"])
         self.history = list(state["history"])
+        self._history_written = 0
         self.algorithm.load_state_dict(state.get("algorithm", {}))
         if "torch_rng" in state:
             torch.set_rng_state(state["torch_rng"])
@@ -674,7 +676,7 @@ class Simulation:
         if args.checkpoint_every and (r % args.checkpoint_every == 0 or last):
             self.save_checkpoint(r, self.server_state, self._elapsed())
         if acc.is_main_process:
-            tracking.write_history(self.output_dir, self.history)
+            self._history_written = tracking.write_history(self.output_dir, self.history, self._history_written)
         return metrics
 
     def run(self) -> dict:
