@@ -304,6 +304,8 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
                      "FedAvg", "Local-only", "Central"]
     rows = {r["variant"]: r for r in comparison["rows"]}
     assert rows["FedBiP-L"]["num_synthetic"] == 5 * rows["FedBiP-S"]["num_synthetic"] == 5 * 2 * 3 * 10 * 2
+    # [D] Table 3's ablations are read at FedBiP-L's amount (its full row is Table 1's FedBiP-L)
+    assert all(rows[v]["num_synthetic"] == 10 * 3 * 10 * 2 for v in ("prompt-only", "V-only", "instance-only"))
     assert rows["FedAvg"]["bytes_down"] > 0 and rows["FedBiP-S"]["bytes_down"] == 0
     assert all("mia_loss_gap" in r for r in rows.values())
     assert json.loads((out / "comparison.json").read_text())["rows"] == json.loads(json.dumps(comparison["rows"]))
