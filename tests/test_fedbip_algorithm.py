@@ -314,6 +314,19 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     assert "FedBiP-L" in printed and "Central" in printed and "syn-fid" in printed
 
 
+def test_one_seed_in_seeds_is_the_run_seed(ldm_dir, tmp_path):
+    """``--seeds 1`` alone: every variant runs with seed 1 (not only the few-shot draw), in output_dir itself."""
+    from hfpfl.fedbip import compare
+
+    out = tmp_path / "one"
+    comparison = compare.main(["--ldm", ldm_dir, "--output_dir", str(out), "--max_per_domain", "80", "--image_size",
+                               "12", "--test_fraction", "0.3", "--shots_per_class", "2", "--classifier_epochs", "1",
+                               "--baseline_rounds", "1", "--progress", "false", "--seeds", "1",
+                               "--variants", "FedAvg"])
+    assert comparison["seed"] == 1
+    assert json.loads((out / "FedAvg" / "results.json").read_text())["seed"] == 1
+
+
 def test_interrupted_comparison_leaves_no_unfinished_variant_folder(ldm_dir, tmp_path, monkeypatch):
     """A comparison killed (SIGINT/SIGTERM) in a variant removes that variant's folder (it had config.yaml but no
     results.json); finished variants keep theirs; a comparison killed in its first variant leaves no output folder."""

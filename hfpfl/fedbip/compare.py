@@ -411,8 +411,10 @@ def _main(argv, started: dict):
     seeds = [int(x) for x in rec.seeds.split(",")] if rec.seeds else [run.seed]
     comparisons = []
     for seed in seeds:
-        r = run if len(seeds) == 1 else dataclasses.replace(run, seed=seed,
-                                                             output_dir=str(Path(run.output_dir) / f"seed{seed}"))
+        # one seed (--seeds 1 alone) runs in output_dir itself, but with that seed everywhere, not only in the
+        # few-shot draw
+        r = dataclasses.replace(run, seed=seed) if len(seeds) == 1 else dataclasses.replace(
+            run, seed=seed, output_dir=str(Path(run.output_dir) / f"seed{seed}"))
         fed = few_shot(split, rec.shots_per_class, seed)
         print(fed.summary(), flush=True)
         comparisons.append(run_comparison(r, data, cfg, rec, fed))
