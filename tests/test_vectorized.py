@@ -35,10 +35,41 @@ class TinyNet(nn.Module):
         return ImageClassifierOutput(loss=loss, logits=logits)
 
 
+class TinyMLP(nn.Module):
+    """No convolution (the vectorized step's summed-loss backward, not vmap(grad)), with BatchNorm1d."""
+
+    def __init__(self, num_labels=10):
+        super().__init__()
+        self.fc = nn.Linear(3 * 16 * 16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, num_labels)
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.head(torch.relu(self.bn(self.fc(pixel_values.flatten(1)))))
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return ImageClassifierOutput(loss=loss, logits=logits)
+
+
 class _TinyModel:
     def build_model(self):
         torch.manual_seed(0)
         return TinyNet(self.ctx.num_labels)
+
+
+class _TinyMLPModel:
+    def build_model(self):
+        torch.manual_seed(0)
+        return TinyMLP(self.ctx.num_labels)
+
+
+@register
+class TinyMLPFedProx(_TinyMLPModel, FedProx):
+    name = "tiny_mlp_fedprox"
+
+
+@register
+class TinyMLPFedBN(_TinyMLPModel, FedBN):
+    name = "tiny_mlp_fedbn"
 
 
 @register
@@ -81,7 +112,7 @@ def _close(a: dict, b: dict, atol=2e-5):
         assert torch.allclose(a[k].double(), b[k].double(), atol=atol, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
 
 
-@pytest.mark.parametrize("method", ["tiny_fedavg", "tiny_fedprox", "tiny_fedbn"])
+@pytest.mark.parametrize("method", ["tiny_fedavg", "tiny_fedprox", "tiny_fedbn", "tiny_mlp_fedprox", "tiny_mlp_fedbn"])
 def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
     calls, evals = [], []
     real, real_eval = vectorized.train_chunk, vectorized.evaluate_clients
@@ -94,7 +125,7 @@ def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
     _close(seq.server_state["model"], vec.server_state["model"])
     for c in range(4):  # private state (FedBN: every client's own BatchNorm affine and running statistics)
         _close(seq.store.get(c).get("model", {}), vec.store.get(c).get("model", {}))
-    if method == "tiny_fedbn":
+    if method.endswith("fedbn"):
         assert seq.keys_by_role["private"] and vec.store.get(0)["model"]["bn.running_mean"].abs().sum() > 0
         # clients differ: their statistics are their own, not averaged
         assert not torch.allclose(vec.store.get(0)["model"]["bn.running_mean"], vec.store.get(3)["model"]["bn.running_mean"])
