@@ -50,41 +50,19 @@ class TinyMLP(nn.Module):
         return ImageClassifierOutput(loss=loss, logits=logits)
 
 
-class _TinyModel:
+def _register_tiny(net, prefix: str, *bases) -> None:
+    """Register ``<prefix>_<method>`` for each base method, with ``net`` (seeded) as its model."""
     def build_model(self):
         torch.manual_seed(0)
-        return TinyNet(self.ctx.num_labels)
+        return net(self.ctx.num_labels)
+
+    for base in bases:
+        name = f"{prefix}_{base.name}"
+        register(type(name, (base,), {"name": name, "build_model": build_model}))
 
 
-class _TinyMLPModel:
-    def build_model(self):
-        torch.manual_seed(0)
-        return TinyMLP(self.ctx.num_labels)
-
-
-@register
-class TinyMLPFedProx(_TinyMLPModel, FedProx):
-    name = "tiny_mlp_fedprox"
-
-
-@register
-class TinyMLPFedBN(_TinyMLPModel, FedBN):
-    name = "tiny_mlp_fedbn"
-
-
-@register
-class TinyFedAvg(_TinyModel, FedAvg):
-    name = "tiny_fedavg"
-
-
-@register
-class TinyFedProx(_TinyModel, FedProx):
-    name = "tiny_fedprox"
-
-
-@register
-class TinyFedBN(_TinyModel, FedBN):
-    name = "tiny_fedbn"
+_register_tiny(TinyNet, "tiny", FedAvg, FedProx, FedBN)          # tiny_fedavg, tiny_fedprox, tiny_fedbn
+_register_tiny(TinyMLP, "tiny_mlp", FedProx, FedBN)               # tiny_mlp_fedprox, tiny_mlp_fedbn
 
 
 @pytest.fixture(scope="module")
@@ -326,12 +304,10 @@ def test_client_store_spills_least_recently_used_to_disk(tmp_path):
 
 
 def test_spilling_changes_no_numbers(ragged, tmp_path):
-    @register
-    class TinyLocal(_TinyModel, FedBN):
-        name = "tiny_local_spill"
+    _register_tiny(TinyNet, "tiny_local_spill", FedBN)  # tiny_local_spill_fedbn
 
-    ref, rr = _run(ragged, tmp_path, "tiny_local_spill", "off", num_rounds=2)
-    small, rs = _run(ragged, tmp_path / "s", "tiny_local_spill", "off", num_rounds=2, max_state_mb=0.0001)
+    ref, rr = _run(ragged, tmp_path, "tiny_local_spill_fedbn", "off", num_rounds=2)
+    small, rs = _run(ragged, tmp_path / "s", "tiny_local_spill_fedbn", "off", num_rounds=2, max_state_mb=0.0001)
     assert len(small.store._states) == 1 and len(small.store) == 4  # only the last client stays in memory
     assert any((tmp_path / "s").rglob("*.safetensors"))
     for c in range(4):
