@@ -327,6 +327,14 @@ def test_one_seed_in_seeds_is_the_run_seed(ldm_dir, tmp_path):
     assert json.loads((out / "FedAvg" / "results.json").read_text())["seed"] == 1
 
 
+def test_bad_seeds_name_the_option(tmp_path):
+    from hfpfl.fedbip import compare
+
+    with pytest.raises(ValueError, match=r"--seeds must be comma-separated integers, e\.g\. --seeds 0,1,2; got '1,x'"):
+        compare.parse(["--seeds", "1,x", "--output_dir", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
 def test_interrupted_comparison_leaves_no_unfinished_variant_folder(ldm_dir, tmp_path, monkeypatch):
     """A comparison killed (SIGINT/SIGTERM) in a variant removes that variant's folder (it had config.yaml but no
     results.json); finished variants keep theirs; a comparison killed in its first variant leaves no output folder."""

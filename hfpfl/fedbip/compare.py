@@ -81,6 +81,12 @@ class RecipeArguments:
         "help": "Rounds of FedAvg / Local-only (1 local epoch each) and Central epochs; default = classifier_epochs, "
                 "so every classifier sees its training data the same number of epochs."})
 
+    def __post_init__(self):
+        if self.seeds is not None and self.seeds.strip():
+            parts = [x.strip() for x in self.seeds.split(",")]
+            if not all(x.lstrip("-").isdigit() for x in parts):
+                raise ValueError(f"--seeds must be comma-separated integers, e.g. --seeds 0,1,2; got {self.seeds!r}")
+
 
 def few_shot(fed, shots: int | None, seed: int):
     """Keep ``shots`` train images per class on every client (deterministic; classes with fewer keep all)."""
@@ -408,7 +414,7 @@ def _main(argv, started: dict):
         print(format_table(res))
         print(f"results: {os.path.join(run.output_dir, 'results.json')}")
         return res
-    seeds = [int(x) for x in rec.seeds.split(",")] if rec.seeds else [run.seed]
+    seeds = [int(x) for x in rec.seeds.split(",")] if rec.seeds and rec.seeds.strip() else [run.seed]
     comparisons = []
     for seed in seeds:
         # one seed (--seeds 1 alone) runs in output_dir itself, but with that seed everywhere, not only in the

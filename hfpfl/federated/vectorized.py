@@ -3,8 +3,10 @@
 Small models are overhead-bound: a step of an MLP 64-64-10 on 10 images costs about as much Python and dispatch as
 arithmetic, so stepping 100 clients one after another is ~10x slower than stepping them as one batched call. This
 module runs the local training of a chunk of clients as stacked tensors (``[clients, *shape]`` per parameter,
-buffer and optimizer state): a ``vmap`` of ``torch.func.functional_call`` computes every client's loss in one batched
-forward and one backward of their sum gives every client's own gradient, with exactly the per-client semantics of the sequential loop (:func:`hfpfl.training.train_local`):
+buffer and optimizer state) with ``torch.func.functional_call`` under ``vmap``: ``vmap(grad_and_value(...))`` for
+models with convolutions; for the others one batched forward of every client's loss and one backward of their sum,
+which gives every client its own gradient (faster there). Either way with exactly the per-client semantics of the
+sequential loop (:func:`hfpfl.training.train_local`):
 
 * each client's own data order (the same seeded generator and ``randperm`` per epoch), own batches (the trailing
   singleton merged away), own number of steps: at every step only the clients that still have a batch step, grouped
