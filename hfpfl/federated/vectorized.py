@@ -500,7 +500,8 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
         def vstep(p, b, a, batch):
             """Every client's gradient and task loss. The clients' losses are independent, so the gradient of their
             sum w.r.t. the stacked parameters is, row by row, each client's own gradient: one batched forward and
-            one ordinary backward, 18-27% faster than ``vmap(grad(loss))`` for a 64-64-10 MLP at 20-100 clients."""
+            one ordinary backward, 18-27% faster than ``vmap(grad(loss))`` for a 64-64-10 MLP at 20-100 clients
+            (at 500 the two trade places run to run: scripts/bench_vectorized_step.py)."""
             leaves = {k: v.detach().requires_grad_() for k, v in p.items()}
             with torch.enable_grad():
                 loss, task = vloss(leaves, b, a, batch)
