@@ -92,14 +92,18 @@ def _close(a: dict, b: dict, atol=2e-5):
 
 @pytest.mark.parametrize("method", ["tiny_fedavg", "tiny_fedprox", "tiny_fedbn", "tiny_mlp_fedprox", "tiny_mlp_fedbn"])
 def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
-    calls, evals = [], []
-    real, real_eval = vectorized.train_chunk, vectorized.evaluate_clients
+    calls, evals, adopted = [], [], []
+    real, real_eval, real_adopt = vectorized.train_chunk, vectorized.evaluate_clients, vectorized.adopt_grad_layout
     monkeypatch.setattr(vectorized, "train_chunk", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    monkeypatch.setattr(vectorized, "adopt_grad_layout", lambda P, g: adopted.append(
+        sorted(k for k in g if g[k].stride() != P[k].stride())) or real_adopt(P, g))
     monkeypatch.setattr(vectorized, "evaluate_clients", lambda *a, **k: evals.append(len(a[1])) or real_eval(*a, **k))
     seq, rs = _run(ragged, tmp_path, method, "off")
     assert calls == []
     vec, rv = _run(ragged, tmp_path, method, "on")
     assert calls == [4, 4] and evals == [4, 4]  # both rounds, all four clients in one batched chunk
+    if method == "tiny_mlp_fedbn":  # batched Linear weights' gradients come transposed: stored in their layout
+        assert adopted == [["fc.weight", "head.weight"]] * 2  # (FedProx's: contiguous, its proximal term summed in)
     _close(seq.server_state["model"], vec.server_state["model"])
     for c in range(4):  # private state (FedBN: every client's own BatchNorm affine and running statistics)
         _close(seq.store.get(c).get("model", {}), vec.store.get(c).get("model", {}))
@@ -116,9 +120,11 @@ def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
 def test_vector_chunk_mb_splits_chunks_and_changes_no_numbers(ragged, tmp_path, monkeypatch):
     # TinyNet: 766 trainable parameters x 4 (value, gradient, two optimizer slots) x 4 bytes + 40 bytes of BN buffers
     per_client = 4 * 766 * 4 + 40
-    calls, evals = [], []
-    real, real_eval = vectorized.train_chunk, vectorized.evaluate_clients
+    calls, evals, adopted = [], [], []
+    real, real_eval, real_adopt = vectorized.train_chunk, vectorized.evaluate_clients, vectorized.adopt_grad_layout
     monkeypatch.setattr(vectorized, "train_chunk", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    monkeypatch.setattr(vectorized, "adopt_grad_layout", lambda P, g: adopted.append(
+        sorted(k for k in g if g[k].stride() != P[k].stride())) or real_adopt(P, g))
     monkeypatch.setattr(vectorized, "evaluate_clients", lambda *a, **k: evals.append(len(a[1])) or real_eval(*a, **k))
     one, r1 = _run(ragged, tmp_path, "tiny_fedbn", "on")
     assert calls == [4, 4]
@@ -148,6 +154,18 @@ def test_large_rounds_give_freed_heap_back_after_every_chunk_and_change_no_numbe
     for c in range(4):
         a, b = plain.store.get(c)["model"], trimmed.store.get(c)["model"]
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_parameters_take_their_gradients_layout_with_the_same_values():
+    w = torch.randn(3, 4, 5)
+    P = {"w": w, "b": torch.randn(3, 4)}
+    g = {"w": torch.randn(3, 5, 4).mT, "b": torch.randn(3, 4)}  # a transposed gradient, as a batched Linear's
+    b = P["b"]
+    vectorized.adopt_grad_layout(P, g)
+    assert P["w"].stride() == g["w"].stride() == (20, 1, 4) and torch.equal(P["w"], w)
+    assert P["b"] is b  # already in its gradient's layout: untouched
+    P["w"].add_(g["w"], alpha=-0.5)
+    assert torch.equal(P["w"], w - 0.5 * g["w"]) and P["w"].stride() == (20, 1, 4)
 
 
 @pytest.mark.parametrize("opt", [dict(optimizer="adam", weight_decay=0.01, lr=0.01),

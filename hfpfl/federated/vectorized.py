@@ -412,6 +412,26 @@ def _stack(values: list[torch.Tensor], device, copy_shared: bool = False) -> tor
     return torch.stack([v.to(device) for v in values])
 
 
+ADOPT_LAYOUT_STEPS = 3
+
+
+def adopt_grad_layout(params: dict, grads: dict) -> None:
+    """Re-store each stacked parameter in its gradient's memory layout (once per chunk, before the first update).
+
+    A batched ``Linear``'s weight gradient comes out transposed (``[clients, out, in]`` with strides ``(out*in, 1,
+    out)``). An in-place update of a contiguous parameter by it walks one of the two against its memory order, which
+    costs ~7x an update of matching layouts (MLP 64-64-10, 100 clients: 0.73 vs 0.10 ms); with the parameter stored
+    in the gradient's layout, later gradients keep that layout and the whole step measured 30-35% faster at 100 and
+    500 clients (the batched matmuls read the transposed weight as it is). Values are unchanged: only strides.
+    The two copies (here and back to contiguous after the chunk) cost about one step, so :func:`train_chunk` adopts
+    only for chunks of :data:`ADOPT_LAYOUT_STEPS` steps or more (engine rounds, MLP, train only, alternating with the
+    previous code: 20 clients x 17 steps 5-7% faster, 100 clients x 2 steps 5% slower when adopting)."""
+    for k, g in grads.items():
+        like = torch.empty_like(g)  # preserve_format: g's strides when g is dense, contiguous otherwise
+        if like.stride() != params[k].stride() and like.dtype == params[k].dtype:
+            params[k] = like.copy_(params[k])
+
+
 class ChunkUpdates(list):
     """The :class:`Update` of every client of a vectorized chunk, in order, plus the chunk's uploads as stacked
     tensors (``stacked[part][key]`` is ``[clients, *shape]``) and the bytes one client uploads per part (the same
@@ -518,6 +538,7 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
     loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device)  # read once, after the last step
     opt = _Opt(hp, {})
     model.train()
+    adopted = max(n_steps) < ADOPT_LAYOUT_STEPS  # too few steps to pay for the layout's two copies
     for s in range(max(n_steps)):
         for members, batch_idx in scheds.groups(s):
             everyone = len(members) == len(clients)
@@ -538,11 +559,15 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
                     for k in B:
                         B[k][idx] = b[k]
             with torch.no_grad():
+                if not adopted:  # before the optimizer creates its state (zeros_like keeps the layout)
+                    adopt_grad_layout(P, grads)
+                    adopted = True
                 opt.step(P, grads, idx, s + 1)
             if everyone:
                 loss_sums += task.detach().double()
             else:
                 loss_sums[idx] += task.detach().double()
+    P = {k: v.contiguous() for k, v in P.items()}  # uploads and private states leave in the usual layout
     # the model ends as the sequential loop leaves it: holding the last client's state
     with torch.no_grad():
         for k in trainable:
