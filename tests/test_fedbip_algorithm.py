@@ -114,6 +114,24 @@ def test_synthetic_set_size_and_class_balance(full_run):
     assert res["final"]["num_synthetic"] == len(syn["labels"])
 
 
+def test_each_upload_is_synthesised_on_receipt_alone(full_run):
+    """``receive`` makes each client's images from its upload alone (the engine runs it where the upload is, so
+    processes synthesise clients in parallel); ``aggregate`` only gathers them. A client synthesised again, after
+    another client and on its own, gives the same images: the set does not depend on which process made what."""
+    sim, _, _, _ = full_run
+    algo, ups = sim.algorithm, sim.last_updates
+    syn = algo.synthetic
+    assert [u.client_id for u in ups] == [0, 1, 2]
+    for u in ups:
+        x, y = u.received["synthetic"]
+        assert torch.equal(syn["images"][syn["clients"] == u.client_id], x)
+        assert torch.equal(syn["labels"][syn["clients"] == u.client_id], y)
+    r = sim.history[-1]["round"]
+    algo.synthesize(ups[0], r)
+    x2, y2 = algo.synthesize(ups[2], r)
+    assert torch.equal(x2, ups[2].received["synthetic"][0]) and torch.equal(y2, ups[2].received["synthetic"][1])
+
+
 def test_results_privacy_metrics_and_grid(full_run):
     sim, res, _, _ = full_run
     on_disk = json.loads((sim.output_dir / "results.json").read_text())

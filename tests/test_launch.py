@@ -162,3 +162,56 @@ def test_default_launches_what_the_rule_says(tmp_path):
                              f"{'1 to disable' if n > 1 else 'N to force N'}")
     assert json.loads((out / "results.json").read_text())["world_size"] == n
     assert p.stdout.count("results: ") == 1
+
+
+RECEIVING = '''
+import json, os
+from hfpfl.algorithms import register
+from hfpfl.algorithms.fedavg import FedAvg
+from hfpfl.cli import run_recipe
+
+
+@register
+class ReceivingFedAvg(FedAvg):
+    """FedAvg that records, per upload, which process did the server's per-upload work (``receive``)."""
+    name = "receiving_fedavg"
+
+    def receive(self, upd, round_idx):
+        upd.received["process"] = self.ctx.accelerator.process_index
+
+    def aggregate(self, server_state, updates, round_idx):
+        seen = {u.client_id: u.received["process"] for u in updates}
+        with open(os.path.join(self.ctx.output_dir, f"received_{round_idx}.json"), "w") as f:
+            json.dump(seen, f)
+        return super().aggregate(server_state, updates, round_idx)
+
+
+if __name__ == "__main__":
+    run_recipe()
+'''
+
+
+@pytest.mark.slow
+def test_receive_runs_where_each_upload_is_once_and_changes_no_numbers(tmp_path):
+    """``Algorithm.receive`` (per-upload server work, e.g. FedBiP's synthesis) is spread over the processes: with
+    two, each process receives the uploads of the clients it holds, every upload exactly once; same numbers."""
+    script = tmp_path / "receiving.py"
+    script.write_text(RECEIVING)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    for k in ("LOCAL_RANK", "ACCELERATE_MIXED_PRECISION", "WORLD_SIZE"):
+        env.pop(k, None)
+    results = {}
+    for n in ("1", "2"):
+        out = tmp_path / n
+        proc = subprocess.run([sys.executable, str(script), *SMALL, "--method", "receiving_fedavg", "--num_rounds", "2",
+                               "--checkpoint_every", "0", "--num_processes", n, "--output_dir", str(out)],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results[n] = json.loads((out / "results.json").read_text())
+        for r in (1, 2):  # rounds count from 1
+            seen = json.loads((out / f"received_{r}.json").read_text())
+            assert sorted(seen) == ["0", "1", "2", "3"]  # every sampled upload, once
+            assert set(seen.values()) == ({0} if n == "1" else {0, 1})  # two processes: both did server work
+    assert results["2"]["world_size"] == 2
+    assert results["1"]["final"] == results["2"]["final"]
+    assert results["1"]["communication"]["bytes_up"] == results["2"]["communication"]["bytes_up"]  # nothing added

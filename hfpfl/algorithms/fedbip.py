@@ -7,8 +7,9 @@ One round (``one_shot = True``):
   independent draws per image = FedBiP-S/M/L) and trains its domain concept S and class concepts V (Eq. 4) with
   the LDM frozen. It uploads exactly ``{"latents", "labels", "domain_concept", "class_concepts"}`` (bytes counted
   by the engine); nothing travels down (the LDM is public). The classifier is not touched on clients.
-* **server** (``aggregate``): per client upload, in its own seeded generator (asynchronous per client, as the paper
-  allows), ``FedBiPPipeline`` runs the reverse diffusion from each z_i(T) with the prompt "A [S^] style of a [V_y]",
+* **server** (``receive``, then ``aggregate``): per client upload, in its own seeded generator (asynchronous per
+  client, as the paper allows; the engine runs ``receive`` where the upload is, so several processes synthesise
+  several clients at once), ``FedBiPPipeline`` runs the reverse diffusion from each z_i(T) with the prompt "A [S^] style of a [V_y]",
   S^ = S + eta (Eq. 5). The classifier (``sim.model``) is trained on the synthetic set only, with the engine's one
   training loop (``Algorithm.local_train(data=TensorData(...))``), and evaluated by the engine on every client's
   real test data and on the global test set.
@@ -464,14 +465,22 @@ class FedBiP(Algorithm):
             images = images.mean(1, keepdim=True)
         return images.clamp(-1, 1).contiguous(), out.labels.long()
 
+    def receive(self, upd: Update, round_idx: int) -> None:
+        """One client's D_syn, as soon as its upload arrives ([D]: the server may synthesise per client,
+        asynchronously): the engine calls this where the upload is, so N processes synthesise N clients at once;
+        each client's images come from its own seeded generator, the same on any process."""
+        self.check_upload(upd)
+        upd.received["synthetic"] = self.synthesize(upd, round_idx)
+
     def aggregate(self, server_state, updates, round_idx):
         if not updates:
             return server_state
         for u in updates:
-            self.check_upload(u)
-        from ..fedbip.protocol import synthesize
+            if "synthetic" not in u.received:  # aggregate called without the engine's receive (direct use)
+                self.receive(u, round_idx)
+        from ..fedbip.protocol import synthetic_set
 
-        self.synthetic = synthesize(self, updates, round_idx)  # aggregate runs once, on the main process
+        self.synthetic = synthetic_set(updates)  # aggregate runs once, on the main process
         syn = TensorData(self.synthetic["images"], self.synthetic["labels"])
         logger.info("FedBiP: %d synthetic images from %d clients; training the classifier on them only", len(syn),
                     len(updates))

@@ -1,6 +1,6 @@
 """FedBiP protocol settings shared by the engine plug-in (``hfpfl.algorithms.fedbip``) and the tests: the noising
 timestep, the concept-space scale of lr / sigma, the mixed (learned + real-word) concepts of the "S only" / "V only"
-ablations, and synthesis once on the main process."""
+ablations, and the synthetic set gathered from the clients' uploads."""
 
 from __future__ import annotations
 
@@ -58,12 +58,12 @@ def mixed_init(algo, client_id: int, train_s: bool, train_v: bool, seed: int):
     return (S_0 if train_s else S_w), (V_0 if train_v else V_w)
 
 
-def synthesize(algo, updates, round_idx) -> dict:
-    """D_syn = the synthetic images of every upload. The engine runs a method's ``aggregate`` once, on the main
-    process, and broadcasts the new server state, so synthesis (and the classifier trained on it) happens once."""
+def synthetic_set(updates) -> dict:
+    """D_syn = every upload's synthetic images (made by ``FedBiP.receive``, one client at a time, each in its own
+    seeded generator, on whichever process held the upload), in client order, with each image's client."""
     xs, ys, cs = [], [], []
-    for u in sorted(updates, key=lambda u: u.client_id):  # asynchronous per client: each upload on its own
-        x, y = algo.synthesize(u, round_idx)
+    for u in sorted(updates, key=lambda u: u.client_id):
+        x, y = u.received["synthetic"]
         xs.append(x.cpu())
         ys.append(y.cpu())
         cs.append(torch.full((len(y),), u.client_id, dtype=torch.long))

@@ -388,9 +388,13 @@ class Simulation:
         algo, acc = self.algorithm, self.accelerator
         sampled = self.sample_clients(round_idx)
         gather = algo.needs_all_uploads or type(algo).aggregate is not Algorithm.aggregate
+        receives = type(algo).receive is not Algorithm.receive or "receive" in vars(algo)
         kept: list[Update] = []
         if gather:
-            kept.extend(self._client_updates(self.ownership.owned(sampled), round_idx, server_state))
+            for upd in self._client_updates(self.ownership.owned(sampled), round_idx, server_state):
+                if receives:  # per-upload server work where the upload is: spread over the processes
+                    algo.receive(upd, round_idx)
+                kept.append(upd)
             everything = gather_to_main(kept, acc)
             if acc.is_main_process:  # server work once, then every process gets the result
                 everything = sorted(everything, key=lambda u: u.client_id)
@@ -409,7 +413,7 @@ class Simulation:
             meta = []
             # the default accumulate (weighted mean of the model part: FedAvg, FedProx, FedBN, ...) folds a whole
             # vectorized chunk's stacked uploads in one call instead of one call per client
-            fold_chunks = (not self.keep_uploads and type(algo).accumulate is Algorithm.accumulate
+            fold_chunks = (not self.keep_uploads and not receives and type(algo).accumulate is Algorithm.accumulate
                            and "accumulate" not in vars(algo))
             for ups, stacked in self._client_update_batches(self.ownership.owned(sampled), round_idx, server_state,
                                                             stacked=fold_chunks):
@@ -418,6 +422,8 @@ class Simulation:
                     sums.count += len(ups)
                 for upd in ups:
                     cid = upd.client_id
+                    if receives:
+                        algo.receive(upd, round_idx)
                     if stacked is None:
                         algo.accumulate(sums, upd, weights[cid] / total)
                         sums.count += 1

@@ -128,6 +128,7 @@ class Update:
     num_samples: int
     private: Parts | None = None           # new private state; stays on the client
     metrics: dict = field(default_factory=dict)
+    received: dict = field(default_factory=dict)  # the server's work on this upload alone (``receive``); not sent
 
 
 @contextlib.contextmanager
@@ -526,6 +527,15 @@ class Algorithm:
         mean = sums.get(MODEL, server_state[MODEL])
         params = {n for n, _ in self.model.named_parameters()}
         return server_optimizer_step(server_state, mean, self.ctx.server_hparams(), round_idx, params)
+
+    def receive(self, update: Update, round_idx: int) -> None:
+        """Server work on one upload alone, before the round's aggregation (default: none). The engine calls it on
+        the process that holds the upload, right after the client's update, so with N processes this work is
+        spread N ways (each upload is received once, wherever it lands). Store results in ``update.received``: they
+        travel with the update to ``aggregate`` (or ``accumulate``) and are not counted as communication. Read only
+        what a server has: the upload, the method's config and public models, ``ctx.generator(r, i, tag)`` for
+        randomness (seeded per client, so the result does not depend on the process). FedBiP synthesises one
+        client's images here."""
 
     def aggregate(self, server_state: Parts, updates: list[Update], round_idx: int) -> Parts:
         """All of a round's uploads at once. The default streams them through accumulate/reduce; a method that
