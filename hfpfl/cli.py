@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import contextlib
 import os
 import sys
 
@@ -69,9 +70,18 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
     program's entry point, so ``--num_processes`` may start more processes (hfpfl.launch); a call from other Python
     code runs in its own process (``auto`` then means one)."""
     workers = []  # the hfpfl.launch.Workers once this process forked
+    with worker_exits(workers):
+        return _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, description,
+                           recipe_settings, argv is None if top_level is None else top_level)
+
+
+@contextlib.contextmanager
+def worker_exits(workers: list):
+    """Around code that may fork (``workers.append(hfpfl.launch.fork_workers(n))``): a forked worker never returns
+    into the caller's code (it leaves here with its exit code); the main process waits for the workers and fails
+    if one did."""
     try:
-        results = _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, description,
-                              recipe_settings, argv is None if top_level is None else top_level)
+        yield
     except BaseException as e:
         if workers and workers[0].rank:
             _exit_worker(e)
@@ -85,7 +95,6 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
         if code:
             print(f"error: a worker process exited with code {code}; see its output above", file=sys.stderr)
             raise SystemExit(code)
-    return results
 
 
 def _exit_worker(e: BaseException | None) -> None:
@@ -181,7 +190,12 @@ def _processes_to_launch(run, data, top_level: bool = True) -> int:
     clients = run.clients_per_round
     if clients is None and data is not None and getattr(data, "num_clients", None):
         clients = max(1, int(round(run.client_fraction * data.num_clients)))
-    n, why = decide(spec, clients, run.num_rounds, **machine())
+    from .algorithms import get_algorithm
+    try:
+        cost = get_algorithm(run.method).client_update_cost if run.method else 1.0
+    except KeyError:  # an unknown method fails later, with the list of methods
+        cost = 1.0
+    n, why = decide(spec, clients, run.num_rounds, update_cost=cost, **machine())
     if spec == "auto":
         print(f"using {n} process{'es' if n > 1 else ''}: {why}; set --num_processes "
               f"{'1 to disable' if n > 1 else 'N to force N'}", flush=True)

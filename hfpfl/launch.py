@@ -95,7 +95,7 @@ MIN_CLIENT_UPDATES = 20
 
 
 def decide(spec: str, clients_per_round: int | None, num_rounds: int, *, cores: int, load: float,
-           gpus: int) -> tuple[int, str]:
+           gpus: int, update_cost: float = 1.0) -> tuple[int, str]:
     """``(processes, why)`` for ``--num_processes spec``: a pure function of its arguments (the run's clients per
     round and rounds, the usable cores, the 1-minute load average, the CUDA GPUs), so that the choice can be
     logged, tested and checked. The numbers a run computes do not depend on it (the same for any process count)."""
@@ -112,10 +112,14 @@ def decide(spec: str, clients_per_round: int | None, num_rounds: int, *, cores: 
         n = min(n, clients_per_round)
     if n < 2:
         return 1, capacity + (f", {clients_per_round} client per round" if clients_per_round == 1 else "")
-    updates = (clients_per_round or 0) * num_rounds
+    # ``update_cost``: what one client update of the method is worth in small-model updates (Algorithm.
+    # client_update_cost; FedBiP's concept training + synthesis of one client: minutes, not a tenth of a second)
+    updates = (clients_per_round or 0) * num_rounds * update_cost
     if clients_per_round and updates < MIN_CLIENT_UPDATES:
-        return 1, (f"{capacity}, but a short run: {clients_per_round} clients x {num_rounds} rounds = {updates} client "
+        return 1, (f"{capacity}, but a short run: {clients_per_round} clients x {num_rounds} rounds = {updates:g} client "
                    f"updates < {MIN_CLIENT_UPDATES}, start-up would not pay")
+    if update_cost != 1:
+        return n, f"{capacity}, {clients_per_round or '?'} clients x {num_rounds} rounds x {update_cost:g} (update cost)"
     return n, f"{capacity}, {clients_per_round or '?'} clients x {num_rounds} rounds"
 
 

@@ -45,6 +45,13 @@ def test_auto_uses_more_processes_only_where_it_pays():
     assert d("auto", 4, 5, cores=2, load=0.0, gpus=0)[0] == 2        # 20 updates: it pays
     assert d("auto", 4, 2, cores=2, load=0.0, gpus=0)[0] == 1        # the README's first run (4 x 2) stays in one
     assert d("auto", 500, 3, cores=2, load=0.2, gpus=0) == (2, "2 idle cores (2 usable, load 0.20), 500 clients x 3 rounds")
+    # a method's heavier client updates (FedBiP: concept training + synthesis, update cost 100): 3 clients x 1 round
+    assert d("auto", 3, 1, cores=2, load=0.2, gpus=0)[0] == 1                     # 3 small updates: one process
+    assert d("auto", 3, 1, cores=2, load=0.2, gpus=0, update_cost=100) == (
+        2, "2 idle cores (2 usable, load 0.20), 3 clients x 1 rounds x 100 (update cost)")
+    assert d("auto", 3, 1, cores=2, load=0.2, gpus=0, update_cost=5)[0] == 1       # 15 < 20
+    from hfpfl.algorithms import get_algorithm
+    assert get_algorithm("fedbip").client_update_cost == 100 and get_algorithm("fedavg").client_update_cost == 1
     with pytest.raises(ValueError, match="--num_processes must be auto or a whole number >= 1"):
         d("0", 4, 5, cores=2, load=0.0, gpus=0)
 

@@ -258,6 +258,9 @@ class FedBiP(Algorithm):
     name = "fedbip"
     Config = FedBiPConfig
     one_shot = True
+    # a client's concept training + the server's synthesis of its images (``receive``, spread over the processes):
+    # 30-40 s each on the main job's tiny LDM, against ~0.1-0.3 s for a small model's client update
+    client_update_cost = 100.0
 
     def __init__(self, sim, config):
         super().__init__(sim, config)

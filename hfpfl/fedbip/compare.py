@@ -56,6 +56,11 @@ DEFAULTS = {
     "multiplier": 10,
     # the tiny LDM was pretrained on captions "a [style word] photo of the digit seven": a Table-5-style template
     "prompt_template": "a [S] photo of the digit [V]",
+    # one process unless asked: --num_processes 2 gives every FedBiP row exactly (each client's images come from
+    # its own seeded generator, wherever it is synthesised) in ~0.75x the time, but the multi-round FedAvg baseline's
+    # float64 upload sums are then added in another order, which moves ~1% of its float32 weights by one ulp per
+    # round and, over its rounds, its accuracy (0.298 vs 0.307, seed 0; README "FedBiP status")
+    "num_processes": "1",
 }
 
 
@@ -241,8 +246,10 @@ PAPER_ORDER = ("[D] Table 3: prompt-only < V-only < S-only < instance-only < ins
                "Table 1: FedBiP-S < -M < -L, FedBiP-L above FedAvg on average, below Central")
 
 
-def run_comparison(run, data, cfg, rec, fed) -> dict:
-    """Every variant on the same federated data; returns {"rows": [...], ...} and writes comparison.json."""
+def run_comparison(run, data, cfg, rec, fed, main: bool = True) -> dict:
+    """Every variant on the same federated data; returns {"rows": [...], ...} and writes comparison.json.
+    ``main=False`` (a worker process of a several-process run): the variants run (the clients this process holds),
+    nothing is read from the synthetic sets (they live on the main process), printed or written."""
     from hfpfl import tracking
     from hfpfl.federated.engine import Simulation
     from hfpfl.federated.training import TensorData, evaluate
@@ -261,6 +268,8 @@ def run_comparison(run, data, cfg, rec, fed) -> dict:
         with variant_folder(r_args.output_dir):
             sim = Simulation(r_args, data, m_cfg, fed_data=fed)
             res = sim.run()
+        if not main:
+            continue
         rows.append(summarize(name, sim, res, m_cfg))
         if res["method"] == "fedbip":
             syn_sets[name] = sim.algorithm.synthetic
@@ -281,6 +290,8 @@ def run_comparison(run, data, cfg, rec, fed) -> dict:
               f"({time.perf_counter() - t:.1f} s)", flush=True)
         if name == main_name:
             main_res = res
+    if not main:
+        return {"rows": rows}
     out = Path(run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     total = time.perf_counter() - t0
@@ -362,10 +373,13 @@ def main(argv=None):
     from hfpfl.runtime import Interrupted, interruptible
 
     _setup_logging()
+    from hfpfl.cli import worker_exits
+
     started: dict = {}  # output_dir once resolved, and whether it existed before this run
+    workers: list = []  # hfpfl.launch.Workers once --num_processes forked this process
     try:
-        with interruptible():
-            return _main(argv, started)
+        with worker_exits(workers), interruptible():
+            return _main(argv, started, workers)
     except USER_ERRORS as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)
@@ -390,11 +404,12 @@ def remove_empty_dirs(root) -> None:
             pass
 
 
-def _main(argv, started: dict):
+def _main(argv, started: dict, workers: list):
     import torch
 
     from hfpfl import tracking
-    from hfpfl.cli import format_table
+    from hfpfl.algorithms.fedbip import resolve_ldm
+    from hfpfl.cli import _processes_to_launch, format_table
     from hfpfl.data import build_federated_dataset
     from hfpfl.federated.engine import Simulation
     from hfpfl.runtime import check_output_dir, resolve_output_dir  # the one output-folder rule
@@ -405,14 +420,25 @@ def _main(argv, started: dict):
     if rec.compare:  # a finished comparison (results.json) is reused only with --overwrite_output_dir
         variants(run, cfg, rec)  # a bad --variants fails here, before minutes of work
         check_output_dir(run.output_dir, overwrite=run.overwrite_output_dir, resume=False)
+    resolve_ldm(cfg.ldm)  # a first run pretrains and publishes the tiny LDM here: once, before any fork
+    n_proc = _processes_to_launch(run, data, top_level=argv is None)
+    if n_proc > 1:  # every variant in n_proc processes: clients (and their synthesis) spread over them
+        from hfpfl.launch import fork_workers, relaunch
+
+        if torch.cuda.is_available():  # CUDA cannot be forked: accelerate's launcher, the whole command again
+            raise SystemExit(relaunch(n_proc, sys.argv[1:], output_dir=run.output_dir, script=sys.argv[0]))
+        workers.append(fork_workers(n_proc))
+    main = int(os.environ.get("RANK", "0")) == 0  # a worker (forked or launched): no prints, no files
     torch.set_num_threads(max(1, run.num_threads))
     split = build_federated_dataset(data, seed=rec.data_seed)
     if not rec.compare:
         fed = few_shot(split, rec.shots_per_class, run.seed)
-        print(fed.summary(), flush=True)
+        if main:
+            print(fed.summary(), flush=True)
         res = Simulation(run, data, cfg, fed_data=fed).run()
-        print(format_table(res))
-        print(f"results: {os.path.join(run.output_dir, 'results.json')}")
+        if main:
+            print(format_table(res))
+            print(f"results: {os.path.join(run.output_dir, 'results.json')}")
         return res
     seeds = [int(x) for x in rec.seeds.split(",")] if rec.seeds and rec.seeds.strip() else [run.seed]
     comparisons = []
@@ -422,10 +448,11 @@ def _main(argv, started: dict):
         r = dataclasses.replace(run, seed=seed) if len(seeds) == 1 else dataclasses.replace(
             run, seed=seed, output_dir=str(Path(run.output_dir) / f"seed{seed}"))
         fed = few_shot(split, rec.shots_per_class, seed)
-        print(fed.summary(), flush=True)
-        comparisons.append(run_comparison(r, data, cfg, rec, fed))
-    if len(seeds) == 1:
-        return comparisons[0]
+        if main:
+            print(fed.summary(), flush=True)
+        comparisons.append(run_comparison(r, data, cfg, rec, fed, main))
+    if len(seeds) == 1 or not main:
+        return comparisons[0] if len(seeds) == 1 else {"comparisons": comparisons}
     summary = aggregate_seeds(comparisons)
     out = Path(run.output_dir)
     tracking.atomic_write_text(out / "summary.json", json.dumps(

@@ -457,6 +457,8 @@ class Algorithm:
     has_global_model: ClassVar[bool] = True
     needs_all_uploads: ClassVar[bool] = False  # True (or overriding ``aggregate``): the gather path
     on_non_finite: ClassVar[str] = "error"     # "error": a diverged client stops the run; "skip": the method copes
+    # one client update's cost in small-model updates (~0.1-0.3 s), for --num_processes auto (hfpfl.launch.decide)
+    client_update_cost: ClassVar[float] = 1.0
 
     def __init__(self, ctx: MethodContext, config):
         self.ctx = ctx
