@@ -168,6 +168,43 @@ def test_parameters_take_their_gradients_layout_with_the_same_values():
     assert torch.equal(P["w"], w - 0.5 * g["w"]) and P["w"].stride() == (20, 1, 4)
 
 
+def test_layout_adopted_when_the_first_step_groups_only_some_clients(ragged, tmp_path, monkeypatch):
+    """Client 0 keeps 9 images (one batch of 9), the others batches of 10: step 0 steps two groups, the smaller batch
+    first, which is not every client. The MLP's chunk still trains batched (no fallback to one by one) and matches
+    the sequential path."""
+    data_args, fed = ragged
+    clients = [dataclasses.replace(fed.clients[0], train=fed.clients[0].train.select(range(9))), *fed.clients[1:]]
+    fed9 = (data_args, dataclasses.replace(fed, clients=clients))
+    warned = []
+    monkeypatch.setattr(vectorized.logger, "warning", lambda *a, **k: warned.append(a))  # the engine's logger too
+    seq, _ = _run(fed9, tmp_path, "tiny_mlp_fedbn", "off", num_rounds=1)
+    vec, _ = _run(fed9, tmp_path, "tiny_mlp_fedbn", "on", num_rounds=1)
+    assert not getattr(vec, "_vector_failed", False) and warned == []
+    _close(seq.server_state["model"], vec.server_state["model"])
+
+
+def test_receive_sees_every_upload_on_the_streaming_path(ragged, tmp_path):
+    """A method that overrides only ``receive`` (not ``aggregate``): the engine streams the uploads into the running
+    sums, and ``receive`` gets each client's upload once per round, with its model part (a vectorized chunk's
+    uploads are then not folded as one stacked block, which would leave the per-client uploads empty)."""
+    seen = []
+
+    def build_model(self):
+        torch.manual_seed(0)
+        return TinyNet(self.ctx.num_labels)
+
+    def receive(self, upd, round_idx):
+        seen.append((round_idx, upd.client_id, sorted(upd.upload.get("model", {}))))
+
+    register(type("tiny_receiving_fedavg", (FedAvg,), {"name": "tiny_receiving_fedavg", "build_model": build_model,
+                                                        "receive": receive}))
+    plain, _ = _run(ragged, tmp_path, "tiny_fedavg", "on")
+    got, _ = _run(ragged, tmp_path, "tiny_receiving_fedavg", "on")
+    assert sorted((r, c) for r, c, _ in seen) == [(r, c) for r in (1, 2) for c in range(4)]
+    assert all(keys == sorted(got.keys_by_role["global"]) for _, _, keys in seen)
+    _close(plain.server_state["model"], got.server_state["model"], atol=1e-6)
+
+
 @pytest.mark.parametrize("opt", [dict(optimizer="adam", weight_decay=0.01, lr=0.01),
                                  dict(optimizer="adamw", weight_decay=0.1, lr=0.01),
                                  dict(optimizer="sgd", momentum=0.9, weight_decay=0.01, local_steps=7)])

@@ -559,8 +559,8 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
                     for k in B:
                         B[k][idx] = b[k]
             with torch.no_grad():
-                if not adopted:  # before the optimizer creates its state (zeros_like keeps the layout)
-                    adopt_grad_layout(P, grads)
+                if not adopted and everyone:  # grads of every client (a group's are a subset of rows); first
+                    adopt_grad_layout(P, grads)  # time, before the optimizer's zeros_like states (which keep it)
                     adopted = True
                 opt.step(P, grads, idx, s + 1)
             if everyone:
