@@ -1,8 +1,8 @@
 """Command-line entry points shared by the recipes (`accelerate launch recipes/<method>.py`) and `hfpfl`."""
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 import os
 import sys
 
@@ -77,9 +77,8 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
 
 @contextlib.contextmanager
 def worker_exits(workers: list):
-    """Around code that may fork (``workers.append(hfpfl.launch.fork_workers(n))``): a forked worker never returns
-    into the caller's code (it leaves here with its exit code); the main process waits for the workers and fails
-    if one did."""
+    """Around code that may fork (:func:`start_processes`): a forked worker never returns into the caller's code
+    (it leaves here with its exit code); the main process waits for the workers and fails if one did."""
     try:
         yield
     except BaseException as e:
@@ -95,6 +94,20 @@ def worker_exits(workers: list):
         if code:
             print(f"error: a worker process exited with code {code}; see its output above", file=sys.stderr)
             raise SystemExit(code)
+
+
+def start_processes(n_proc: int, workers: list, output_dir) -> None:
+    """``--num_processes``: this program in ``n_proc`` processes (hfpfl.launch). On the CPU it forks here (the
+    workers' :class:`~hfpfl.launch.Workers` appended to ``workers``; use inside :func:`worker_exits`); CUDA cannot
+    be forked, so with GPUs accelerate's launcher runs the whole command line again and this process exits with it."""
+    if n_proc <= 1:
+        return
+    import torch
+
+    from .launch import fork_workers, relaunch
+    if torch.cuda.is_available():
+        raise SystemExit(relaunch(n_proc, sys.argv[1:], output_dir=output_dir, script=sys.argv[0]))
+    workers.append(fork_workers(n_proc))
 
 
 def _exit_worker(e: BaseException | None) -> None:
@@ -133,15 +146,7 @@ def _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, d
                     args_list, method=method, prog=prog, defaults=defaults,
                     description=description or f"hfpfl: federated simulation ({method or 'any method'})")
                 run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, name or run.method))
-                n_proc = _processes_to_launch(run, data, top_level)
-                if n_proc > 1:  # --num_processes: this recipe in n_proc processes (same numbers as one)
-                    from .launch import fork_workers, relaunch
-                    import torch
-                    if not torch.cuda.is_available():
-                        workers.append(fork_workers(n_proc))
-                    else:  # CUDA cannot be forked: accelerate's launcher, the whole command line again
-                        raise SystemExit(relaunch(n_proc, sys.argv[1:], output_dir=run.output_dir,
-                                                  script=sys.argv[0]))
+                start_processes(_processes_to_launch(run, data, top_level), workers, run.output_dir)
                 with cleanup_on_failure(run.output_dir):
                     from .federated.engine import Simulation
                     sim = Simulation(run, data, method_cfg, fed_data=data_fn(run, data) if data_fn else None,

@@ -9,10 +9,10 @@ One round (``one_shot = True``):
   by the engine); nothing travels down (the LDM is public). The classifier is not touched on clients.
 * **server** (``receive``, then ``aggregate``): per client upload, in its own seeded generator (asynchronous per
   client, as the paper allows; the engine runs ``receive`` where the upload is, so several processes synthesise
-  several clients at once), ``FedBiPPipeline`` runs the reverse diffusion from each z_i(T) with the prompt "A [S^] style of a [V_y]",
-  S^ = S + eta (Eq. 5). The classifier (``sim.model``) is trained on the synthetic set only, with the engine's one
-  training loop (``Algorithm.local_train(data=TensorData(...))``), and evaluated by the engine on every client's
-  real test data and on the global test set.
+  several clients at once), ``FedBiPPipeline`` runs the reverse diffusion from each z_i(T) with the prompt
+  "A [S^] style of a [V_y]", S^ = S + eta (Eq. 5). The classifier (``sim.model``) is trained on the synthetic set
+  only, with the engine's one training loop (``Algorithm.local_train(data=TensorData(...))``), and evaluated by the
+  engine on every client's real test data and on the global test set.
 
 The LDM (``FedBiPPipeline``) is loaded once per process and shared by every client and every simulation of the
 process (frozen: its weights are never written; see ``tests/test_fedbip_algorithm.py``).

@@ -409,7 +409,7 @@ def _main(argv, started: dict, workers: list):
 
     from hfpfl import tracking
     from hfpfl.algorithms.fedbip import resolve_ldm
-    from hfpfl.cli import _processes_to_launch, format_table
+    from hfpfl.cli import _processes_to_launch, format_table, start_processes
     from hfpfl.data import build_federated_dataset
     from hfpfl.federated.engine import Simulation
     from hfpfl.runtime import check_output_dir, resolve_output_dir  # the one output-folder rule
@@ -421,13 +421,8 @@ def _main(argv, started: dict, workers: list):
         variants(run, cfg, rec)  # a bad --variants fails here, before minutes of work
         check_output_dir(run.output_dir, overwrite=run.overwrite_output_dir, resume=False)
     resolve_ldm(cfg.ldm)  # a first run pretrains and publishes the tiny LDM here: once, before any fork
-    n_proc = _processes_to_launch(run, data, top_level=argv is None)
-    if n_proc > 1:  # every variant in n_proc processes: clients (and their synthesis) spread over them
-        from hfpfl.launch import fork_workers, relaunch
-
-        if torch.cuda.is_available():  # CUDA cannot be forked: accelerate's launcher, the whole command again
-            raise SystemExit(relaunch(n_proc, sys.argv[1:], output_dir=run.output_dir, script=sys.argv[0]))
-        workers.append(fork_workers(n_proc))
+    # every variant in N processes: the clients (their training and the synthesis of their images) spread over them
+    start_processes(_processes_to_launch(run, data, top_level=argv is None), workers, run.output_dir)
     main = int(os.environ.get("RANK", "0")) == 0  # a worker (forked or launched): no prints, no files
     torch.set_num_threads(max(1, run.num_threads))
     split = build_federated_dataset(data, seed=rec.data_seed)
