@@ -1,6 +1,7 @@
 """``--num_processes auto|N`` (default ``auto``): a recipe started with plain ``python`` shards its clients over
-several processes (the same numbers as one process; README "Several processes and machines"). Under ``accelerate
-launch`` (or torchrun) the launcher's own settings win and nothing is launched again.
+several processes (the same numbers as one process, up to the order of the float64 upload sums; README "Several
+processes and machines"). Under ``accelerate launch`` (or torchrun) the launcher's own settings win and nothing is
+launched again.
 
 How the processes start: on the CPU the recipe forks itself after parsing its options (:func:`fork_workers`: the
 imports, ~10-16 s of a run's start here, are not paid again; each process is one rank of a gloo process group that
@@ -98,7 +99,8 @@ def decide(spec: str, clients_per_round: int | None, num_rounds: int, *, cores: 
            gpus: int, update_cost: float = 1.0) -> tuple[int, str]:
     """``(processes, why)`` for ``--num_processes spec``: a pure function of its arguments (the run's clients per
     round and rounds, the usable cores, the 1-minute load average, the CUDA GPUs), so that the choice can be
-    logged, tested and checked. The numbers a run computes do not depend on it (the same for any process count)."""
+    logged, tested and checked. The numbers a run computes do not depend on it, up to the order in which the float64
+    sums of uploads are added across processes (README "Several processes and machines")."""
     check_spec(spec)
     if spec != "auto":
         return int(spec), "set by --num_processes"
@@ -116,10 +118,11 @@ def decide(spec: str, clients_per_round: int | None, num_rounds: int, *, cores: 
     # client_update_cost; FedBiP's concept training + synthesis of one client: minutes, not a tenth of a second)
     updates = (clients_per_round or 0) * num_rounds * update_cost
     if clients_per_round and updates < MIN_CLIENT_UPDATES:
-        return 1, (f"{capacity}, but a short run: {clients_per_round} clients x {num_rounds} rounds = {updates:g} client "
-                   f"updates < {MIN_CLIENT_UPDATES}, start-up would not pay")
+        return 1, (f"{capacity}, but a short run: {clients_per_round} clients x {num_rounds} rounds = {updates:g} "
+                   f"client updates < {MIN_CLIENT_UPDATES}, start-up would not pay")
     if update_cost != 1:
-        return n, f"{capacity}, {clients_per_round or '?'} clients x {num_rounds} rounds x {update_cost:g} (update cost)"
+        return n, (f"{capacity}, {clients_per_round or '?'} clients x {num_rounds} rounds x {update_cost:g} "
+                   f"(update cost)")
     return n, f"{capacity}, {clients_per_round or '?'} clients x {num_rounds} rounds"
 
 
