@@ -21,6 +21,10 @@ def main():
     p.add_argument("--steps", type=int, default=100, help="steps per timed block")
     p.add_argument("--repeats", type=int, default=3, help="timed blocks (the minimum is printed)")
     a = p.parse_args()
+    for opt, vals in (("--clients", a.clients), ("--batch_size", [a.batch_size]), ("--steps", [a.steps]),
+                      ("--repeats", [a.repeats])):
+        if min(vals) < 1:
+            p.error(f"{opt} must be >= 1, got {min(vals)}")
     from torch.func import functional_call, grad_and_value, vmap
 
     from bench_simulator import build_model

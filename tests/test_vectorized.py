@@ -410,6 +410,9 @@ def test_bench_simulator_refuses_a_bad_parallel_spec():
     out = subprocess.run([sys.executable, "scripts/bench_simulator.py", "--parallel", "1", "x2"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--parallel: 'x2'" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([sys.executable, "scripts/bench_vectorized_step.py", "--clients", "20", "0"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--clients must be >= 1, got 0" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_mmap_threshold_is_pinned_only_for_large_rounds(ragged, tmp_path, monkeypatch):
