@@ -416,4 +416,6 @@ def test_comparison_in_two_processes_gives_the_one_process_rows(ldm_dir, tmp_pat
     assert rows["1"] == rows["2"]
     assert rows["2"][1]["num_synthetic"] == 2 * 3 * 10 * 2 and rows["2"][1]["synthetic_fidelity"] is not None
     assert all(p.count("wall time") == 1 for p in printed.values())  # the main process reports, once
-    assert json.loads((tmp_path / "2" / "FedBiP-S" / "results.json").read_text())["world_size"] == 2
+    two = json.loads((tmp_path / "2" / "FedBiP-S" / "results.json").read_text())
+    assert two["world_size"] == 2  # and both processes held clients, so both received (synthesised) uploads
+    assert len(two["process_train_examples"]) == 2 and min(two["process_train_examples"]) > 0
