@@ -222,3 +222,51 @@ def test_receive_runs_where_each_upload_is_once_and_changes_no_numbers(tmp_path)
     assert results["2"]["world_size"] == 2
     assert results["1"]["final"] == results["2"]["final"]
     assert results["1"]["communication"]["bytes_up"] == results["2"]["communication"]["bytes_up"]  # nothing added
+
+
+THREADS = '''
+import json, os
+import psutil
+import torch
+from hfpfl.algorithms import register
+from hfpfl.algorithms.fedavg import FedAvg
+from hfpfl.cli import run_recipe
+
+psutil.cpu_count = lambda logical=True: 16  # as on a 16-core machine (accelerate sizes its CPU thread pools from it)
+
+
+@register
+class CountingFedAvg(FedAvg):
+    """FedAvg that records how many torch threads each process trains with."""
+    name = "counting_fedavg"
+
+    def client_update(self, client_id, down, private, round_idx):
+        rank = self.ctx.accelerator.process_index
+        with open(os.path.join(self.ctx.output_dir, f"threads_{rank}.json"), "w") as f:
+            json.dump(torch.get_num_threads(), f)
+        return super().client_update(client_id, down, private, round_idx)
+
+
+if __name__ == "__main__":
+    run_recipe()
+'''
+
+
+@pytest.mark.slow
+def test_processes_train_with_the_threads_asked_for_on_a_many_core_machine(tmp_path):
+    """``--num_threads`` holds in every process of a ``--num_processes`` run: accelerate's multi-CPU state sets
+    torch's thread pool to physical cores / processes when OMP_NUM_THREADS is unset (8 threads each on a 16-core
+    machine), which made a 2-process run's floats differ from a 1-process run's there (seen on a 16-core box)."""
+    script = tmp_path / "counting.py"
+    script.write_text(THREADS)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    for k in ("LOCAL_RANK", "ACCELERATE_MIXED_PRECISION", "WORLD_SIZE", "OMP_NUM_THREADS"):
+        env.pop(k, None)
+    for threads in ("1", "2"):
+        out = tmp_path / threads
+        proc = subprocess.run([sys.executable, str(script), *SMALL, "--method", "counting_fedavg", "--num_rounds", "1",
+                               "--checkpoint_every", "0", "--num_processes", "2", "--num_threads", threads,
+                               "--output_dir", str(out)], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads((out / "results.json").read_text())["world_size"] == 2
+        assert [json.loads((out / f"threads_{r}.json").read_text()) for r in (0, 1)] == [int(threads)] * 2

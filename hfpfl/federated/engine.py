@@ -58,9 +58,11 @@ class Simulation:
         self.data_args = data_args
         self.keep_uploads = keep_uploads
         self.recipe_settings = dict(recipe_settings or {})
-        torch.set_num_threads(max(1, run_args.num_threads))
         log_with = None if run_args.report_to == "none" else run_args.report_to
         self.accelerator = accelerator or Accelerator(log_with=log_with, project_dir=run_args.output_dir)
+        # after the accelerator: accelerate's multi-CPU state sets torch's pool to physical cores / processes when
+        # OMP_NUM_THREADS is unset (forked workers), and other thread counts change float results in the last bits
+        torch.set_num_threads(max(1, run_args.num_threads))
         self.device = self.accelerator.device
         configure_determinism(self.device, run_args.deterministic)
         self.output_dir = Path(run_args.output_dir)
