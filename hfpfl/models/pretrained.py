@@ -192,8 +192,8 @@ def train_backbone(args: PretrainArguments, output_dir: str | os.PathLike) -> di
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
-    torch.set_num_threads(args.num_threads)
     accelerator = Accelerator()
+    torch.set_num_threads(args.num_threads)  # after it: accelerate's multi-CPU state resets the pool (Simulation)
     set_seed(args.seed)
     t0 = time.perf_counter()
     train, val, label_names = _data(args)

@@ -150,8 +150,8 @@ class Tuner:
         self.R_c = targs.rounds_per_member
         self.T_g = targs.generation_rounds or max(1, round(0.1 * self.R_c))
         self.budget = targs.population_size * self.R_c
-        torch.set_num_threads(max(1, run_args.num_threads))
         self.accelerator = accelerator or Accelerator()       # members' engines (no trackers of their own)
+        torch.set_num_threads(max(1, run_args.num_threads))  # after it: see Simulation.__init__
         log_with = None if run_args.report_to == "none" else run_args.report_to
         # the population's live view (--report_to tensorboard): per-member score and hyperparameters per round
         self.tracker = Accelerator(log_with=log_with, project_dir=str(self.out)) if log_with else None
