@@ -63,10 +63,11 @@ class RunArguments:
                 "method's local update can be vectorized and the model is small enough to be overhead-bound) | on "
                 "(whenever the method can be vectorized) | off. Same numbers either way (float tolerance).",
         "choices": ["auto", "on", "off"]})
-    vector_chunk_mb: float = field(default=64.0, metadata={
+    vector_chunk_mb: float | None = field(default=None, metadata={
         "help": "Most MiB of stacked client state (parameters, gradients, optimizer state) per vectorized chunk: "
                 "fewer clients per batched call, lower peak memory (the chunk is most of a vectorized round's peak). "
-                "Same numbers at any size (float tolerance)."})
+                "Default: 64 on the CPU, 256 on an accelerator (more clients per call keep a GPU busy). Same "
+                "numbers at any size (float tolerance)."})
     channels_last: str = field(default="auto", metadata={
         "help": "On the CPU: train and evaluate with every Conv2d weight in channels_last memory format (oneDNN's "
                 "faster convolutions: PFLlib's CNN trains a quarter faster here on one thread, the tiny ResNet 15 "
@@ -123,7 +124,7 @@ class RunArguments:
                                                                                       float(self.eval_clients).is_integer())),
              "a whole number >= 1 or a fraction in (0, 1) (or None = all)"),
             ("vectorize", self.vectorize in ("auto", "on", "off"), "one of auto, on, off"),
-            ("vector_chunk_mb", self.vector_chunk_mb > 0, "> 0"),
+            ("vector_chunk_mb", self.vector_chunk_mb is None or self.vector_chunk_mb > 0, "> 0 (or None: by device)"),
             ("channels_last", self.channels_last in ("auto", "on", "off"), "one of auto, on, off"),
             ("data_cache_mb", self.data_cache_mb >= 0, ">= 0 (0 = no cap)"),
             ("max_state_mb", self.max_state_mb >= 0, ">= 0 (0 = no cap)"),

@@ -70,7 +70,7 @@ def main():
     p.add_argument("--max_state_mb", type=float, default=64.0, help="client state kept in memory (the rest spills)")
     p.add_argument("--vectorize", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--vector_chunk_mb", type=float, default=64.0, help="stacked client state per vectorized chunk "
-                   "(64 = hfpfl's default)")
+                   "(64 = hfpfl's default on the CPU)")
     p.add_argument("--data_cache_mb", type=float, default=1024.0, help="client splits cached as tensors (LRU cap; "
                    "the engine's default 1024)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

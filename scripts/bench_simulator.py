@@ -284,8 +284,8 @@ def main():
                    help="hfpfl's --vectorize settings to measure (each its own run)")
     p.add_argument("--eval_every", type=int, default=1, help="hfpfl evaluates every N rounds (1: every round, "
                    "every client, as PFLlib does)")
-    p.add_argument("--vector_chunk_mb", type=float, default=64.0, help="hfpfl's --vector_chunk_mb (stacked "
-                   "client state per vectorized chunk; 64 = hfpfl's default)")
+    p.add_argument("--vector_chunk_mb", type=float, default=None, help="hfpfl's --vector_chunk_mb (stacked "
+                   "client state per vectorized chunk; default: hfpfl's, 64 on the CPU and 256 on a GPU)")
     p.add_argument("--eval_clients", type=float, default=None, help="hfpfl's --eval_clients (default: all)")
     p.add_argument("--test_fraction", type=float, default=0.25, help="per-client test fraction")
     p.add_argument("--partition", choices=["iid", "dirichlet"], default="iid")
@@ -358,7 +358,9 @@ def main():
                     "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
                     "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
                     "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1",
-                    "--device", a.device, "--channels_last", cl, "--vector_chunk_mb", str(a.vector_chunk_mb)]
+                    "--device", a.device, "--channels_last", cl]
+            if a.vector_chunk_mb is not None:
+                args += ["--vector_chunk_mb", str(a.vector_chunk_mb)]
             if a.eval_clients is not None:
                 args += ["--eval_clients", str(a.eval_clients)]
             env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -490,3 +490,24 @@ def test_auto_vectorizes_mid_size_models_only_where_the_chunk_shape_pays(ragged,
     monkeypatch.setattr(vectorized, "AUTO_MID_MAX_PARAMS", 10)
     sim.args = dataclasses.replace(sim.args, batch_size=10)
     assert not vectorized.should_vectorize(sim, clients)  # too large a model
+
+
+def test_default_chunk_is_larger_on_an_accelerator_and_the_option_wins_on_both():
+    """``--vector_chunk_mb`` unset: 64 MiB of stacked state per chunk on the CPU (host memory), 256 MiB on an
+    accelerator (more clients per batched call); set, it is used on either device."""
+    model = torch.nn.Linear(100, 100)  # 10,100 trainable values x 4 (value, gradient, 2 optimizer slots) x 4 bytes
+    per_client = 10_100 * 4 * 4
+    algo = FedAvg.__new__(FedAvg)      # the base client_hparams: every client in one group
+    clients = list(range(2000))
+
+    def sizes(device, mb=None):
+        sim = types.SimpleNamespace(model=model, args=RunArguments(vector_chunk_mb=mb), device=torch.device(device),
+                              algorithm=algo, _client_hp_overrides={}, client_hparams=lambda c: ("same",))
+        return [len(c) for c in vectorized.chunks_of(sim, clients)]
+
+    cpu, gpu = 64 * 2**20 // per_client, 256 * 2**20 // per_client
+    assert (cpu, gpu) == (415, 1661)
+    assert sizes("cpu") == [cpu] * 4 + [2000 - 4 * cpu]
+    assert sizes("cuda") == [gpu, 2000 - gpu]
+    one_mb = 2**20 // per_client
+    assert sizes("cpu", 1.0) == sizes("cuda", 1.0) == [one_mb] * (2000 // one_mb) + [2000 % one_mb]

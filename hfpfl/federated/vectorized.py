@@ -55,6 +55,10 @@ AUTO_MID_MIN_FILL = 0.7
 # with 0.90 instead of 1.25 GB summed PSS (README "Performance"); an MLP 64-64-10 (143 KB a client) fits 467 clients
 # a chunk, and 500 of them measured 0.079 s/round at 64 and at 256 MiB
 CHUNK_BYTES = 64 * 2**20
+# the same on an accelerator: its memory is not the host's RSS, and small chunks leave a GPU idle between calls
+# (PFLlib's CNN on one H100: 20 clients Dir(0.1) 0.467 s/round vectorized at 256 MiB, 0.75-1.04 s at 64 MiB; 500 x 5
+# images 0.942 s at 256 MiB, 1.733 s at 64 MiB; README "Performance", two sessions, one run each)
+ACCELERATOR_CHUNK_BYTES = 256 * 2**20
 # a chunk's client splits are stacked once per round (``[clients, longest split, ...]``, images kept uint8) when
 # that takes at most this many bytes; larger data is gathered client by client per step (then compute dominates)
 STACK_DATA_BYTES = 64 * 2**20
@@ -608,7 +612,7 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
 
 def chunks_of(sim, clients: list[int]) -> list[list[int]]:
     """Clients with the same hyperparameters, in chunks whose stacked state fits ``--vector_chunk_mb``
-    (:data:`CHUNK_BYTES` by default)."""
+    (:data:`CHUNK_BYTES` on the CPU, :data:`ACCELERATOR_CHUNK_BYTES` on an accelerator, by default)."""
     if len(clients) >= PIN_MMAP_CLIENTS:
         pin_mmap_threshold()
     per_client = 0
@@ -617,7 +621,8 @@ def chunks_of(sim, clients: list[int]) -> list[list[int]]:
             per_client += 4 * p.numel() * p.element_size()  # parameter, gradient, two optimizer slots
     per_client += sum(b.numel() * b.element_size() for b in sim.model.buffers())
     mb = getattr(sim.args, "vector_chunk_mb", None)
-    size = max(1, (int(mb * 2**20) if mb else CHUNK_BYTES) // max(per_client, 1))
+    default = CHUNK_BYTES if sim.device.type == "cpu" else ACCELERATOR_CHUNK_BYTES
+    size = max(1, (int(mb * 2**20) if mb else default) // max(per_client, 1))
     by_hp: dict[HParams, list[int]] = {}
     algo = sim.algorithm
     if (not sim._client_hp_overrides and type(algo).client_hparams is Algorithm.client_hparams
