@@ -443,6 +443,47 @@ def test_add_stacked_equals_one_add_per_client(monkeypatch, row_loop):
     assert one.total["model"] == pytest.approx(1.0)
 
 
+def test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes():
+    """Raw whole-number weights in, one division by the total out: the float64 sums are exact here, so one
+    process, two or three (each summing its own clients, then adding the partial sums as the all-reduce does) and
+    the stacked fold give the same float32 mean, bit for bit. Normalized coefficients (w / total, the scheme
+    before) fail this on the same data: some values come out one float32 step apart."""
+    from hfpfl.federated.protocol import WeightedSums
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(40000, generator=g) * 0.05            # uploads as FedAvg sees them: one model, client drift
+    ups = [base + torch.randn(40000, generator=g) * 0.01 for _ in range(500)]
+    n = torch.randint(5, 7, (500,), generator=g).tolist()     # sample counts
+    total = float(sum(n))
+
+    def mean(groups, normalized, stacked=False):
+        parts = []
+        for members in groups:
+            ws = WeightedSums(denominator=1.0 if normalized else total)
+            coefs = [n[i] / total if normalized else float(n[i]) for i in members]
+            if stacked:
+                ws.add_stacked("model", {"w": torch.stack([ups[i] for i in members])}, coefs)
+            else:
+                for i, c in zip(members, coefs):
+                    ws.add("model", {"w": ups[i]}, c)
+            parts.append(ws)
+        for other in parts[1:]:                               # the all-reduce: partial sums added
+            parts[0].sums["model"]["w"] += other.sums["model"]["w"]
+        return parts[0].get("model", {"w": ups[0]})["w"]
+
+    one = [list(range(500))]
+    two = [list(range(0, 500, 2)), list(range(1, 500, 2))]
+    three = [[i for i in range(500) if i % 3 == r] for r in (2, 0, 1)]
+    ref = mean(one, normalized=False)
+    assert ref.dtype == torch.float32
+    for groups in (two, three):
+        assert torch.equal(mean(groups, normalized=False), ref)
+        assert torch.equal(mean(groups, normalized=False, stacked=True), ref)
+    by_hand = (sum(float(n[i]) * ups[i].double() for i in range(500)) / total).float()
+    assert torch.allclose(ref, by_hand, atol=1e-7, rtol=0)   # and it is the weighted mean
+    old = mean(one, normalized=True)
+    assert any(not torch.equal(mean(gr, normalized=True), old) for gr in (two, three))
+
+
 def test_finite_checks_are_exact_when_the_sum_overflows():
     from hfpfl.federated.protocol import all_finite, finite_rows
     big = torch.full((2, 4), 3e38)  # every value finite; the float32 sum overflows to inf

@@ -80,7 +80,7 @@ class Scaffold(Algorithm):
             return server_state
         dy = sums.get(DELTA_Y, server_state[MODEL])
         dc = sums.get(DELTA_C, server_state[CONTROL])
-        # the sums are already means (coef = 1/|S|); |S| = the number of uploads folded in
+        # get() gives means (weights 1, divided by |S|); |S| = the number of uploads folded in
         n, m = self.ctx.num_clients, sums.count
         eta_g = self.ctx.server_hparams().server_lr
         x = {k: server_state[MODEL][k] + eta_g * dy[k] if torch.is_floating_point(dy[k]) else dy[k]

@@ -411,7 +411,7 @@ class Simulation:
             total = float(sum(weights.values()))
             if total <= 0:
                 raise ValueError("aggregation weights sum to zero (every sampled client has no data)")
-            sums = WeightedSums()
+            sums = WeightedSums(denominator=total)  # raw weights in, one division out: see WeightedSums
             meta = []
             # the default accumulate (weighted mean of the model part: FedAvg, FedProx, FedBN, ...) folds a whole
             # vectorized chunk's stacked uploads in one call instead of one call per client
@@ -420,14 +420,14 @@ class Simulation:
             for ups, stacked in self._client_update_batches(self.ownership.owned(sampled), round_idx, server_state,
                                                             stacked=fold_chunks):
                 if stacked is not None:
-                    sums.add_stacked(MODEL, stacked[MODEL], [weights[u.client_id] / total for u in ups])
+                    sums.add_stacked(MODEL, stacked[MODEL], [weights[u.client_id] for u in ups])
                     sums.count += len(ups)
                 for upd in ups:
                     cid = upd.client_id
                     if receives:
                         algo.receive(upd, round_idx)
                     if stacked is None:
-                        algo.accumulate(sums, upd, weights[cid] / total)
+                        algo.accumulate(sums, upd, weights[cid])
                         sums.count += 1
                     meta.append((cid, upd.num_samples, upd.metrics))
                     if self.keep_uploads:

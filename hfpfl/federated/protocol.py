@@ -8,8 +8,8 @@ A round, as the engine runs it (one model instance per process, client states sw
         for each sampled client i (sharded over processes):
             down   = algo.download(server_state, i)                # parts that travel server -> client (bytes counted)
             update = algo.client_update(i, down, private_i, r)     # local work; update.upload travels client -> server
-            algo.accumulate(sums, update, weights[i] / total)      # streaming: O(model) memory, upload dropped
-        server_state = algo.reduce(server_state, sums, r)          # mean, server optimizer (FedOpt), ...
+            algo.accumulate(sums, update, weights[i])              # streaming: O(model) memory, upload dropped
+        server_state = algo.reduce(server_state, sums, r)          # sums / total weight, server optimizer (FedOpt)
         # or, for methods that need every upload (KD ensembles, FedBiP synthesis): they override ``aggregate``
         # (server_state, updates, r), which the engine runs once, on the main process, then broadcasts.
     evaluation: algo.load_global(server_state), algo.load_personal(i, server_state, private_i, r)
@@ -343,11 +343,20 @@ class _Schedules:
 
 class WeightedSums:
     """Running sums of uploads, O(model) memory however many clients upload: float tensors accumulate
-    ``coef * tensor`` in float64 (FedAvg's order of operations, so one process gives the same bits as holding every
-    upload and averaging them with :func:`weighted_average`); integer tensors (BatchNorm step counters) keep the running max. Across processes the partial sums are
-    all-reduced (sum / max)."""
+    ``coef * tensor`` in float64 and :meth:`get` divides them by ``denominator`` (the round's total weight); integer
+    tensors (BatchNorm step counters) keep the running max. Across processes the partial sums are all-reduced
+    (sum / max).
 
-    def __init__(self):
+    Why the division comes last: with whole-number weights (sample counts, 1 for uniform means) each product
+    ``weight * float32`` is exact in float64 and so, in practice, is their sum (exact while a value's products span
+    fewer than ~53 - 24 - log2(weight) bits of exponent), and an exact sum does not depend on the order of its
+    terms: one process, N processes (each summing its own clients, then all-reduced) and the vectorized fold give
+    the same bits. Normalized weights (``w / total``) round every product, and the order then shows in the last bit
+    of some float32 weights (e.g. 115 of 200,000 values, 500 clients, 1 vs 2 processes), which training amplifies.
+    Not a guarantee for arbitrary weights or values: only what exact arithmetic gives."""
+
+    def __init__(self, denominator: float = 1.0):
+        self.denominator = float(denominator)
         self.sums: dict[str, dict[str, torch.Tensor]] = {}
         self.total: dict[str, float] = {}
         self.count = 0          # uploads folded in (the engine counts them; all-reduced across processes)
@@ -372,8 +381,7 @@ class WeightedSums:
     def add_stacked(self, part: str, stacked: TensorDict, coefs) -> None:
         """Fold many uploads at once: ``stacked[k]`` is ``[clients, *shape]`` (a vectorized chunk's tensors), client
         ``i`` with weight ``coefs[i]``. The same sums as calling :meth:`add` once per client (float64, integer
-        tensors by running max); float64 products are summed in another order, which can change only the last bits
-        of a float64 sum (far below the float32 the result is cast to)."""
+        tensors by running max), in another order, which does not matter while the sum is exact (see the class)."""
         acc = self.sums.setdefault(part, {})
         coefs = torch.as_tensor(coefs, dtype=torch.float64)
         self.total[part] = self.total.get(part, 0.0) + float(coefs.sum())
@@ -407,9 +415,11 @@ class WeightedSums:
         return part in self.sums
 
     def get(self, part: str, like: TensorDict) -> TensorDict:
-        """The sums of ``part`` cast to the dtypes of ``like``."""
-        acc = self.sums[part]
-        return {k: acc[k].to(like[k].dtype) for k in acc}
+        """The sums of ``part`` divided by ``denominator`` (integer running maxima as they are), cast to the dtypes
+        of ``like``."""
+        acc, d = self.sums[part], self.denominator
+        return {k: (acc[k] / d if d != 1.0 and torch.is_floating_point(acc[k]) else acc[k]).to(like[k].dtype)
+                for k in acc}
 
     def all_reduce(self, accelerator) -> None:
         if accelerator.num_processes == 1:
@@ -519,7 +529,8 @@ class Algorithm:
         return {c: float(len(self.ctx.train_data(c))) for c in client_ids}
 
     def accumulate(self, sums: WeightedSums, update: Update, coef: float) -> None:
-        """Fold one upload into the running sums (``coef`` = its weight / the round's total weight)."""
+        """Fold one upload into the running sums (``coef`` = its aggregation weight; ``sums.get`` divides by the
+        round's total weight, so ``reduce`` reads weighted means)."""
         sums.add(MODEL, update.upload[MODEL], coef)
 
     def reduce(self, server_state: Parts, sums: WeightedSums, round_idx: int) -> Parts:
@@ -548,9 +559,9 @@ class Algorithm:
         total = sum(weights.values())
         if total <= 0:
             raise ValueError("aggregation weights sum to zero (every sampled client has no data)")
-        sums = WeightedSums()
+        sums = WeightedSums(denominator=total)
         for u in updates:
-            self.accumulate(sums, u, weights[u.client_id] / total)
+            self.accumulate(sums, u, weights[u.client_id])
             sums.count += 1
         return self.reduce(server_state, sums, round_idx)
 
@@ -659,9 +670,9 @@ def weighted_average(states: list[TensorDict], weights: list[float]) -> TensorDi
     total = float(sum(weights))
     if total <= 0:
         raise ValueError("aggregation weights sum to zero (every sampled client has no data)")
-    sums = WeightedSums()
+    sums = WeightedSums(denominator=total)
     for s, w in zip(states, weights):
-        sums.add("x", s, w / total)
+        sums.add("x", s, w)
     return sums.get("x", states[0])
 
 
