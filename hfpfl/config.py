@@ -97,7 +97,7 @@ class RunArguments:
                 "it pays: one per GPU, or on the CPU one per idle core, at most one per client per round, and one "
                 "process for runs under 20 client updates, rounds x clients per round; the choice is printed in one "
                 "line). On the CPU the recipe forks itself, with GPUs it launches itself through accelerate; the "
-                "same numbers as one process up to the summation order of uploads. Default: the environment variable "
+                "same numbers as one process (the upload sums are exact in practice). Default: the environment variable "
                 f"{ENV_NUM_PROCESSES} if set, else {DEFAULT_NUM_PROCESSES}. Under accelerate launch the launcher's "
                 "--num_processes wins."})
     report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | all."})

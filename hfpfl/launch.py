@@ -1,5 +1,5 @@
 """``--num_processes auto|N`` (default ``auto``): a recipe started with plain ``python`` shards its clients over
-several processes (the same numbers as one process, up to the order of the float64 upload sums; README "Several
+several processes (the same numbers as one process: the float64 upload sums are exact in practice; README "Several
 processes and machines"). Under ``accelerate launch`` (or torchrun) the launcher's own settings win and nothing is
 launched again.
 

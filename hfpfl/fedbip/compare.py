@@ -56,11 +56,6 @@ DEFAULTS = {
     "multiplier": 10,
     # the tiny LDM was pretrained on captions "a [style word] photo of the digit seven": a Table-5-style template
     "prompt_template": "a [S] photo of the digit [V]",
-    # one process unless asked: --num_processes 2 gives every FedBiP row exactly (each client's images come from
-    # its own seeded generator, wherever it is synthesised) in ~0.75x the time, but the multi-round FedAvg baseline's
-    # float64 upload sums are then added in another order, which moves ~1% of its float32 weights by one ulp per
-    # round and, over its rounds, its accuracy (0.298 vs 0.307, seed 0; README "FedBiP status")
-    "num_processes": "1",
 }
 
 
