@@ -70,15 +70,28 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
     program's entry point, so ``--num_processes`` may start more processes (hfpfl.launch); a call from other Python
     code runs in its own process (``auto`` then means one)."""
     workers = []  # the hfpfl.launch.Workers once this process forked
-    with worker_exits(workers):
+    top = argv is None if top_level is None else top_level
+    with worker_exits(workers, close=top):
         return _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, description,
-                           recipe_settings, argv is None if top_level is None else top_level)
+                           recipe_settings, top)
+
+
+def close_process_group() -> None:
+    """The end of a successful multi-process program: every process meets here and destroys the process group while
+    the interpreter is still alive. Left to interpreter exit, gloo's worker threads can abort a process ("terminate
+    called without an active exception", once in a two-process CI run; pytorch/pytorch#190489). Only on success, as
+    torchtitan does: a process that failed must not wait for the others."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
-def worker_exits(workers: list):
+def worker_exits(workers: list, close: bool = True):
     """Around code that may fork (:func:`start_processes`): a forked worker never returns into the caller's code
-    (it leaves here with its exit code); the main process waits for the workers and fails if one did."""
+    (it leaves here with its exit code); the main process waits for the workers and fails if one did. ``close``
+    (the program's entry point): on success the process group is closed (:func:`close_process_group`)."""
     try:
         yield
     except BaseException as e:
@@ -87,6 +100,8 @@ def worker_exits(workers: list):
         if workers:   # the main process failed or was interrupted: the others stop too (they normally have)
             workers[0].wait(timeout=30)
         raise
+    if close:
+        close_process_group()
     if workers:
         if workers[0].rank:
             _exit_worker(None)

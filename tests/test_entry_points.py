@@ -196,3 +196,26 @@ def test_two_processes_share_one_default_output_dir(tmp_path):
     assert len(runs) == 1 and runs[0].name.startswith("fedavg-"), runs
     assert json.loads((runs[0] / "results.json").read_text())["world_size"] == 2
     assert out.stdout.count("hfpfl run: fedavg") == 1  # the header and round lines come from the main process only
+
+
+def test_a_finished_program_closes_its_process_group_and_a_failed_one_does_not(monkeypatch):
+    """``worker_exits`` (around every recipe's entry point): on success every process meets at a barrier and
+    destroys the process group while the interpreter is alive (gloo's threads can abort a process left to exit with
+    it); on failure nothing waits for the others; a call that is not the entry point (``close=False``) leaves it."""
+    import torch.distributed as dist
+
+    from hfpfl.cli import worker_exits
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    with worker_exits([]):
+        pass
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    with pytest.raises(ValueError):
+        with worker_exits([]):
+            raise ValueError("bad input")
+    with worker_exits([], close=False):
+        pass
+    assert calls == []
