@@ -100,15 +100,23 @@ def worker_exits(workers: list, close: bool = True):
         if workers:   # the main process failed or was interrupted: the others stop too (they normally have)
             workers[0].wait(timeout=30)
         raise
+    closing_failed = None
     if close:
-        close_process_group()
+        try:
+            close_process_group()
+        except Exception as e:  # noqa: BLE001 - a peer is gone (it failed after the last collective)
+            if not workers:
+                raise
+            closing_failed = e
     if workers:
         if workers[0].rank:
-            _exit_worker(None)
+            _exit_worker(closing_failed)
         code = workers[0].wait()
-        if code:
+        if code:  # the failed worker's exit code, not the barrier's traceback, says what happened
             print(f"error: a worker process exited with code {code}; see its output above", file=sys.stderr)
             raise SystemExit(code)
+        if closing_failed is not None:
+            raise closing_failed
 
 
 def start_processes(n_proc: int, workers: list, output_dir) -> None:

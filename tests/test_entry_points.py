@@ -219,3 +219,36 @@ def test_a_finished_program_closes_its_process_group_and_a_failed_one_does_not(m
     with worker_exits([], close=False):
         pass
     assert calls == []
+
+
+LATE_FAILURE = """
+import sys, time
+import torch
+import torch.distributed as dist
+from hfpfl.cli import worker_exits
+from hfpfl.launch import fork_workers
+
+workers = []
+with worker_exits(workers):
+    workers.append(fork_workers(2))
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(1))  # the last collective
+    if workers[0].rank == 1:
+        raise RuntimeError("rank 1 fails after the last collective")
+    time.sleep(1)  # the main process reaches the closing barrier after rank 1 is gone
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_failing_after_the_last_collective_is_reported_by_its_exit_code(tmp_path):
+    """The closing barrier meets a dead peer: the main process reports the worker's exit code in one line (as
+    without the barrier), not gloo's connection error."""
+    script = tmp_path / "late_failure.py"
+    script.write_text(LATE_FAILURE)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1] == "error: a worker process exited with code 1; see its output above"
+    assert "Connection closed by peer" not in p.stderr
