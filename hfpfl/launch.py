@@ -99,8 +99,8 @@ def decide(spec: str, clients_per_round: int | None, num_rounds: int, *, cores: 
            gpus: int, update_cost: float = 1.0) -> tuple[int, str]:
     """``(processes, why)`` for ``--num_processes spec``: a pure function of its arguments (the run's clients per
     round and rounds, the usable cores, the 1-minute load average, the CUDA GPUs), so that the choice can be
-    logged, tested and checked. The numbers a run computes do not depend on it, up to the order in which the float64
-    sums of uploads are added across processes (README "Several processes and machines")."""
+    logged, tested and checked. The numbers a run computes do not depend on it (the float64 sums of uploads are
+    exact in practice, so their order across processes does not show: README "Several processes and machines")."""
     check_spec(spec)
     if spec != "auto":
         return int(spec), "set by --num_processes"
