@@ -30,7 +30,7 @@ from typing import Literal
 import numpy as np
 import PIL.Image
 import torch
-from diffusers import AutoencoderKL, DiffusionPipeline, UNet2DConditionModel
+from diffusers import AutoencoderKL, DiffusionPipeline, PNDMScheduler, UNet2DConditionModel
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.schedulers import KarrasDiffusionSchedulers
 from diffusers.utils import BaseOutput
@@ -195,18 +195,42 @@ class FedBiPPipeline(DiffusionPipeline):
 
     # ---------------------------------------------------------------------------------------------------------------
     def set_sampler(self, name: str = "pndm", **overrides):
-        """Swap the sampler, keeping the model's noise schedule: "pndm" (paper), "ddim" or "ddpm"."""
+        """Swap the sampler, keeping the model's noise schedule: "pndm" (paper), "ddim" or "ddpm". ``overrides``
+        (e.g. ``timestep_spacing``) apply to the checkpoint's scheduler config, not to an earlier call's: a pipeline
+        shared by several runs in one process does not carry one run's overrides into the next."""
         import diffusers
 
         if name.lower() not in SAMPLERS:
             raise ValueError(f"unknown sampler {name!r}; choose one of {sorted(SAMPLERS)}")
+        if not hasattr(self, "_checkpoint_scheduler_config"):
+            self._checkpoint_scheduler_config = dict(self.scheduler.config)
         cls = getattr(diffusers, SAMPLERS[name.lower()])
-        self.register_modules(scheduler=cls.from_config(self.scheduler.config, **overrides))
+        self.register_modules(scheduler=cls.from_config(self._checkpoint_scheduler_config, **overrides))
         return self
 
     def encode_concept_prompt(self, prompt_template, domain_concept, class_concepts, concept_space="input"):
         return encode_concept_prompt(self.text_encoder, self.tokenizer, prompt_template, domain_concept,
                                      class_concepts, concept_space)
+
+    def timesteps_from(self, start_timestep: int) -> torch.Tensor:
+        """The set sampler's timesteps from ``start_timestep`` down (call after ``scheduler.set_timesteps``).
+
+        PNDM (PLMS, ``skip_prk_steps``) evaluates its second timestep twice: the first step is redone with the
+        average of two noise predictions (a Heun-like warm-up), and its ``step`` expects that repeat. Cutting its
+        schedule as the img2img pipelines do would drop the repeat and denoise a sample one step off its timestep
+        from the third step on, so the repeat is rebuilt at the new second timestep."""
+        full = self.scheduler.timesteps
+        kept = full[full <= start_timestep]
+        if isinstance(self.scheduler, PNDMScheduler):
+            if not self.scheduler.config.skip_prk_steps:
+                raise ValueError("start_timestep needs PNDM with skip_prk_steps=True (PLMS only), as SD v1 ships it")
+            kept = torch.unique_consecutive(kept)
+            if len(kept) > 1:
+                kept = torch.cat([kept[:2], kept[1:]])
+        if len(kept) == 0:
+            raise ValueError(f"start_timestep {start_timestep} is below every timestep of the sampler's schedule "
+                             f"(lowest {int(full.min())})")
+        return kept
 
     def latent_shape(self) -> tuple[int, int, int]:
         size = self.unet.config.sample_size
@@ -269,6 +293,7 @@ class FedBiPPipeline(DiffusionPipeline):
         generator: torch.Generator | None = None,
         output_type: Literal["pil", "np", "pt", "latent"] = "pil",
         concept_space: Literal["input", "output"] = "input",
+        start_timestep: int | None = None,
         return_dict: bool = True,
     ):
         r"""
@@ -286,6 +311,9 @@ class FedBiPPipeline(DiffusionPipeline):
             generator (`torch.Generator`): drives eta and stochastic samplers; same seed -> same images.
             output_type: "pil", "np", "pt" (images in [0, 1]) or "latent".
             concept_space: "input" (paper, token embeddings) or "output" (authors' code, encoder outputs).
+            start_timestep (`int`, *optional*): the latents are noised to this timestep; denoising runs only the
+                schedule's timesteps <= it (as the img2img pipelines do for their strength). Default: the whole
+                schedule, i.e. latents at the sampler's first timestep.
         Returns:
             [`FedBiPPipelineOutput`] (images, labels) or a tuple.
         """
@@ -320,8 +348,11 @@ class FedBiPPipeline(DiffusionPipeline):
                     embeds = torch.cat([neg_embeds.expand(len(z), -1, -1), embeds])
                 # every batch restarts the sampler (PNDM keeps a multistep history)
                 self.scheduler.set_timesteps(num_inference_steps, device=device)
+                timesteps = self.scheduler.timesteps
+                if start_timestep is not None:
+                    timesteps = self.timesteps_from(start_timestep)
                 z = z * self.scheduler.init_noise_sigma
-                for t in self.scheduler.timesteps:
+                for t in timesteps:
                     model_in = torch.cat([z] * 2) if do_cfg else z
                     model_in = self.scheduler.scale_model_input(model_in, t)
                     noise_pred = self.unet(model_in, t, encoder_hidden_states=embeds, return_dict=False)[0]

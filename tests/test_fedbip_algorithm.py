@@ -235,27 +235,42 @@ def test_singleton_classes_self_and_drop(ldm_dir, fed, tmp_path):
         assert int((up["labels"] == 3).sum()) == n3 and len(up["latents"]) == len(up["labels"])
 
 
-def test_clients_noise_to_the_samplers_first_timestep(ldm_dir, fed, tmp_path):
+def _unet_timesteps(algo, upd):
+    seen = []
+    h = algo.pipe.unet.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(int(torch.as_tensor(a[1] if len(a) > 1 else kw["timestep"]).flatten()[0])),
+        with_kwargs=True)
+    try:
+        algo.synthesize(upd, 0)
+    finally:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("choice,spacing,expected,calls", [
+    # PNDM, 10 leading steps (offset 1): 901, 801, ..., 1 with PLMS's repeated second timestep
+    ("sampler_start", None, 901, [901, 801, 801, 701, 601, 501, 401, 301, 201, 101, 1]),
+    ("sampler_start", "trailing", 999, None),
+    # the test LDM's 4x4 latents: SNR(t) >= SNR_SD(999) * (64/4)^2 gives t=326 by hand; the first schedule
+    # timestep at or above it is 401, where the clients noise and the sampler starts, repeat rebuilt
+    ("resolution_matched", None, 401, [401, 301, 301, 201, 101, 1]),
+])
+def test_clients_noise_to_the_samplers_first_timestep(ldm_dir, fed, tmp_path, choice, spacing, expected, calls):
     """Sampler start == noising timestep: the upload's latents are noised to the t at which the server's sampler
-    begins (901 for PNDM with 10 leading steps; 999 with trailing spacing), and the UNet's first call uses it."""
+    begins, and the UNet's calls run the schedule from exactly there."""
     from hfpfl.fedbip import sampler_start_timestep
 
-    for spacing, expected in ((None, 901), ("trailing", 999)):
-        cfg = _cfg(ldm_dir, num_inference_steps=10, timestep_spacing=spacing)
-        sim = _sim(fed, tmp_path, cfg, name=f"t-{spacing}", num_rounds=1)
-        algo = sim.algorithm
-        assert algo.noise_t == algo.sampler_t0 == expected
+    cfg = _cfg(ldm_dir, num_inference_steps=10, timestep_spacing=spacing, noise_timestep=choice)
+    sim = _sim(fed, tmp_path, cfg, name=f"t-{choice}-{spacing}", num_rounds=1)
+    algo = sim.algorithm
+    assert algo.noise_t == algo.sampler_t0 == expected
+    if choice == "sampler_start":
         assert sampler_start_timestep(algo.pipe.scheduler, 10) == expected
-        upd = algo.client_update(0, {}, {}, 0)
-        seen = []
-        h = algo.pipe.unet.register_forward_pre_hook(
-            lambda m, a, kw: seen.append(int(torch.as_tensor(a[1] if len(a) > 1 else kw["timestep"]).flatten()[0])),
-            with_kwargs=True)
-        try:
-            algo.synthesize(upd, 0)
-        finally:
-            h.remove()
-        assert seen[0] == expected  # the first denoising step is at the timestep the client noised to
+    upd = algo.client_update(0, {}, {}, 0)
+    seen = _unet_timesteps(algo, upd)
+    assert seen[0] == expected  # the first denoising step is at the timestep the client noised to
+    if calls is not None:
+        assert seen[: len(calls)] == calls and len(seen) % len(calls) == 0
     # and the client used that timestep: same generator, same latents as noising z_bar(0) to it by hand
     from diffusers import DDPMScheduler
 
@@ -266,6 +281,75 @@ def test_clients_noise_to_the_samplers_first_timestep(ldm_dir, fed, tmp_path):
     ref, _ = instance_level_latents(algo.pipe.vae, ns, x, y, 2, False, 0.5, 0.1,
                                     sim.generator(0, 0, "fedbip-instance"), timestep=expected)
     assert torch.equal(ref, upd.upload["fedbip"]["latents"])
+
+
+def test_random_latent_rows_run_the_whole_schedule_under_resolution_matching(ldm_dir, fed, tmp_path):
+    """prompt-only draws z ~ N(0, I) on the server: pure noise must start at the schedule's top, whatever the
+    clients' noising timestep."""
+    cfg = _cfg(ldm_dir, num_inference_steps=10, noise_timestep="resolution_matched", personalization="none")
+    algo = _sim(fed, tmp_path, cfg, name="t-none", num_rounds=1).algorithm
+    assert algo.sampler_t0 == 401
+    seen = _unet_timesteps(algo, algo.client_update(0, {}, {}, 0))
+    assert seen[:3] == [901, 801, 801]
+
+
+def test_resolution_matched_timestep_keeps_sd_snr_scale_for_scale():
+    """Hand numbers for SD v1's schedule (scaled_linear 0.00085..0.012): alpha_bar(999) = 0.00466, SNR 0.00468;
+    an 8x8 latent needs 64x that SNR, alpha_bar ~0.23: t = 535; a 64x64 latent (SD itself) keeps T = 999. Then a
+    Monte Carlo check of why: the image-wide mean of a noised constant latent has the same SNR at (8x8, 535) as at
+    (64x64, 999), and 64x less at (8x8, 999)."""
+    from diffusers import DDPMScheduler
+
+    from hfpfl.fedbip.protocol import resolution_matched_timestep
+
+    sched = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    assert abs(float(sched.alphas_cumprod[999]) - 0.00466) < 1e-5
+    assert resolution_matched_timestep(sched, 64) == 999
+    assert resolution_matched_timestep(sched, 8) == 535
+    assert resolution_matched_timestep(sched, 32) == 874
+
+    g = torch.Generator().manual_seed(0)
+
+    def mean_snr(side, t):  # signal 1 in every latent pixel; SNR of the mean over the side x side pixels
+        a = float(sched.alphas_cumprod[t])
+        noisy_means = (a ** 0.5 + (1 - a) ** 0.5 * torch.randn(4000, side * side, generator=g, dtype=torch.float64)
+                       ).mean(1)
+        return noisy_means.mean() ** 2 / noisy_means.var()
+
+    sd, ours, literal = mean_snr(64, 999), mean_snr(8, 535), mean_snr(8, 999)
+    assert 0.85 < ours / sd < 1.2
+    assert literal / sd < 0.03
+
+
+def test_pndm_started_below_its_top_denoises_an_exact_noise_prediction_back(ldm_dir):
+    """With an oracle noise prediction (the true eps) every deterministic step keeps x_t on the line
+    sqrt(ab_t) x0 + sqrt(1 - ab_t) eps, so a sampler started at 551 must end at ab_0's point of it. The schedule
+    ``timesteps_from`` gives does; the img2img-style cut (PLMS's repeated timestep dropped) does not."""
+    from hfpfl.algorithms.fedbip import load_ldm
+
+    pipe = load_ldm(ldm_dir)
+    pipe.set_sampler("pndm")
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.randn(2, 4, 4, 4, generator=g, dtype=torch.float64)
+    ab = pipe.scheduler.alphas_cumprod.double()
+
+    def run(timesteps_of):
+        pipe.scheduler.set_timesteps(20)
+        ts = timesteps_of()
+        x = ab[int(ts[0])].sqrt() * x0 + (1 - ab[int(ts[0])]).sqrt() * eps
+        for t in ts:
+            x = pipe.scheduler.step(eps, t, x, return_dict=False)[0]
+        return x
+
+    target = ab[0].sqrt() * x0 + (1 - ab[0]).sqrt() * eps
+    pipe.scheduler.set_timesteps(20)
+    assert pipe.timesteps_from(551).tolist()[:4] == [551, 501, 501, 451]
+    assert torch.allclose(run(lambda: pipe.timesteps_from(551)), target, atol=1e-6)
+    naive = run(lambda: pipe.scheduler.timesteps[pipe.scheduler.timesteps <= 551])
+    assert not torch.allclose(naive, target, atol=1e-2)
+    # and from the top the rebuilt schedule is PNDM's own
+    pipe.scheduler.set_timesteps(20)
+    assert torch.equal(pipe.timesteps_from(951), pipe.scheduler.timesteps)
 
 
 def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path):

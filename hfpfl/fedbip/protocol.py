@@ -11,13 +11,40 @@ import torch
 logger = logging.getLogger("hfpfl")
 
 
+# SD v1's latents are 64 x 64 (512 px images, VAE factor 8): the LDM the paper's "maximum timestep" refers to
+REFERENCE_LATENT_SIDE = 64
+
+
+def resolution_matched_timestep(scheduler, latent_side: int, reference_side: int = REFERENCE_LATENT_SIDE) -> int:
+    """The timestep at which a ``latent_side``-wide latent keeps as much of its image as SD v1's 64 x 64 latent keeps
+    at the maximum timestep T, scale for scale.
+
+    A feature spanning a fixed fraction of the image covers (side/k)^2 latent pixels; averaging them divides the
+    noise variance by that count, so its SNR is SNR(t) * (side/k)^2. SD v1 at T = 999 (alpha_bar 0.0047, SNR 0.0047)
+    therefore keeps an image's colours and layout (the known low-frequency leak of its schedule, Lin et al., WACV
+    2024), which is what lets FedBiP's instance latents carry a client's style; an 8 x 8 latent at the same timestep
+    keeps 64x less SNR at every scale and loses them. Matching SNR(t) = SNR_SD(T) * (reference_side / latent_side)^2
+    is the resolution shift of Hoogeboom et al. (simple diffusion, ICML 2023): t = 535 for 8 x 8 latents, 999 for
+    64 x 64. Returns the largest t whose SNR is at least the target."""
+    ab = scheduler.alphas_cumprod.double()
+    snr = ab / (1 - ab)
+    target = snr[-1] * (reference_side / latent_side) ** 2
+    return int((snr >= target).nonzero().max())
+
+
 def noising_timestep(pipe, config) -> tuple[int, int]:
     """(t clients noise to, t the server's sampler starts at) for ``config.noise_timestep``.
 
     [D] noises to "the maximum timestep T"; with SD-v1's PNDM (leading spacing, steps_offset=1) and 10 steps the
     sampler's first step is t=901, not 999, so latents noised to 999 (alpha_bar 0.0047) would be denoised as if at
-    901 (alpha_bar 0.0140): the instance signal enters at the wrong SNR. Default ``sampler_start``: noise to the
-    sampler's first timestep (with ``timestep_spacing=trailing`` that *is* T = 999, the paper's literal choice)."""
+    901 (alpha_bar 0.0140): the instance signal enters at the wrong SNR. ``sampler_start``: noise to the sampler's
+    first timestep (with ``timestep_spacing=trailing`` that *is* T = 999, the paper's literal choice).
+    ``resolution_matched``: the first schedule timestep at or above :func:`resolution_matched_timestep` (at least as
+    much noise as SD's T at every image scale), and the sampler starts there; for a 64 x 64 latent (SD v1) that is
+    ``sampler_start``, the paper's setting. Not the default: on the tiny LDM it lifts instance-only above
+    prompt-only but its synthetic images sit closer to the clients' train images than their real test images do and
+    the membership-inference gap grows ~10x (README "FedBiP status", stop 28), the leak FedBiP's noising exists to
+    prevent."""
     from .client import sampler_start_timestep
 
     t0 = sampler_start_timestep(pipe.scheduler, config.num_inference_steps)
@@ -26,6 +53,15 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
         return t0, t0
     if choice == "max":
         return int(pipe.scheduler.config.num_train_timesteps) - 1, t0
+    if choice == "resolution_matched":
+        import copy
+
+        target = resolution_matched_timestep(pipe.scheduler, pipe.latent_shape()[-1])
+        sched = copy.deepcopy(pipe.scheduler)
+        sched.set_timesteps(config.num_inference_steps)
+        above = [int(t) for t in sched.timesteps if int(t) >= target]
+        t = min(above) if above else t0
+        return t, t
     return int(choice), t0
 
 
