@@ -220,6 +220,8 @@ class FedBiPPipeline(DiffusionPipeline):
         schedule as the img2img pipelines do would drop the repeat and denoise a sample one step off its timestep
         from the third step on, so the repeat is rebuilt at the new second timestep."""
         full = self.scheduler.timesteps
+        if full is None:
+            raise ValueError("timesteps_from: call scheduler.set_timesteps(num_inference_steps) first")
         kept = full[full <= start_timestep]
         if isinstance(self.scheduler, PNDMScheduler):
             if not self.scheduler.config.skip_prk_steps:
@@ -238,7 +240,7 @@ class FedBiPPipeline(DiffusionPipeline):
         return self.unet.config.in_channels, h, w
 
     def check_inputs(self, latents, labels, domain_concept, class_concepts, prompt_template, concept_noise_sigma,
-                     batch_size, concept_space):
+                     batch_size, concept_space, start_timestep=None):
         expand_template(prompt_template, 1, 1)  # raises on a bad template
         if concept_space not in ("input", "output"):
             raise ValueError(f"concept_space must be 'input' or 'output', got {concept_space!r}")
@@ -263,6 +265,9 @@ class FedBiPPipeline(DiffusionPipeline):
             raise ValueError(f"concept_noise_sigma must be >= 0, got {concept_noise_sigma}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        T = int(self.scheduler.config.num_train_timesteps)
+        if start_timestep is not None and not 0 <= int(start_timestep) < T:
+            raise ValueError(f"start_timestep must be a timestep of the schedule, 0 to {T - 1}, got {start_timestep}")
 
     def prepare_extra_step_kwargs(self, generator, eta):
         import inspect
@@ -318,7 +323,7 @@ class FedBiPPipeline(DiffusionPipeline):
             [`FedBiPPipelineOutput`] (images, labels) or a tuple.
         """
         self.check_inputs(latents, labels, domain_concept, class_concepts, prompt_template, concept_noise_sigma,
-                          batch_size, concept_space)
+                          batch_size, concept_space, start_timestep)
         device = self._execution_device
         dtype = self.unet.dtype
         labels = torch.as_tensor(labels, dtype=torch.long).cpu()

@@ -283,6 +283,22 @@ def test_clients_noise_to_the_samplers_first_timestep(ldm_dir, fed, tmp_path, ch
     assert torch.equal(ref, upd.upload["fedbip"]["latents"])
 
 
+def test_out_of_range_timesteps_are_refused_with_the_option_named(ldm_dir, fed, tmp_path):
+    """--noise_timestep 5000 used to end in an IndexError traceback from the noise schedule after the run folder was
+    made; now a ValueError names the option and its range (the CLI turns it into one line, exit 2)."""
+    with pytest.raises(ValueError, match=r"--noise_timestep must be a timestep of the LDM's schedule, 0 to 999 .*got 5000"):
+        _sim(fed, tmp_path, _cfg(ldm_dir, noise_timestep="5000"), name="bad-t", num_rounds=1)
+    assert not (tmp_path / "bad-t" / "results.json").exists()
+    pipe = load_ldm(ldm_dir)
+    pipe.set_sampler("pndm")
+    with pytest.raises(ValueError, match="call scheduler.set_timesteps"):
+        pipe.timesteps_from(501)
+    z = torch.zeros(1, *pipe.latent_shape())
+    S, V = torch.zeros(1, pipe.text_encoder.config.hidden_size), torch.zeros(10, 1, pipe.text_encoder.config.hidden_size)
+    with pytest.raises(ValueError, match="start_timestep must be a timestep of the schedule, 0 to 999, got 1000"):
+        pipe(z, torch.tensor([0]), S, V, num_inference_steps=2, start_timestep=1000)
+
+
 def test_random_latent_rows_run_the_whole_schedule_under_resolution_matching(ldm_dir, fed, tmp_path):
     """prompt-only draws z ~ N(0, I) on the server: pure noise must start at the schedule's top, whatever the
     clients' noising timestep."""

@@ -127,16 +127,21 @@ def max_timestep(noise_scheduler) -> int:
     return int(noise_scheduler.config.num_train_timesteps) - 1
 
 
-def sampler_start_timestep(scheduler, num_inference_steps: int) -> int:
-    """The first timestep the server's sampler denoises at (PNDM, 10 steps, leading spacing, steps_offset=1: 901;
-    trailing spacing: 999). Clients noise their latents to exactly this timestep (see ``FedBiPConfig.noise_timestep``)
-    so that the instance signal enters at the SNR the sampler assumes. Computed on a copy: the scheduler is not
-    touched."""
+def sampler_timesteps(scheduler, num_inference_steps: int) -> list[int]:
+    """The timesteps the server's sampler visits with ``num_inference_steps``, computed on a copy (the scheduler is
+    not touched)."""
     import copy
 
     sched = copy.deepcopy(scheduler)
     sched.set_timesteps(num_inference_steps)
-    return int(sched.timesteps[0])
+    return [int(t) for t in sched.timesteps]
+
+
+def sampler_start_timestep(scheduler, num_inference_steps: int) -> int:
+    """The first timestep the server's sampler denoises at (PNDM, 10 steps, leading spacing, steps_offset=1: 901;
+    trailing spacing: 999). Clients noise their latents to exactly this timestep (see ``FedBiPConfig.noise_timestep``)
+    so that the instance signal enters at the SNR the sampler assumes."""
+    return sampler_timesteps(scheduler, num_inference_steps)[0]
 
 
 def noise_to_max_timestep(z, noise_scheduler, generator=None, timestep: int | None = None) -> torch.Tensor:

@@ -47,23 +47,23 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
     prevent. The paper (and spec ambiguity 1: "not an intermediate, SDEdit-style strength") noises to the maximum
     T; we follow it by default, and ``resolution_matched`` is an explicit stand-in experiment, not the paper's
     choice."""
-    from .client import sampler_start_timestep
+    from .client import sampler_timesteps
 
-    t0 = sampler_start_timestep(pipe.scheduler, config.num_inference_steps)
+    timesteps = sampler_timesteps(pipe.scheduler, config.num_inference_steps)
+    t0, T = timesteps[0], int(pipe.scheduler.config.num_train_timesteps)
     choice = str(config.noise_timestep)
     if choice == "sampler_start":
         return t0, t0
     if choice == "max":
-        return int(pipe.scheduler.config.num_train_timesteps) - 1, t0
+        return T - 1, t0
     if choice == "resolution_matched":
-        import copy
-
         target = resolution_matched_timestep(pipe.scheduler, pipe.latent_shape()[-1])
-        sched = copy.deepcopy(pipe.scheduler)
-        sched.set_timesteps(config.num_inference_steps)
-        above = [int(t) for t in sched.timesteps if int(t) >= target]
+        above = [t for t in timesteps if t >= target]
         t = min(above) if above else t0
         return t, t
+    if not 0 <= int(choice) < T:
+        raise ValueError(f"--noise_timestep must be a timestep of the LDM's schedule, 0 to {T - 1} (or "
+                         f"sampler_start, resolution_matched, max), got {choice}")
     return int(choice), t0
 
 
