@@ -292,7 +292,7 @@ def conv_channels_last(model: nn.Module, enabled: bool = True):
     original (contiguous) tensors afterwards, so that everything outside the block (the engine's cached state dict,
     checkpoints, uploads) sees the same tensors as before. On the CPU, oneDNN's channels_last convolutions are
     faster for small convolutional models: PFLlib's CNN, batch 10, 1 thread: a training step took 0.75x the time
-    (README "Performance"). The arithmetic order differs, so results differ in their last float bits (1.5e-8 after
+    (docs/performance.md). The arithmetic order differs, so results differ in their last float bits (1.5e-8 after
     60 SGD steps, measured). Which models get it: :func:`channels_last_pays`."""
     swapped = []
     if enabled:

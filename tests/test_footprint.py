@@ -1,4 +1,4 @@
-"""Import footprint: a run with its own model does not pay for transformers' model code (README "Performance")."""
+"""Import footprint: a run with its own model does not pay for transformers' model code (docs/performance.md)."""
 import subprocess
 import sys
 

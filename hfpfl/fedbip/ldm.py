@@ -335,7 +335,7 @@ class PretrainConfig:
 
 
 # Training budgets per device kind: the CPU budget is what fits the first run on 2 cores (~30 min measured, recipe
-# v4); on an accelerator the budget the H100 diagnostic measured (README "FedBiP status"): a 7.5x-step, 2x-batch
+# v4); on an accelerator the budget the H100 diagnostic measured (docs/fedbip.md): a 7.5x-step, 2x-batch
 # VAE raised the judge's accuracy on VAE reconstructions (the fidelity ceiling) from 0.65 to 0.80, and 13x the UNet
 # images (10,000 steps of 128) raised plain-prompt fidelity at guidance 5 from ~0.6 to 0.87-0.89; with this VAE the
 # 50-image guidance-3 probe reached 0.82 after 4,000 steps of 128 and stayed at 0.78-0.84 up to 6,000 (one H100 run),

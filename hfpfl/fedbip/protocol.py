@@ -43,7 +43,7 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
     much noise as SD's T at every image scale), and the sampler starts there; for a 64 x 64 latent (SD v1) that is
     ``sampler_start``, the paper's setting. Not the default: on the tiny LDM it lifts instance-only above
     prompt-only but its synthetic images sit closer to the clients' train images than their real test images do and
-    the membership-inference gap grows 5-9x (README "FedBiP status", stop 28), the leak FedBiP's noising exists to
+    the membership-inference gap grows 5-9x (docs/fedbip.md, stop 28), the leak FedBiP's noising exists to
     prevent. The paper (and spec ambiguity 1: "not an intermediate, SDEdit-style strength") noises to the maximum
     T; we follow it by default, and ``resolution_matched`` is an explicit stand-in experiment, not the paper's
     choice."""
