@@ -14,6 +14,7 @@ default), client ``i`` holds split ``i % distinct`` (its own model state, seeds 
     python scripts/bench_simulator.py --clients 20 500 10000 --model cnn --rounds 3
     python scripts/bench_simulator.py --clients 20 --model cnn --parallel 1 t2 p2   # both cores: threads, processes
     python scripts/bench_simulator.py --clients 20 500 --model cnn --device cuda     # on a GPU (default: auto)
+    python scripts/bench_simulator.py --clients 100 --model mlp --vectorize off on --rounds 20 --interleave  # paired rounds
 Prints s/round, the ratio hfpfl / bare, peak RSS of each (``peak RSS``: each process's own peak, ``ru_maxrss``,
 summed over the N processes with ``pN``, with each process's share of the round's training examples, the balance of
 the client owners), the peak over time of the whole process tree's summed RSS (``tree RSS``) and summed PSS (``tree
@@ -160,10 +161,28 @@ def build_model(kind: str, num_channels: int, image_size: int):
     return PlainClassifier(FedAvgCNN() if kind == "cnn" else MLP())
 
 
+class RoundGate:
+    """``--interleave``'s lockstep, worker side: before each round the worker waits for the parent's go (one byte on
+    ``go``), after it says done (one byte on ``done``), so the configurations of one client count take turns round by
+    round and each round pair meets the same machine (a shared box's speed drifts by up to 1.5x within minutes)."""
+
+    def __init__(self, spec: str | None):
+        self.fds = tuple(int(x) for x in spec.split(",")) if spec else None
+
+    def wait(self):
+        if self.fds and not os.read(self.fds[0], 1):
+            raise SystemExit("the benchmark's parent went away")
+
+    def done(self):
+        if self.fds:
+            os.write(self.fds[1], b".")
+
+
 def worker(a) -> dict:
     import torch
     device = torch.device(a.device)
     cuda = device.type == "cuda"
+    gate = RoundGate(a.lockstep)
 
     def sync():
         if cuda:
@@ -211,12 +230,15 @@ def worker(a) -> dict:
             raise SystemExit(f"hfpfl's engine runs on {sim.device}, asked for --device {a.device}")
         times = []
         if hasattr(sim, "step"):
+            gate.done()  # set up: ready for the first round
             for _ in range(a.rounds):
+                gate.wait()
                 sync()
                 t = time.perf_counter()
                 sim.step()
                 sync()
                 times.append(time.perf_counter() - t)
+                gate.done()
         else:  # engines before v2 (no step()): whole run
             t = time.perf_counter()
             sim.run()
@@ -230,7 +252,9 @@ def worker(a) -> dict:
         model = build_model(a.model, 1, size).to(device)
         glob = {k: v.clone() for k, v in model.state_dict().items()}
         times, acc = [], None
+        gate.done()
         for r in range(a.rounds):
+            gate.wait()
             sync()
             t = time.perf_counter()
             sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in glob.items()}
@@ -250,6 +274,7 @@ def worker(a) -> dict:
             glob = {k: v.to(glob[k].dtype) for k, v in sums.items()}
             sync()
             times.append(time.perf_counter() - t)
+            gate.done()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     shares = None
@@ -267,9 +292,110 @@ def worker(a) -> dict:
             return None
         if workers is not None:
             workers.wait()
-    return {"s_per_round": min(times[1:] or times), "peak_rss_gb": peak, "mean_train_per_client": sum(n_train) / len(n_train),
+    return {"s_per_round": min(times[1:] or times), "round_s": times, "peak_rss_gb": peak, "mean_train_per_client": sum(n_train) / len(n_train),
             "personal_accuracy": acc, "gpu_peak_gb": gpu_peak, "device": str(device), "process_train_examples": shares,
             "process_peak_rss_gb": peaks if shares is not None else None}
+
+
+def command(a, n: int, impl: str, vec: str, par: str, cl: str) -> tuple[list[str], dict]:
+    """The worker command line (and its environment) of one configuration."""
+    args = ["--impl", impl, "--clients", str(n), "--model", a.model, "--rounds", str(a.rounds),
+            "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
+            "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
+            "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1",
+            "--device", a.device, "--channels_last", cl]
+    if a.vector_chunk_mb is not None:
+        args += ["--vector_chunk_mb", str(a.vector_chunk_mb)]
+    if a.eval_clients is not None:
+        args += ["--eval_clients", str(a.eval_clients)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if a.device == "cpu":  # accelerate would otherwise take a visible GPU
+        env["ACCELERATE_USE_CPU"] = "1"
+    if par.startswith("p") and a.device == "cpu":  # as the recipes: fork after the imports
+        cmd = [sys.executable, __file__, *args, "--fork", par[1:],
+               "--output_dir", tempfile.mkdtemp(prefix="hfpfl_bench_mp_")]
+    elif par[:1] in ("p", "l"):  # clients sharded over N processes launched by accelerate
+        outdir = tempfile.mkdtemp(prefix="hfpfl_bench_mp_")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", par[1:],
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", __file__, *args,
+               "--output_dir", outdir]
+    else:
+        cmd = [sys.executable, __file__, *args]
+    return cmd, env
+
+
+def _result(label: str, returncode: int, stdout: str, stderr: str) -> dict:
+    if returncode != 0:
+        sys.exit(f"{label} failed:\n{stderr[-2000:]}")
+    return json.loads([ln for ln in stdout.strip().splitlines() if ln.startswith("{")][-1])
+
+
+def run_one_by_one(jobs, a) -> list:
+    """Each configuration in its own process, one after another: ``(result, TreeMemory or None)`` per job."""
+    out = []
+    for _, label, cmd, env in jobs:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        if a.mem_sample_ms > 0:
+            with TreeMemory(proc.pid, a.mem_sample_ms / 1000) as mem:
+                stdout, stderr = proc.communicate()
+        else:
+            mem, (stdout, stderr) = None, proc.communicate()
+        out.append((_result(label, proc.returncode, stdout, stderr), mem))
+    return out
+
+
+def run_interleaved(jobs, a) -> list:
+    """Every configuration's process started together; after each has set up, they run their rounds in turn (round r
+    of each, then round r + 1 of each: :class:`RoundGate`), one at a time, so the others wait asleep. Each process's
+    tree memory is sampled on its own."""
+    import select
+    from contextlib import ExitStack
+    procs = []
+    with ExitStack() as stack:
+        for _, label, cmd, env in jobs:
+            go_r, go_w = os.pipe()
+            done_r, done_w = os.pipe()
+            logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(2)]
+            proc = subprocess.Popen([*cmd, "--lockstep", f"{go_r},{done_w}"], stdout=logs[0], stderr=logs[1],
+                                    text=True, env=env, pass_fds=(go_r, done_w))
+            os.close(go_r)
+            os.close(done_w)
+            mem = stack.enter_context(TreeMemory(proc.pid, a.mem_sample_ms / 1000)) if a.mem_sample_ms > 0 else None
+            procs.append((label, proc, go_w, done_r, logs, mem))
+
+        def finish(i):  # one byte on done_r; a worker that exits instead has failed
+            label, proc, _, done_r, logs, _ = procs[i]
+            while not select.select([done_r], [], [], 1.0)[0]:
+                if proc.poll() is not None:
+                    break
+            if not os.read(done_r, 1):
+                proc.wait()
+                logs[1].seek(0)
+                sys.exit(f"{label} failed:\n{logs[1].read()[-2000:]}")
+
+        try:
+            for i in range(len(procs)):
+                finish(i)  # set up
+            for _ in range(a.rounds):
+                for i, (_, _, go_w, _, _, _) in enumerate(procs):
+                    os.write(go_w, b".")
+                    finish(i)
+            out = []
+            for label, proc, _, _, logs, mem in procs:
+                proc.wait()
+                logs[0].seek(0)
+                logs[1].seek(0)
+                out.append((_result(label, proc.returncode, logs[0].read(), logs[1].read()), mem))
+            return out
+        finally:  # on failure too: the others' gates see the parent go away, and none is left running
+            for _, proc, go_w, done_r, _, _ in procs:
+                os.close(go_w)
+                os.close(done_r)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def main():
@@ -306,6 +432,11 @@ def main():
                    "RSS and PSS of each configuration's process tree (0: not sampled)")
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--fork", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--interleave", action="store_true", help="run the configurations of each client count side by "
+                   "side in lockstep, round r of each before round r + 1 of any (one at a time), and print each one's "
+                   "per-round ratio to the first configuration: on a shared machine whose speed drifts, ratios of the "
+                   "same rounds are steadier than ratios of runs made minutes apart (1 and tN runs only)")
+    p.add_argument("--lockstep", help=argparse.SUPPRESS)
     p.add_argument("--output_dir", help=argparse.SUPPRESS)
     a = p.parse_args()
     for spec in a.parallel:
@@ -344,51 +475,26 @@ def main():
           f"{'tree RSS GB':>11} {'tree PSS GB':>11} "
           + (f"{'GPU peak GB':>11} " if gpu else "") + f"{'load':>5}")
     for n in a.clients:
-        res = {}
         runs = ([("bare", "off", "1")] if a.only != "hfpfl" else []) + \
                ([("hfpfl", v, par) for v in a.vectorize for par in a.parallel] if a.only != "bare" else [])
         runs = [(impl, vec, par, cl) for impl, vec, par in runs for cl in (a.channels_last if impl == "hfpfl" else ["off"])]
+        jobs = []
         for impl, vec, par, cl in runs:
             shown = par
             if par == "auto":  # the recipes' --num_processes auto, resolved now (idle cores, at most n clients)
                 from hfpfl.launch import resolve
                 k = resolve("auto", n)
                 par, shown = (f"p{k}" if k > 1 else "1"), f"auto=p{k}"
-            args = ["--impl", impl, "--clients", str(n), "--model", a.model, "--rounds", str(a.rounds),
-                    "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
-                    "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
-                    "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1",
-                    "--device", a.device, "--channels_last", cl]
-            if a.vector_chunk_mb is not None:
-                args += ["--vector_chunk_mb", str(a.vector_chunk_mb)]
-            if a.eval_clients is not None:
-                args += ["--eval_clients", str(a.eval_clients)]
-            env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-            if a.device == "cpu":  # accelerate would otherwise take a visible GPU
-                env["ACCELERATE_USE_CPU"] = "1"
-            if par.startswith("p") and a.device == "cpu":  # as the recipes: fork after the imports
-                cmd = [sys.executable, __file__, *args, "--fork", par[1:],
-                       "--output_dir", tempfile.mkdtemp(prefix="hfpfl_bench_mp_")]
-            elif par[:1] in ("p", "l"):  # clients sharded over N processes launched by accelerate
-                outdir = tempfile.mkdtemp(prefix="hfpfl_bench_mp_")
-                cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", par[1:],
-                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", __file__, *args,
-                       "--output_dir", outdir]
-            else:
-                cmd = [sys.executable, __file__, *args]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            if a.mem_sample_ms > 0:
-                with TreeMemory(proc.pid, a.mem_sample_ms / 1000) as mem:
-                    stdout, stderr = proc.communicate()
-            else:
-                mem, (stdout, stderr) = None, proc.communicate()
-            out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-            if out.returncode != 0:
-                sys.exit(f"{impl} with {n} clients failed:\n{out.stderr[-2000:]}")
-            r = json.loads([ln for ln in out.stdout.strip().splitlines() if ln.startswith("{")][-1])
-            res[(impl, vec, par, cl)] = r
+            if a.interleave and par[:1] in ("p", "l"):
+                p.error(f"--interleave: {shown} runs several processes per configuration; interleave 1 or tN runs")
             name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}") \
                 + (f" cl={cl}" if len(a.channels_last) > 1 or cl != "auto" else "")
+            jobs.append(((impl, vec, par, cl), f"{name} with {n} clients", *command(a, n, impl, vec, par, cl)))
+        results = run_interleaved(jobs, a) if a.interleave else run_one_by_one(jobs, a)
+        res = {}
+        for (key, label, _, _), (r, mem) in zip(jobs, results):
+            name = label.rsplit(" with ", 1)[0]
+            res[key] = r
             bare = res.get(("bare", "off", "1", "off"))
             ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
             print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
@@ -400,6 +506,15 @@ def main():
                      if r.get("process_train_examples") else "")
                   + (f"; peak RSS per process: {' / '.join(f'{x:.2f}' for x in r['process_peak_rss_gb'])} GB"
                      if r.get("process_peak_rss_gb") else ""), flush=True)
+        if a.interleave and len(jobs) > 1:  # each round against the first configuration's same round
+            first, base = results[0][0]["round_s"], jobs[0][1].rsplit(" with ", 1)[0]
+            for (_, label, _, _), (r, _) in list(zip(jobs, results))[1:]:
+                q = sorted(t / f for f, t in zip(first[1:], r["round_s"][1:]))
+                if q:
+                    med = q[len(q) // 2]
+                    print(f"{n:>8} {'':>12} {label.rsplit(' with ', 1)[0]:>20} same rounds, this / {base}: median "
+                          f"{med:.3f} (min {q[0]:.3f}, max {q[-1]:.3f}, {len(q)} rounds; {base} / this {1 / med:.1f}x)",
+                          flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
