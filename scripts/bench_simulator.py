@@ -240,6 +240,8 @@ def worker(a) -> dict:
                 times.append(time.perf_counter() - t)
                 gate.done()
         else:  # engines before v2 (no step()): whole run
+            if a.lockstep:
+                raise SystemExit("--interleave needs an engine with Simulation.step() (engine v2 or later)")
             t = time.perf_counter()
             sim.run()
             times = [(time.perf_counter() - t) / a.rounds]
@@ -352,14 +354,20 @@ def run_interleaved(jobs, a) -> list:
     from contextlib import ExitStack
     procs = []
     with ExitStack() as stack:
-        for _, label, cmd, env in jobs:
+        def start(label, cmd, env):
             go_r, go_w = os.pipe()
             done_r, done_w = os.pipe()
-            logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(2)]
-            proc = subprocess.Popen([*cmd, "--lockstep", f"{go_r},{done_w}"], stdout=logs[0], stderr=logs[1],
-                                    text=True, env=env, pass_fds=(go_r, done_w))
-            os.close(go_r)
-            os.close(done_w)
+            try:
+                logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in range(2)]
+                proc = subprocess.Popen([*cmd, "--lockstep", f"{go_r},{done_w}"], stdout=logs[0], stderr=logs[1],
+                                        text=True, env=env, pass_fds=(go_r, done_w))
+            except BaseException:
+                os.close(go_w)
+                os.close(done_r)
+                raise
+            finally:
+                os.close(go_r)
+                os.close(done_w)
             mem = stack.enter_context(TreeMemory(proc.pid, a.mem_sample_ms / 1000)) if a.mem_sample_ms > 0 else None
             procs.append((label, proc, go_w, done_r, logs, mem))
 
@@ -374,11 +382,16 @@ def run_interleaved(jobs, a) -> list:
                 sys.exit(f"{label} failed:\n{logs[1].read()[-2000:]}")
 
         try:
+            for _, label, cmd, env in jobs:
+                start(label, cmd, env)
             for i in range(len(procs)):
                 finish(i)  # set up
             for _ in range(a.rounds):
                 for i, (_, _, go_w, _, _, _) in enumerate(procs):
-                    os.write(go_w, b".")
+                    try:
+                        os.write(go_w, b".")
+                    except BrokenPipeError:  # it died before its next round: finish() says so
+                        pass
                     finish(i)
             out = []
             for label, proc, _, _, logs, mem in procs:
@@ -442,6 +455,8 @@ def main():
     for spec in a.parallel:
         if not (spec in ("1", "auto") or (spec[:1] in ("t", "p", "l") and spec[1:].isdigit() and int(spec[1:]) >= 1)):
             p.error(f"--parallel: {spec!r} is not auto, 1, tN, pN or lN (e.g. --parallel 1 t2 p2)")
+        if a.interleave and spec[:1] in ("p", "l"):
+            p.error(f"--interleave: {spec} runs several processes per configuration; interleave 1 or tN runs")
     if a.device == "auto":
         import torch
         a.device = "cuda" if torch.cuda.is_available() else "cpu"

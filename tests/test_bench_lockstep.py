@@ -21,6 +21,8 @@ name, log, fail_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 gate = bench.RoundGate(sys.argv[sys.argv.index("--lockstep") + 1])
 time.sleep(0.3 if name == "A" else 0.0)  # B is ready first: the order must still be A's round, then B's
 gate.done()
+if fail_at == -2:  # dies between set-up and its first round: the parent's go may meet a closed pipe
+    sys.exit("stand-in worker failed on purpose")
 times = []
 for r in range(3):
     gate.wait()
@@ -77,8 +79,19 @@ def test_a_worker_that_dies_mid_run_is_named_not_waited_for(tmp_path):
     assert not left  # A, waiting for its next round when B died, was not left running
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="pass_fds needs POSIX")
+def test_a_worker_that_dies_before_its_first_round_is_named(tmp_path):
+    bench = _bench()
+    log, jobs = _jobs(tmp_path, fail_b_at=-2)
+    with pytest.raises(SystemExit) as e:
+        bench.run_interleaved(jobs, argparse.Namespace(rounds=3, mem_sample_ms=0))
+    assert "B with 2 clients failed" in str(e.value) and "failed on purpose" in str(e.value)
+    assert log.read_text().split() == ["A0"]
+
+
 def test_interleave_refuses_multi_process_configurations():
     import subprocess
     out = subprocess.run([sys.executable, "scripts/bench_simulator.py", "--interleave", "--parallel", "1", "p2",
                           "--clients", "2", "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--interleave: p2" in out.stderr, out.stderr[-500:]
+    assert out.stdout == ""  # refused before any configuration ran or any header was printed
