@@ -297,6 +297,14 @@ def test_out_of_range_timesteps_are_refused_with_the_option_named(ldm_dir, fed, 
     S, V = torch.zeros(1, pipe.text_encoder.config.hidden_size), torch.zeros(10, 1, pipe.text_encoder.config.hidden_size)
     with pytest.raises(ValueError, match="start_timestep must be a timestep of the schedule, 0 to 999, got 1000"):
         pipe(z, torch.tensor([0]), S, V, num_inference_steps=2, start_timestep=1000)
+    # the recipe: one line, exit 2, and no run folder left behind (it used to stay, empty)
+    from hfpfl.fedbip import compare
+    out = tmp_path / "cli-bad-t"
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--ldm", ldm_dir, "--output_dir", str(out), "--noise_timestep", "5000", "--variants",
+                      "instance-only", "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3",
+                      "--shots_per_class", "2", "--progress", "false"])
+    assert e.value.code == 2 and not out.exists()
 
 
 def test_random_latent_rows_run_the_whole_schedule_under_resolution_matching(ldm_dir, fed, tmp_path):

@@ -376,6 +376,8 @@ def main(argv=None):
         with worker_exits(workers), interruptible():
             return _main(argv, started, workers)
     except USER_ERRORS as e:
+        if started.get("output_dir") and not started.get("existed"):
+            remove_empty_dirs(started["output_dir"])  # found by a variant's set-up: no empty run folder stays behind
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)
         raise SystemExit(2) from None
