@@ -92,18 +92,24 @@ def _close(a: dict, b: dict, atol=2e-5):
 
 @pytest.mark.parametrize("method", ["tiny_fedavg", "tiny_fedprox", "tiny_fedbn", "tiny_mlp_fedprox", "tiny_mlp_fedbn"])
 def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
-    calls, evals, adopted = [], [], []
-    real, real_eval, real_adopt = vectorized.train_chunk, vectorized.evaluate_clients, vectorized.adopt_grad_layout
+    calls, evals, probes, mismatched = [], [], [], []
+    real, real_eval, real_probe = vectorized.train_chunk, vectorized.evaluate_clients, vectorized.grad_layouts
+    real_step = vectorized._Opt.step
     monkeypatch.setattr(vectorized, "train_chunk", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
-    monkeypatch.setattr(vectorized, "adopt_grad_layout", lambda P, g: adopted.append(
-        sorted(k for k in g if g[k].stride() != P[k].stride())) or real_adopt(P, g))
+    monkeypatch.setattr(vectorized, "grad_layouts", lambda *a: probes.append(1) or real_probe(*a))
+    monkeypatch.setattr(vectorized._Opt, "step", lambda self, P, g, idx, step: mismatched.append(
+        sorted(k for k in g if g[k].stride() != P[k].stride())) or real_step(self, P, g, idx, step))
     monkeypatch.setattr(vectorized, "evaluate_clients", lambda *a, **k: evals.append(len(a[1])) or real_eval(*a, **k))
     seq, rs = _run(ragged, tmp_path, method, "off")
     assert calls == []
     vec, rv = _run(ragged, tmp_path, method, "on")
     assert calls == [4, 4] and evals == [4, 4]  # both rounds, all four clients in one batched chunk
+    assert len(probes) == 1  # the gradients' layouts are found once per simulation
+    transposed = sorted(k for k, o in vec._grad_layouts.items() if o is not None and list(o) != sorted(o))
     if method == "tiny_mlp_fedbn":  # batched Linear weights' gradients come transposed: stored in their layout
-        assert adopted == [["fc.weight", "head.weight"]] * 2  # (FedProx's: contiguous, its proximal term summed in)
+        assert transposed == ["fc.weight", "head.weight"]  # (FedProx's: contiguous, its proximal term summed in)
+    # every update of every step, in both rounds, finds parameter and gradient in the same layout
+    assert len(mismatched) > 2 and all(m == [] for m in mismatched)
     _close(seq.server_state["model"], vec.server_state["model"])
     for c in range(4):  # private state (FedBN: every client's own BatchNorm affine and running statistics)
         _close(seq.store.get(c).get("model", {}), vec.store.get(c).get("model", {}))
@@ -120,11 +126,9 @@ def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
 def test_vector_chunk_mb_splits_chunks_and_changes_no_numbers(ragged, tmp_path, monkeypatch):
     # TinyNet: 766 trainable parameters x 4 (value, gradient, two optimizer slots) x 4 bytes + 40 bytes of BN buffers
     per_client = 4 * 766 * 4 + 40
-    calls, evals, adopted = [], [], []
-    real, real_eval, real_adopt = vectorized.train_chunk, vectorized.evaluate_clients, vectorized.adopt_grad_layout
+    calls, evals = [], []
+    real, real_eval = vectorized.train_chunk, vectorized.evaluate_clients
     monkeypatch.setattr(vectorized, "train_chunk", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
-    monkeypatch.setattr(vectorized, "adopt_grad_layout", lambda P, g: adopted.append(
-        sorted(k for k in g if g[k].stride() != P[k].stride())) or real_adopt(P, g))
     monkeypatch.setattr(vectorized, "evaluate_clients", lambda *a, **k: evals.append(len(a[1])) or real_eval(*a, **k))
     one, r1 = _run(ragged, tmp_path, "tiny_fedbn", "on")
     assert calls == [4, 4]
@@ -156,16 +160,19 @@ def test_large_rounds_give_freed_heap_back_after_every_chunk_and_change_no_numbe
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_parameters_take_their_gradients_layout_with_the_same_values():
-    w = torch.randn(3, 4, 5)
-    P = {"w": w, "b": torch.randn(3, 4)}
-    g = {"w": torch.randn(3, 5, 4).mT, "b": torch.randn(3, 4)}  # a transposed gradient, as a batched Linear's
-    b = P["b"]
-    vectorized.adopt_grad_layout(P, g)
-    assert P["w"].stride() == g["w"].stride() == (20, 1, 4) and torch.equal(P["w"], w)
-    assert P["b"] is b  # already in its gradient's layout: untouched
-    P["w"].add_(g["w"], alpha=-0.5)
-    assert torch.equal(P["w"], w - 0.5 * g["w"]) and P["w"].stride() == (20, 1, 4)
+def test_stacks_are_stored_in_a_given_memory_order_with_the_same_values():
+    g = torch.randn(3, 5, 4).mT  # a transposed gradient, as a batched Linear's: [3, 4, 5], strides (20, 1, 4)
+    assert vectorized.memory_order(g) == (0, 2, 1) and vectorized.memory_order(torch.randn(3, 4)) == (0, 1)
+    assert vectorized.memory_order(torch.randn(4, 1).expand(4, 3)) is None  # overlapping: no order reproduces it
+    w, other = torch.randn(4, 5), torch.randn(4, 5)
+    cpu = torch.device("cpu")
+    shared = vectorized._stack([w, w, w], cpu, copy_shared=True, order=(0, 2, 1))   # one value, copied into the order
+    mixed = vectorized._stack([w, other, w], cpu, order=(0, 2, 1))
+    assert shared.stride() == mixed.stride() == g.stride() == (20, 1, 4)
+    assert torch.equal(shared, torch.stack([w, w, w])) and torch.equal(mixed, torch.stack([w, other, w]))
+    assert vectorized._stack([w, other], cpu).is_contiguous()  # no order: the usual layout
+    shared.add_(g, alpha=-0.5)  # updates keep the layout
+    assert torch.equal(shared, torch.stack([w, w, w]) - 0.5 * g) and shared.stride() == (20, 1, 4)
 
 
 def test_layout_adopted_when_the_first_step_groups_only_some_clients(ragged, tmp_path, monkeypatch):
@@ -428,17 +435,23 @@ def test_mmap_threshold_is_pinned_only_for_large_rounds(ragged, tmp_path, monkey
 def test_add_stacked_equals_one_add_per_client(monkeypatch, row_loop):
     from hfpfl.federated.protocol import WeightedSums
     monkeypatch.setattr(WeightedSums, "STACKED_ROW_LOOP", row_loop)
-    monkeypatch.setattr(WeightedSums, "STACKED_BLOCK_BYTES", 2 * 3 * 8)  # blocks of 2 clients (rows of 3 values)
+    for name in ("STACKED_BLOCK_BYTES", "STACKED_BLOCK_BYTES_CPU"):  # blocks of 2 clients (rows of 3 values)
+        monkeypatch.setattr(WeightedSums, name, 2 * 3 * 8)
     g = torch.Generator().manual_seed(0)
-    stacked = {"w": torch.randn(5, 3, generator=g), "n": torch.tensor([[3], [9], [1], [4], [2]])}
+    # "t": stored transposed, as a vectorized chunk's Linear weights are (their gradients' layout)
+    stacked = {"w": torch.randn(5, 3, generator=g), "n": torch.tensor([[3], [9], [1], [4], [2]]),
+               "t": torch.randn(5, 4, 3, generator=g).mT}
+    assert not stacked["t"].is_contiguous()
     coefs = [0.1, 0.3, 0.2, 0.25, 0.15]
     one, many = WeightedSums(), WeightedSums()
     one.add_stacked("model", stacked, coefs)
     for i, c in enumerate(coefs):
         many.add("model", {k: v[i] for k, v in stacked.items()}, c)
-    hand = sum(c * stacked["w"][i].double() for i, c in enumerate(coefs))  # the weighted sum, by hand
-    assert torch.allclose(one.sums["model"]["w"], hand, atol=1e-15, rtol=0)
-    assert torch.allclose(one.sums["model"]["w"], many.sums["model"]["w"], atol=1e-15, rtol=0)
+    for k in ("w", "t"):
+        hand = sum(c * stacked[k][i].double() for i, c in enumerate(coefs))  # the weighted sum, by hand
+        assert one.sums["model"][k].shape == hand.shape
+        assert torch.allclose(one.sums["model"][k], hand, atol=1e-15, rtol=0)
+        assert torch.allclose(one.sums["model"][k], many.sums["model"][k], atol=1e-15, rtol=0)
     assert one.sums["model"]["n"].tolist() == [9]  # integer tensors: the running max, as add keeps it
     assert one.total["model"] == pytest.approx(1.0)
 
