@@ -297,9 +297,8 @@ class Simulation:
             default_init = (type(algo).init_private_state is Algorithm.init_private_state
                             and "init_private_state" not in vars(algo))
             for chunk in vectorized.chunks_of(self, cids):
-                downs, privs = {}, {}
+                downs, privs = vectorized.downloads(algo, server_state, chunk), {}
                 for cid in chunk:
-                    downs[cid] = algo.download(server_state, cid)
                     privs[cid] = self.store.get(cid)
                     if privs[cid] is None:
                         privs[cid] = {MODEL: self.initial_private} if default_init else algo.init_private_state(cid)
@@ -325,7 +324,8 @@ class Simulation:
         its clients), bytes down counted once per download structure, bytes up from the chunk."""
         self._check_frozen(f"round {round_idx}, clients {ups[0].client_id}-{ups[-1].client_id}")
         down_bytes: dict = {}
-        shared_download = type(self.algorithm).download is Algorithm.download and "download" not in vars(self.algorithm)
+        from .vectorized import shared_download
+        same_download = shared_download(self.algorithm)
         for i, upd in enumerate(ups):
             cid = upd.client_id
             down = downs[cid]
@@ -336,7 +336,7 @@ class Simulation:
             upd.private = None  # private state never leaves the client
             if upd.upload:
                 upd.upload = {p: {k: v.detach().cpu() for k, v in d.items()} for p, d in upd.upload.items()}
-            key = None if shared_download else cid  # the default download: the same tensors for every client
+            key = None if same_download else cid  # the default download: the same tensors for every client
             if key not in down_bytes:
                 down_bytes[key] = (tensor_bytes(down), bytes_by_part(down))
             upd.metrics["bytes_down"], parts_down = down_bytes[key]

@@ -407,6 +407,33 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
     return st
 
 
+# ---------------------------------------------------------------------------------------------- per-client values
+def shared_download(algo) -> bool:
+    """The method keeps the base protocol's ``download``: every client gets the same tensors (the server state's
+    global keys)."""
+    return type(algo).download is Algorithm.download and "download" not in vars(algo)
+
+
+def downloads(algo, server_state, clients: list[int]) -> dict[int, dict]:
+    """Each client's download; with the base protocol's, one dict for all of them (the same tensors either way;
+    downloads are read, never written), built once instead of once per client."""
+    if shared_download(algo):
+        return dict.fromkeys(clients, algo.download(server_state, clients[0]))
+    return {c: algo.download(server_state, c) for c in clients}
+
+
+def per_client_values(clients: list[int], keys, value, downs: dict, privs: dict) -> dict[str, list]:
+    """``{k: [value(c, k) for c in clients]}``, where ``value`` reads a client's private state first, then its
+    download. A key no client holds privately, when every client has the same download dict, has one value for
+    all: it is looked up once (the same tensor, repeated), not once per client."""
+    one_download = all(downs[c] is downs[clients[0]] for c in clients)
+    held = set()
+    for c in clients:
+        held.update((privs[c].get(MODEL) or {}).keys())
+    return {k: [value(clients[0], k)] * len(clients) if one_download and k not in held else
+            [value(c, k) for c in clients] for k in keys}
+
+
 # ---------------------------------------------------------------------------------------------- the trainer
 def _stack(values: list[torch.Tensor], device, copy_shared: bool = False, order: tuple | None = None) -> torch.Tensor:
     """``torch.stack`` of ``values`` on ``device``; with ``copy_shared``, values that are all one tensor (FedAvg's
@@ -499,11 +526,13 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
             return sim.initial_private[k]
         return state[k]
 
+    vals = per_client_values(clients, [*trainable, *buffer_keys], client_value, downs, privates)
     with torch.no_grad():
         layouts = sim.__dict__.get("_grad_layouts", {})  # each gradient's memory order (grad_layouts), once known
-        P = {k: _stack([client_value(c, k) for c in clients], device, copy_shared=True,
-                       order=layouts.get(k)).to(params_all[k].dtype) for k in trainable}
-        B = {k: _stack([client_value(c, k) for c in clients], device, copy_shared=True) for k in buffer_keys}
+        P = {k: _stack(vals[k], device, copy_shared=True, order=layouts.get(k)).to(params_all[k].dtype)
+             for k in trainable}
+        B = {k: _stack(vals[k], device, copy_shared=True) for k in buffer_keys}
+    del vals
     shared = {k: v.detach() for k, v in shared.items()}
 
     hooks = {}
@@ -710,7 +739,7 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
 
     try:
         for chunk in chunks_of(sim, clients):
-            downs = {c: algo.download(server_state, c) for c in chunk}
+            downs = downloads(algo, server_state, chunk)
             privs = {}
             for c in chunk:
                 privs[c] = sim.store.get(c) or algo.init_private_state(c)
@@ -724,8 +753,7 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
 
             # a tensor every client shares (FedAvg's global weights) is passed once, not stacked per client
             S, dims = {}, {}
-            for k in keys:
-                vals = [value(c, k) for c in chunk]
+            for k, vals in per_client_values(chunk, keys, value, downs, privs).items():
                 if all(v is vals[0] for v in vals):
                     S[k], dims[k] = vals[0].to(device, named[k].dtype), None
                 else:
