@@ -88,8 +88,8 @@ class ClientStateStore:
     def _evict(self) -> None:
         if not self.max_bytes or self.spill_dir is None:
             return
-        from safetensors.torch import save_file
         while self.in_memory_bytes > self.max_bytes and len(self._states) > 1:
+            from safetensors.torch import save_file  # (here: this runs on every put, a spill is rare)
             cid, state = self._states.popitem(last=False)
             self.in_memory_bytes -= self._bytes.pop(cid)
             self._file(cid).parent.mkdir(parents=True, exist_ok=True)
