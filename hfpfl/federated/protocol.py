@@ -341,13 +341,20 @@ class _Schedules:
             s.step()
 
 
+def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of ``t``'s dimensions in memory, outermost first (``(0, 2, 1)`` for a transposed batch of
+    matrices), or None where ``t`` is not dense (overlapping or with gaps: no order reproduces it)."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))  # stable: ties (size-1 dims) keep their index
+    return order if t.permute(order).is_contiguous() else None
+
+
 def _row_order(v: torch.Tensor) -> tuple[int, ...] | None:
     """For a ``[rows, ...]`` stack whose rows are dense but not contiguous (stored in another order of their
     dimensions): that order of dimensions ``1..``, outermost first; None when plain reshaping reads it well."""
     if v.dim() < 3 or v.is_contiguous():
         return None
-    order = tuple(sorted(range(1, v.dim()), key=lambda d: -v.stride(d)))
-    return order if v.permute(0, *order).is_contiguous() else None
+    order = memory_order(v)
+    return order[1:] if order is not None and order[0] == 0 else None
 
 
 class WeightedSums:

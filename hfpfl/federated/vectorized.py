@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..training import Metric, _decode_uint8, batch_bounds, model_inputs
-from .protocol import MODEL, Algorithm, HParams, Update, finite_rows
+from .protocol import MODEL, Algorithm, HParams, Update, finite_rows, memory_order
 from .state import Fresh
 
 logger = logging.getLogger("hfpfl")
@@ -449,13 +449,6 @@ def _stack(values: list[torch.Tensor], device, copy_shared: bool = False, order:
         return src.clone() if order is None else _empty_in_order(src, order).copy_(src)
     out = torch.stack([v.to(device) for v in values])
     return out if order is None or memory_order(out) == order else _empty_in_order(out, order).copy_(out)
-
-
-def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The order of ``t``'s dimensions in memory, outermost first (``(0, 2, 1)`` for a transposed batch of
-    matrices), or None where ``t`` is not dense (overlapping or with gaps: no order reproduces it)."""
-    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))  # stable: ties (size-1 dims) keep their index
-    return order if t.permute(order).is_contiguous() else None
 
 
 def _empty_in_order(like: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
