@@ -444,16 +444,24 @@ def _stack(values: list[torch.Tensor], device, copy_shared: bool = False, order:
     (from :func:`memory_order`): the result is stored with its dimensions laid out in that order, outermost first
     (the same values; a shared value is copied straight into that layout)."""
     first = values[0]
+    # each value permuted into the order first (one small copy each), stacked contiguously, then viewed back: the
+    # big write runs in memory order (100 clients of the MLP 64-64-10, shared value: 0.20 vs 0.68-1.30 ms for a
+    # copy into a strided destination)
+    inner = None if order is None else [d - 1 for d in order[1:]]
     if copy_shared and all(v is first for v in values):
-        src = first.to(device).unsqueeze(0).expand(len(values), *first.shape)
-        return src.clone() if order is None else _empty_in_order(src, order).copy_(src)
-    out = torch.stack([v.to(device) for v in values])
-    return out if order is None or memory_order(out) == order else _empty_in_order(out, order).copy_(out)
+        one = first.to(device) if inner is None else first.to(device).permute(inner).contiguous()
+        out = one.unsqueeze(0).expand(len(values), *one.shape).clone()
+    else:
+        out = torch.stack([v.to(device) if inner is None else v.to(device).permute(inner) for v in values])
+    return out if order is None else out.permute(_inverse(order))
+
+
+def _inverse(order: tuple[int, ...]) -> list[int]:
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 def _empty_in_order(like: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return like.new_empty([like.shape[d] for d in order]).permute(inverse)
+    return like.new_empty([like.shape[d] for d in order]).permute(_inverse(order))
 
 
 def grad_layouts(sim, vstep, P: dict, B: dict, anchors: dict, anchor_dims: dict, batch: dict) -> dict:
