@@ -388,9 +388,10 @@ def run_interleaved(jobs, a) -> list:
             for i in range(len(procs)):
                 finish(i)  # set up
             for r in range(a.rounds):
-                # the order turns every round (A B, B A, A B, ...): a round run right after another process's round
-                # measured ~10% faster than its partner (identical code, 60 rounds: median 0.89), so each
-                # configuration goes first in half the rounds
+                # the order turns every round (A B, B A, A B, ...), so each configuration goes first in half the
+                # rounds: a position effect cannot bias the ratio. (Identical code against itself, 100-client MLP:
+                # fixed order 0.89 / 0.96 / 1.05 / 1.00, turning 1.07 / 1.17 / 1.02 / 0.99 / 1.05 / 1.01 / 1.02, so
+                # no effect shows beyond the noise, which moves one run's median by up to ~10%.)
                 for i in (range(len(procs)) if r % 2 == 0 else reversed(range(len(procs)))):
                     go_w = procs[i][2]
                     try:
