@@ -349,8 +349,7 @@ def run_one_by_one(jobs, a) -> list:
 def run_interleaved(jobs, a) -> list:
     """Every configuration's process started together; after each has set up, they run their rounds in turn (round r
     of each, then round r + 1 of each: :class:`RoundGate`; the order reversed every other round), one at a time, so
-    the others wait asleep. Each process's
-    tree memory is sampled on its own."""
+    the others wait asleep. Each process's tree memory is sampled on its own."""
     import select
     from contextlib import ExitStack
     procs = []
@@ -452,8 +451,8 @@ def main():
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--fork", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--interleave", action="store_true", help="run the configurations of each client count side by "
-                   "side in lockstep, round r of each before round r + 1 of any (one at a time, the order reversed every other round), and print each one's "
-                   "per-round ratio to the first configuration: on a shared machine whose speed drifts, ratios of the "
+                   "side in lockstep, round r of each before round r + 1 of any (one at a time, the order reversed "
+                   "every other round), and print each one's per-round ratio to the first configuration: on a shared machine whose speed drifts, ratios of the "
                    "same rounds are steadier than ratios of runs made minutes apart (1 and tN runs only)")
     p.add_argument("--lockstep", help=argparse.SUPPRESS)
     p.add_argument("--output_dir", help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """``scripts/bench_simulator.py --interleave``: the configurations' processes run their rounds in turn (round r of
-each before round r + 1 of any, in turning order), checked with stand-in workers that log every round to one shared file; a worker
-that dies is reported by its name instead of hanging the parent."""
+each before round r + 1 of any, in turning order), checked with stand-in workers that log every round to one shared
+file; a worker that dies is reported by its name instead of hanging the parent."""
 import argparse
 import importlib.util
 import os

@@ -504,6 +504,11 @@ def test_finite_checks_are_exact_when_the_sum_overflows():
     big[1, 2] = float("nan")
     assert not all_finite(big) and finite_rows(big).tolist() == [True, False]
     assert not all_finite(torch.tensor([1.0, float("-inf")]))
+    # a stack in its gradients' layout (transposed rows, summed in place) and a stack of scalars (one value a row)
+    stack = torch.randn(3, 5, 4).mT.clone(memory_format=torch.preserve_format)
+    stack[2, 3, 1] = float("inf")
+    assert not stack.is_contiguous() and finite_rows(stack).tolist() == [True, True, False]
+    assert finite_rows(torch.tensor([1.0, float("nan"), 2.0])).tolist() == [True, False, True]
 
 
 def test_vectorized_round_records_and_divergence_as_the_sequential_path(ragged, tmp_path):
