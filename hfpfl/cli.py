@@ -223,7 +223,10 @@ def _processes_to_launch(run, data, top_level: bool = True) -> int:
         cost = get_algorithm(run.method).client_update_cost if run.method else 1.0
     except KeyError:  # an unknown method fails later, with the list of methods
         cost = 1.0
-    n, why = decide(spec, clients, run.num_rounds, update_cost=cost, **machine())
+    # the CPUs are watched for half a second only where it can change the answer (a run that could use several)
+    n, why = decide(spec, clients, run.num_rounds, update_cost=cost, **machine(measure_busy=False))
+    if spec == "auto" and n > 1:
+        n, why = decide(spec, clients, run.num_rounds, update_cost=cost, **machine())
     if spec == "auto":
         print(f"using {n} process{'es' if n > 1 else ''}: {why}; set --num_processes "
               f"{'1 to disable' if n > 1 else 'N to force N'}", flush=True)

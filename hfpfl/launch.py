@@ -10,7 +10,8 @@ it launches itself through accelerate's launcher (:func:`relaunch`; CUDA cannot 
 
 ``auto`` (:func:`decide`, a pure function of what it is given) uses several processes where it pays:
 * capacity: on a machine with CUDA GPUs one process per GPU; on the CPU one per core that is idle now (usable cores
-  minus the 1-minute load average, rounded), at most one per client trained each round;
+  minus the cores other work keeps busy over half a second, :func:`busy_cores`, rounded), at most one per client
+  trained each round;
 * and the run is long enough to amortize the start-up: at least :data:`MIN_CLIENT_UPDATES` client updates
   (rounds x clients per round). Tiny runs (the README's 15-second first run, the tests) stay in one process.
 Measured on a 2-core box (docs/performance.md): two processes beat one only when the second core is idle; with it
@@ -69,8 +70,8 @@ def usable_cores() -> int:
 
 
 def resolve(spec: str, clients_per_round: int | None = None, *, cores: int | None = None,
-            load: float | None = None, gpus: int | None = None) -> int:
-    """How many processes ``--num_processes spec`` means here (``cores``, ``load``, ``gpus``: for tests)."""
+            busy: float | None = None, gpus: int | None = None) -> int:
+    """How many processes ``--num_processes spec`` means here (``cores``, ``busy``, ``gpus``: for tests)."""
     check_spec(spec)
     if spec != "auto":
         return int(spec)
@@ -81,8 +82,8 @@ def resolve(spec: str, clients_per_round: int | None = None, *, cores: int | Non
         n = gpus
     else:
         cores = usable_cores() if cores is None else cores
-        load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
-        n = int(cores - load + 0.5)
+        busy = busy_cores() if busy is None and cores > 1 else (busy or 0.0)
+        n = int(cores - busy + 0.5)
     if clients_per_round:
         n = min(n, clients_per_round)
     return max(1, n)
@@ -95,21 +96,21 @@ def resolve(spec: str, clients_per_round: int | None = None, *, cores: int | Non
 MIN_CLIENT_UPDATES = 20
 
 
-def decide(spec: str, clients_per_round: int | None, num_rounds: int, *, cores: int, load: float,
+def decide(spec: str, clients_per_round: int | None, num_rounds: int, *, cores: int, busy: float,
            gpus: int, update_cost: float = 1.0) -> tuple[int, str]:
     """``(processes, why)`` for ``--num_processes spec``: a pure function of its arguments (the run's clients per
-    round and rounds, the usable cores, the 1-minute load average, the CUDA GPUs), so that the choice can be
+    round and rounds, the usable cores, the cores other work keeps busy now, the CUDA GPUs), so that the choice can be
     logged, tested and checked. The numbers a run computes do not depend on it (the float64 sums of uploads are
     exact in practice, so their order across processes does not show: README "Several processes and machines")."""
     check_spec(spec)
     if spec != "auto":
         return int(spec), "set by --num_processes"
-    load = round(load, 2)   # the value printed is the value used
+    busy = round(busy, 2)   # the value printed is the value used
     if gpus:
         n, capacity = gpus, f"{gpus} GPU{'s' if gpus > 1 else ''}"
     else:
-        n = max(0, int(cores - load + 0.5))
-        capacity = f"{n} idle core{'s' if n != 1 else ''} ({cores} usable, load {load:.2f})"
+        n = max(0, int(cores - busy + 0.5))
+        capacity = f"{n} idle core{'s' if n != 1 else ''} ({cores} usable, {busy:.2f} busy)"
     if clients_per_round:
         n = min(n, clients_per_round)
     if n < 2:
@@ -126,12 +127,37 @@ def decide(spec: str, clients_per_round: int | None, num_rounds: int, *, cores: 
     return n, f"{capacity}, {clients_per_round or '?'} clients x {num_rounds} rounds"
 
 
-def machine() -> dict:
-    """What :func:`decide` reads from this machine now: usable cores, 1-minute load average, CUDA GPUs."""
+#: how long :func:`busy_cores` watches the CPUs, in seconds (this process sleeps meanwhile)
+BUSY_WINDOW_S = 0.5
+
+
+def busy_cores(window: float = BUSY_WINDOW_S) -> float:
+    """How many of this process's usable cores other work keeps busy now: the busy share of each usable CPU over
+    ``window`` seconds, summed (psutil's per-CPU times; this process sleeps meanwhile, so it does not count itself).
+
+    Not the 1-minute load average (used before), which lags: it decays over minutes, so after other work (pip in
+    ``scripts/setup.sh``, a previous job) it still counts cores that are idle by now. Measured on the 2-core box:
+    seconds after two one-core jobs ended, FedBiP's recipe printed "0 idle cores (2 usable, load 1.57)" and ran in
+    one process. A burst of other work that pauses during the window is missed. Half a second is paid once, and only
+    by runs that could use several processes (:func:`hfpfl.cli._processes_to_launch` asks first with 0 busy)."""
+    import psutil
+
+    percent = psutil.cpu_percent(interval=window, percpu=True)
+    try:
+        cpus = [c for c in os.sched_getaffinity(0) if c < len(percent)]
+    except AttributeError:  # not Linux: every CPU is usable
+        cpus = range(len(percent))
+    return sum(percent[c] for c in cpus) / 100.0
+
+
+def machine(measure_busy: bool = True) -> dict:
+    """What :func:`decide` reads from this machine now: usable cores, busy cores (:func:`busy_cores`; 0 without
+    ``measure_busy``, which makes :func:`decide` an upper bound), CUDA GPUs."""
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return {"cores": usable_cores(), "load": load, "gpus": gpus}
+    cores = usable_cores()
+    busy = busy_cores() if measure_busy and not gpus and cores > 1 else 0.0
+    return {"cores": cores, "busy": busy, "gpus": gpus}
 
 
 class Workers:

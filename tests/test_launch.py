@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,11 @@ SMALL = ["--num_clients", "4", "--max_per_domain", "100", "--image_size", "16", 
 
 def test_auto_counts_idle_cores_gpus_and_clients():
     assert launch.resolve("3") == 3
-    assert launch.resolve("auto", cores=2, load=0.1, gpus=0) == 2      # an idle 2-core box: both cores
-    assert launch.resolve("auto", cores=2, load=1.2, gpus=0) == 1      # the second core busy: one process
-    assert launch.resolve("auto", cores=2, load=3.0, gpus=0) == 1      # never below one
-    assert launch.resolve("auto", 3, cores=16, load=0.0, gpus=0) == 3  # at most one per client trained per round
-    assert launch.resolve("auto", 20, cores=16, load=0.0, gpus=4) == 4  # one per GPU
+    assert launch.resolve("auto", cores=2, busy=0.1, gpus=0) == 2      # an idle 2-core box: both cores
+    assert launch.resolve("auto", cores=2, busy=1.2, gpus=0) == 1      # the second core busy: one process
+    assert launch.resolve("auto", cores=2, busy=3.0, gpus=0) == 1      # never below one
+    assert launch.resolve("auto", 3, cores=16, busy=0.0, gpus=0) == 3  # at most one per client trained per round
+    assert launch.resolve("auto", 20, cores=16, busy=0.0, gpus=4) == 4  # one per GPU
     with pytest.raises(ValueError, match="--num_processes must be auto or a whole number >= 1"):
         RunArguments(num_processes="two")
     with pytest.raises(ValueError, match="--num_processes"):
@@ -32,28 +33,67 @@ def test_auto_uses_more_processes_only_where_it_pays():
     """``decide`` (the default ``--num_processes auto``): hand-checked cases of its rule."""
     d = launch.decide
     assert launch.DEFAULT_NUM_PROCESSES == "auto" and launch.MIN_CLIENT_UPDATES == 20
-    assert d("3", 4, 2, cores=2, load=5.0, gpus=0) == (3, "set by --num_processes")   # a number is never second-guessed
-    assert d("auto", 8, 10, cores=2, load=0.3, gpus=0)[0] == 2       # the README default (8 x 10) on an idle 2-core box
-    assert d("auto", 8, 10, cores=2, load=1.6, gpus=0)[0] == 1       # round(2 - 1.6) = 0 idle cores
-    assert d("auto", 8, 10, cores=2, load=1.4, gpus=0)[0] == 1       # round(0.6) = 1 idle core: one process
-    assert d("auto", 8, 10, cores=4, load=1.4, gpus=0)[0] == 3       # round(2.6) = 3
-    assert d("auto", 3, 10, cores=16, load=0.0, gpus=0)[0] == 3      # at most one per client per round
-    assert d("auto", 1, 50, cores=16, load=0.0, gpus=0)[0] == 1      # one client per round: nothing to share
-    assert d("auto", 20, 10, cores=16, load=0.0, gpus=4)[0] == 4     # one per GPU, whatever the cores
-    n, why = d("auto", 4, 4, cores=2, load=0.0, gpus=0)             # 16 client updates < 20: start-up would not pay
+    assert d("3", 4, 2, cores=2, busy=5.0, gpus=0) == (3, "set by --num_processes")   # a number is never second-guessed
+    assert d("auto", 8, 10, cores=2, busy=0.3, gpus=0)[0] == 2       # the README default (8 x 10) on an idle 2-core box
+    assert d("auto", 8, 10, cores=2, busy=1.6, gpus=0)[0] == 1       # round(2 - 1.6) = 0 idle cores
+    assert d("auto", 8, 10, cores=2, busy=1.4, gpus=0)[0] == 1       # round(0.6) = 1 idle core: one process
+    assert d("auto", 8, 10, cores=4, busy=1.4, gpus=0)[0] == 3       # round(2.6) = 3
+    assert d("auto", 3, 10, cores=16, busy=0.0, gpus=0)[0] == 3      # at most one per client per round
+    assert d("auto", 1, 50, cores=16, busy=0.0, gpus=0)[0] == 1      # one client per round: nothing to share
+    assert d("auto", 20, 10, cores=16, busy=0.0, gpus=4)[0] == 4     # one per GPU, whatever the cores
+    n, why = d("auto", 4, 4, cores=2, busy=0.0, gpus=0)             # 16 client updates < 20: start-up would not pay
     assert n == 1 and "4 clients x 4 rounds = 16 client updates < 20" in why and "2 idle cores" in why
-    assert d("auto", 4, 5, cores=2, load=0.0, gpus=0)[0] == 2        # 20 updates: it pays
-    assert d("auto", 4, 2, cores=2, load=0.0, gpus=0)[0] == 1        # the README's first run (4 x 2) stays in one
-    assert d("auto", 500, 3, cores=2, load=0.2, gpus=0) == (2, "2 idle cores (2 usable, load 0.20), 500 clients x 3 rounds")
+    assert d("auto", 4, 5, cores=2, busy=0.0, gpus=0)[0] == 2        # 20 updates: it pays
+    assert d("auto", 4, 2, cores=2, busy=0.0, gpus=0)[0] == 1        # the README's first run (4 x 2) stays in one
+    assert d("auto", 500, 3, cores=2, busy=0.2, gpus=0) == (2, "2 idle cores (2 usable, 0.20 busy), 500 clients x 3 rounds")
     # a method's heavier client updates (FedBiP: concept training + synthesis, update cost 100): 3 clients x 1 round
-    assert d("auto", 3, 1, cores=2, load=0.2, gpus=0)[0] == 1                     # 3 small updates: one process
-    assert d("auto", 3, 1, cores=2, load=0.2, gpus=0, update_cost=100) == (
-        2, "2 idle cores (2 usable, load 0.20), 3 clients x 1 rounds x 100 (update cost)")
-    assert d("auto", 3, 1, cores=2, load=0.2, gpus=0, update_cost=5)[0] == 1       # 15 < 20
+    assert d("auto", 3, 1, cores=2, busy=0.2, gpus=0)[0] == 1                     # 3 small updates: one process
+    assert d("auto", 3, 1, cores=2, busy=0.2, gpus=0, update_cost=100) == (
+        2, "2 idle cores (2 usable, 0.20 busy), 3 clients x 1 rounds x 100 (update cost)")
+    assert d("auto", 3, 1, cores=2, busy=0.2, gpus=0, update_cost=5)[0] == 1       # 15 < 20
     from hfpfl.algorithms import get_algorithm
     assert get_algorithm("fedbip").client_update_cost == 100 and get_algorithm("fedavg").client_update_cost == 1
     with pytest.raises(ValueError, match="--num_processes must be auto or a whole number >= 1"):
-        d("0", 4, 5, cores=2, load=0.0, gpus=0)
+        d("0", 4, 5, cores=2, busy=0.0, gpus=0)
+
+
+SPIN = "import time\nend = time.time() + 30\nwhile time.time() < end:\n    pass\n"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins the spinner to one CPU (Linux)")
+def test_busy_cores_counts_other_work_now_and_not_this_process():
+    """``busy_cores`` watches the CPUs over its window: a child spinning on one of this process's CPUs counts as
+    (nearly) one busy core, whatever the load average says; this process, asleep while it watches, adds nothing.
+    (Other work on a shared box can only add to the reading, so the test bounds it from below.)"""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    child = subprocess.Popen([sys.executable, "-c", SPIN], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    try:
+        time.sleep(0.3)                                   # the spinner is running
+        assert launch.busy_cores(window=0.5) >= 0.8
+    finally:
+        child.kill()
+        child.wait()
+    m = launch.machine(measure_busy=False)
+    assert m["busy"] == 0.0 and m["cores"] == launch.usable_cores()
+
+
+def test_busy_cores_are_measured_only_where_they_can_change_the_answer(monkeypatch):
+    """``_processes_to_launch`` watches the CPUs (half a second) only for a run that could use several processes:
+    the README's first run (4 clients x 2 rounds) never does; a long run does, and with the second core busy it runs
+    in one process."""
+    from hfpfl.cli import _processes_to_launch
+    from hfpfl.config import parse_run_args
+    for k in ("LOCAL_RANK", "HFPFL_NUM_PROCESSES", *launch._ACCELERATE_LAUNCH_VARS):
+        monkeypatch.delenv(k, raising=False)
+    calls = []
+    monkeypatch.setattr(launch, "usable_cores", lambda: 2)
+    monkeypatch.setattr(launch, "busy_cores", lambda window=launch.BUSY_WINDOW_S: calls.append(window) or 1.0)
+    run, data, _ = parse_run_args(["--num_clients", "4", "--num_rounds", "2"])
+    assert _processes_to_launch(run, data) == 1 and calls == []                    # a short run: not watched
+    run, data, _ = parse_run_args(["--num_clients", "8", "--num_rounds", "10"])
+    assert _processes_to_launch(run, data) == 1 and calls == [launch.BUSY_WINDOW_S]  # watched once: 1 core busy
+    monkeypatch.setattr(launch, "busy_cores", lambda window=launch.BUSY_WINDOW_S: 0.1)
+    assert _processes_to_launch(run, data) == 2                                       # both idle: two processes
 
 
 def _run(args, out, extra_env=None):
@@ -120,7 +160,7 @@ def test_num_processes_default_from_the_environment(monkeypatch):
     monkeypatch.delenv("HFPFL_NUM_PROCESSES", raising=False)
     run, data, _ = parse_run_args(["--num_clients", "8"])
     assert run.num_processes == launch.DEFAULT_NUM_PROCESSES == "auto"
-    monkeypatch.setattr(launch, "machine", lambda: {"cores": 2, "load": 0.0, "gpus": 0})
+    monkeypatch.setattr(launch, "machine", lambda measure_busy=True: {"cores": 2, "busy": 0.0, "gpus": 0})
     assert _processes_to_launch(run, data) == 2                                 # 8 clients x 10 rounds, 2 idle cores
     assert _processes_to_launch(run, data, top_level=False) == 1                # called from Python: this process
     with pytest.raises(ValueError, match="--num_processes: a recipe called from Python runs in this process"):
@@ -147,7 +187,7 @@ def test_num_processes_default_from_the_environment(monkeypatch):
 @pytest.mark.skipif(launch.usable_cores() < 2, reason="one core: auto always runs one process")
 def test_default_launches_what_the_rule_says(tmp_path):
     """The default (HFPFL_NUM_PROCESSES unset) on a run long enough to pay (12 clients x 2 rounds): the one line it
-    prints holds the inputs of ``decide`` (cores, load); the run used exactly the processes the rule gives for them
+    prints holds the inputs of ``decide`` (cores, busy cores); the run used exactly the processes the rule gives for them
     (2 where the second core was idle when it started, else 1; this shared box decides which)."""
     import re
     env = {k: v for k, v in os.environ.items() if k != "HFPFL_NUM_PROCESSES"}
@@ -160,12 +200,12 @@ def test_default_launches_what_the_rule_says(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("using ")]
     assert len(lines) == 1, p.stdout[:2000]                      # one line, printed once (not by every process)
-    m = re.match(r"using (\d+) process(?:es)?: \d+ idle cores? \((\d+) usable, load ([\d.]+)\)", lines[0])
+    m = re.match(r"using (\d+) process(?:es)?: \d+ idle cores? \((\d+) usable, ([\d.]+) busy\)", lines[0])
     assert m, lines[0]
-    n, cores, load = int(m[1]), int(m[2]), float(m[3])
-    assert (n, lines[0]) == (launch.decide("auto", 12, 2, cores=cores, load=load, gpus=0)[0],
+    n, cores, busy = int(m[1]), int(m[2]), float(m[3])
+    assert (n, lines[0]) == (launch.decide("auto", 12, 2, cores=cores, busy=busy, gpus=0)[0],
                              f"using {n} process{'es' if n > 1 else ''}: "
-                             f"{launch.decide('auto', 12, 2, cores=cores, load=load, gpus=0)[1]}; set --num_processes "
+                             f"{launch.decide('auto', 12, 2, cores=cores, busy=busy, gpus=0)[1]}; set --num_processes "
                              f"{'1 to disable' if n > 1 else 'N to force N'}")
     assert json.loads((out / "results.json").read_text())["world_size"] == n
     assert p.stdout.count("results: ") == 1
