@@ -498,7 +498,8 @@ def test_interrupted_comparison_leaves_no_unfinished_variant_folder(ldm_dir, tmp
 @pytest.mark.slow
 def test_comparison_in_two_processes_gives_the_one_process_rows(ldm_dir, tmp_path):
     """``recipes/fedbip.py --num_processes 2``: the variants run in two forked processes (each synthesises the
-    clients it holds); the table is printed once and every number equals the one-process run's."""
+    clients it holds); the table is printed once and every number equals the one-process run's, the
+    membership-inference gap of Local-only (whose models are private states, each on one process) included."""
     import subprocess
     import sys
     from pathlib import Path
@@ -514,14 +515,16 @@ def test_comparison_in_two_processes_gives_the_one_process_rows(ldm_dir, tmp_pat
             [sys.executable, str(root / "recipes" / "fedbip.py"), "--ldm", ldm_dir, "--output_dir", str(out),
              "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3", "--shots_per_class", "2",
              "--concept_steps", "2", "--num_inference_steps", "2", "--classifier_epochs", "1", "--baseline_rounds", "2",
-             "--variants", "prompt-only,FedBiP-S,Central", "--progress", "false", "--num_processes", n],
+             "--variants", "prompt-only,FedBiP-S,Local-only,Central", "--progress", "false", "--num_processes", n],
             env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows[n] = [{k: v for k, v in r.items() if k != "wall_time_s"}
                    for r in json.loads((out / "comparison.json").read_text())["rows"]]
         printed[n] = proc.stdout
-    assert [r["variant"] for r in rows["2"]] == ["prompt-only", "FedBiP-S", "Central"]
+    assert [r["variant"] for r in rows["2"]] == ["prompt-only", "FedBiP-S", "Local-only", "Central"]
     assert rows["1"] == rows["2"]
+    local = rows["2"][2]  # its own trained models score their members: lower loss than on non-members
+    assert local["member_loss"] < local["nonmember_loss"] and local["mia_loss_gap"] > 0
     assert rows["2"][1]["num_synthetic"] == 2 * 3 * 10 * 2 and rows["2"][1]["synthetic_fidelity"] is not None
     assert all(p.count("wall time") == 1 for p in printed.values())  # the main process reports, once
     two = json.loads((tmp_path / "2" / "FedBiP-S" / "results.json").read_text())

@@ -191,9 +191,9 @@ def variant_folder(path):
         raise
 
 
-def summarize(name, sim, res, cfg) -> dict:
-    from hfpfl.fedbip.privacy import membership_inference_gap
-
+def summarize(name, sim, res, cfg, mia: dict | None = None) -> dict:
+    """One row of the comparison; ``mia``: the real-data baselines' membership-inference gap
+    (:func:`~hfpfl.fedbip.privacy.membership_inference_gap`, which every process computes together)."""
     final = res["final"]
     row = {"variant": name, "method": res["method"], "mean_accuracy": final.get("personal_accuracy"),
            "global_accuracy": final.get("global_accuracy"), "per_domain": res["per_domain_accuracy"],
@@ -205,7 +205,7 @@ def summarize(name, sim, res, cfg) -> dict:
         for k in ("mia_loss_gap", "mia_entropy_gap", "syn_nn_dist_mean", "syn_nn_dist_min", "real_test_nn_dist_mean"):
             row[k] = final.get(k)
     else:  # the same MIA measure for the real-data baselines
-        row.update(membership_inference_gap(sim.algorithm, sim.server_state, sim.args.num_rounds))
+        row.update(mia or {})
     return row
 
 
@@ -263,9 +263,14 @@ def run_comparison(run, data, cfg, rec, fed, main: bool = True) -> dict:
         with variant_folder(r_args.output_dir):
             sim = Simulation(r_args, data, m_cfg, fed_data=fed)
             res = sim.run()
+        mia = None
+        if res["method"] != "fedbip":  # every process: each scores the clients (and private states) it holds
+            from hfpfl.fedbip.privacy import membership_inference_gap
+
+            mia = membership_inference_gap(sim.algorithm, sim.server_state, sim.args.num_rounds)
         if not main:
             continue
-        rows.append(summarize(name, sim, res, m_cfg))
+        rows.append(summarize(name, sim, res, m_cfg, mia))
         if res["method"] == "fedbip":
             syn_sets[name] = sim.algorithm.synthetic
             if judge is not None:  # a second, client-independent reading of the synthetic labels

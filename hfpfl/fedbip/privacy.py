@@ -41,21 +41,26 @@ def mia_gap_from_stats(member_loss, member_ent, nonmember_loss, nonmember_ent) -
 
 def membership_inference_gap(algo, server_state, round_idx: int) -> dict:
     """|mean member - mean non-member| of loss and entropy over all clients (sample-pooled), each client with the
-    model the method ``algo`` gives it. Members: clients' train splits; non-members: their test splits."""
+    model the method ``algo`` gives it. Members: clients' train splits; non-members: their test splits.
+
+    Collective: every process of a run calls it. Each scores the clients it holds (a client's private state, e.g.
+    Local-only's model, lives only on its owner: scored elsewhere, it would be the untrained initial state) and the
+    per-sample values are gathered in client order, so N processes give one process's numbers."""
+    from ..federated.distributed import all_gather
+
     sim = algo.ctx
-    stats = [[], [], [], []]
-    for cid in range(sim.num_clients):
-        test = sim.test_data(cid) if len(sim.client(cid).test) else None
-        if test is None:
+    mine = []
+    for cid in sim.owned(range(sim.num_clients)):
+        if not len(sim.client(cid).test):
             continue
         model = algo.load_personal(cid, server_state, sim.private_state(cid), round_idx)
         ml, me = loss_and_entropy(model, sim.train_data(cid), sim.args.eval_batch_size, sim.device)
-        nl, ne = loss_and_entropy(model, test, sim.args.eval_batch_size, sim.device)
-        for acc, v in zip(stats, (ml, me, nl, ne)):
-            acc.append(v)
-    if not stats[0]:
+        nl, ne = loss_and_entropy(model, sim.test_data(cid), sim.args.eval_batch_size, sim.device)
+        mine.append((cid, (ml, me, nl, ne)))
+    rows = sorted(all_gather(mine, sim.accelerator), key=lambda r: r[0])
+    if not rows:
         return {}
-    return mia_gap_from_stats(*(torch.cat(s) for s in stats))
+    return mia_gap_from_stats(*(torch.cat([r[1][i] for r in rows]) for i in range(4)))
 
 
 def nearest_neighbor_distances(queries: torch.Tensor, references: torch.Tensor, chunk: int = 256) -> torch.Tensor:
