@@ -1,7 +1,8 @@
 """FedBiP (one-shot FL with a personalized latent diffusion model; specs/fedpop_fedbip.md PART B, [D] ch. 5).
 
-    accelerate launch recipes/fedbip.py            # = python recipes/fedbip.py: the default comparison
-    python recipes/fedbip.py --num_processes 2     # clients (and their synthesis) over two processes, ~0.75x the time
+    python recipes/fedbip.py                       # the default comparison, one process per idle core (or GPU)
+    python recipes/fedbip.py --num_processes 1     # in one process: the same numbers, ~1.4x the time on 2 cores
+    accelerate launch recipes/fedbip.py            # in the processes accelerate starts (one on a CPU by default)
     python recipes/fedbip.py --seeds 0,1,2         # mean +- std over seeds, claims held / not held
     python recipes/fedbip.py --all_variants        # + FedBiP-M and the no-perturbation ablation
     python recipes/fedbip.py --compare false --multiplier 10         # FedBiP-L alone, results.json + grid
