@@ -530,3 +530,30 @@ def test_comparison_in_two_processes_gives_the_one_process_rows(ldm_dir, tmp_pat
     two = json.loads((tmp_path / "2" / "FedBiP-S" / "results.json").read_text())
     assert two["world_size"] == 2  # and both processes held clients, so both received (synthesised) uploads
     assert len(two["process_train_examples"]) == 2 and min(two["process_train_examples"]) > 0
+
+
+def test_comparison_decides_its_processes_on_one_round_variants(ldm_dir, tmp_path, monkeypatch, capsys):
+    """``--num_processes auto`` for the comparison weighs what a FedBiP variant runs: 3 clients x 1 round x update cost
+    100 (one-shot), not the run's ``--num_rounds``; the one line it prints says so."""
+    import hfpfl.cli as cli
+    from hfpfl import launch
+    from hfpfl.fedbip import compare
+
+    for k in ("LOCAL_RANK", "HFPFL_NUM_PROCESSES", *launch._ACCELERATE_LAUNCH_VARS):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(launch, "machine", lambda measure_busy=True: {"cores": 2, "busy": 0.0, "gpus": 0})
+
+    class Decided(Exception):
+        pass
+
+    def stop(n, workers, output_dir):
+        raise Decided(n)
+
+    monkeypatch.setattr(cli, "start_processes", stop)
+    import sys
+    monkeypatch.setattr(sys, "argv", ["recipes/fedbip.py", "--ldm", ldm_dir, "--output_dir", str(tmp_path / "out"),
+                                      "--variants", "prompt-only", "--num_rounds", "7"])
+    with pytest.raises(Decided) as e:
+        compare._main(None, {}, [])  # as the recipe script runs it (top level: it may start processes)
+    assert e.value.args == (2,)
+    assert "2 idle cores (2 usable, 0.00 busy), 3 clients x 1 rounds x 100 (update cost)" in capsys.readouterr().out

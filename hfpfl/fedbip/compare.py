@@ -423,8 +423,10 @@ def _main(argv, started: dict, workers: list):
         variants(run, cfg, rec)  # a bad --variants fails here, before minutes of work
         check_output_dir(run.output_dir, overwrite=run.overwrite_output_dir, resume=False)
     resolve_ldm(cfg.ldm)  # a first run pretrains and publishes the tiny LDM here: once, before any fork
-    # every variant in N processes: the clients (their training and the synthesis of their images) spread over them
-    start_processes(_processes_to_launch(run, data, top_level=argv is None), workers, run.output_dir)
+    # every variant in N processes: the clients (their training and the synthesis of their images) spread over them;
+    # decided on one FedBiP variant as it runs (one round: the run's --num_rounds is not what a variant trains)
+    start_processes(_processes_to_launch(dataclasses.replace(run, num_rounds=1), data, top_level=argv is None),
+                    workers, run.output_dir)
     main = int(os.environ.get("RANK", "0")) == 0  # a worker (forked or launched): no prints, no files
     torch.set_num_threads(max(1, run.num_threads))
     split = build_federated_dataset(data, seed=rec.data_seed)
