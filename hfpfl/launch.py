@@ -139,7 +139,9 @@ def busy_cores(window: float = BUSY_WINDOW_S) -> float:
     ``scripts/setup.sh``, a previous job) it still counts cores that are idle by now. Measured on the 2-core box:
     seconds after two one-core jobs ended, FedBiP's recipe printed "0 idle cores (2 usable, load 1.57)" and ran in
     one process. A burst of other work that pauses during the window is missed. Half a second is paid once, and only
-    by runs that could use several processes (:func:`hfpfl.cli._processes_to_launch` asks first with 0 busy)."""
+    by runs that could use several processes (:func:`hfpfl.cli._processes_to_launch` asks first with 0 busy).
+    psutil lists the online CPUs in order; with CPUs offline below a usable one the positions no longer equal CPU
+    ids and the reading is of other CPUs (not handled: machines here have every CPU online)."""
     import psutil
 
     percent = psutil.cpu_percent(interval=window, percpu=True)
