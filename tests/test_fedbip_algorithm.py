@@ -254,6 +254,9 @@ def _unet_timesteps(algo, upd):
     # the test LDM's 4x4 latents: SNR(t) >= SNR_SD(999) * (64/4)^2 gives t=326 by hand; the first schedule
     # timestep at or above it is 401, where the clients noise and the sampler starts, repeat rebuilt
     ("resolution_matched", None, 401, [401, 301, 301, 201, 101, 1]),
+    # an explicit level: the first schedule timestep at or above it, for the clients and the sampler alike (it
+    # used to noise to 651 and run the whole schedule from 901)
+    ("651", None, 701, [701, 601, 601, 501, 401, 301, 201, 101, 1]),
 ])
 def test_clients_noise_to_the_samplers_first_timestep(ldm_dir, fed, tmp_path, choice, spacing, expected, calls):
     """Sampler start == noising timestep: the upload's latents are noised to the t at which the server's sampler
@@ -434,10 +437,16 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     assert all(rows[v]["num_synthetic"] == 10 * 3 * 10 * 2 for v in ("prompt-only", "V-only", "instance-only"))
     assert rows["FedAvg"]["bytes_down"] > 0 and rows["FedBiP-S"]["bytes_down"] == 0
     assert all("mia_loss_gap" in r for r in rows.values())
+    # the style judge reads every synthetic set, per client domain; real-data rows have none
+    for v in ("prompt-only", "instance-only", "FedBiP-L"):
+        assert set(rows[v]["synthetic_style_per_domain"]) == {"mnistm", "syn", "usps"}
+        per_domain = rows[v]["synthetic_style_per_domain"]
+        assert rows[v]["synthetic_style"] == pytest.approx(np.mean(list(per_domain.values())))
+    assert "synthetic_style" not in rows["FedAvg"] and "synthetic_style" not in rows["Central"]
     assert json.loads((out / "comparison.json").read_text())["rows"] == json.loads(json.dumps(comparison["rows"]))
     assert (out / "results.json").exists() and (out / "FedBiP-S" / "synthetic_grid.png").exists()
     printed = capsys.readouterr().out
-    assert "FedBiP-L" in printed and "Central" in printed and "syn-fid" in printed
+    assert "FedBiP-L" in printed and "Central" in printed and "syn-fid" in printed and " style " in printed
 
 
 def test_one_seed_in_seeds_is_the_run_seed(ldm_dir, tmp_path):

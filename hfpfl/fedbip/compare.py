@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -212,8 +213,8 @@ def summarize(name, sim, res, cfg, mia: dict | None = None) -> dict:
 def format_comparison(rows: list[dict]) -> str:
     domains = sorted({d for r in rows for d in r["per_domain"]})
     head = (f"{'variant':<20} " + " ".join(f"{d[:8]:>8}" for d in domains) +
-            f" {'mean':>6} {'global':>6} {'#syn':>5} {'syn-fid':>7} {'judge':>6} {'up KiB':>8} {'MIA-loss':>8}"
-            f" {'MIA-ent':>7}"
+            f" {'mean':>6} {'global':>6} {'#syn':>5} {'syn-fid':>7} {'judge':>6} {'style':>6} {'up KiB':>8}"
+            f" {'MIA-loss':>8} {'MIA-ent':>7}"
             f" {'NN-dist':>7}"
             f" {'time s':>6}")
     lines = [head, "-" * len(head)]
@@ -226,12 +227,15 @@ def format_comparison(rows: list[dict]) -> str:
                      f" {f(r['mean_accuracy'], 6)} {f(r['global_accuracy'], 6)}"
                      f" {(str(r.get('num_synthetic')) if r.get('num_synthetic') else '-'):>5}"
                      f" {f(r.get('synthetic_fidelity'), 7)} {f(r.get('synthetic_fidelity_judge'), 6)}"
+                     f" {f(r.get('synthetic_style'), 6)}"
                      f" {r['bytes_up'] / 1024:>8.1f} {f(r.get('mia_loss_gap'), 8)} {f(r.get('mia_entropy_gap'), 7)}"
                      f" {f(r.get('syn_nn_dist_mean'), 7)} {r['wall_time_s']:>6.1f}")
     lines.append("accuracy per domain = the classifier on that client's real test split; mean = over clients; "
                  "syn-fid = accuracy of the Central (real-data) classifier on the variant's synthetic set (are the "
                  "images of their label?); judge = the same read by the LDM's quality judge (trained on public "
-                 "images only, shipped as judge.pt; '-' when the LDM has none); MIA gaps = |member - non-member| "
+                 "images only, shipped as judge.pt; '-' when the LDM has none); style = share of each client's "
+                 "synthetic images that a domain classifier trained on the domains' public splits assigns to the "
+                 "client's domain (mean over clients); MIA gaps = |member - non-member| "
                  "mean loss / entropy (lower = less leakage); NN-dist = RMS pixel distance of synthetic images to "
                  "the nearest client train image")
     return "\n".join(lines)
@@ -239,6 +243,28 @@ def format_comparison(rows: list[dict]) -> str:
 
 PAPER_ORDER = ("[D] Table 3: prompt-only < V-only < S-only < instance-only < instance+concept (no perturb.) < FedBiP; "
                "Table 1: FedBiP-S < -M < -L, FedBiP-L above FedAvg on average, below Central")
+
+
+@functools.lru_cache(maxsize=2)
+def _style_judge(image_size: int):
+    import torch
+
+    from .quality import train_style_judge
+
+    with torch.random.fork_rng(devices=[]):  # seeds its own training: the variants' random draws stay as they were
+        judge, acc = train_style_judge(image_size)
+    logger.info("style judge (domain classifier on the public splits): held-out accuracy %.3f", acc)
+    return judge
+
+
+def shared_style_judge(image_size: int, client_domains: dict) -> "torch.nn.Module | None":
+    """The style judge of :func:`~hfpfl.fedbip.quality.train_style_judge` at the clients' image size, trained once per
+    process (a few seconds; every seed of a comparison reuses it); None when no client's domain is one it knows."""
+    from .quality import STYLE_DOMAINS
+
+    if not any(d in STYLE_DOMAINS for d in client_domains.values()):
+        return None
+    return _style_judge(int(image_size))
 
 
 def run_comparison(run, data, cfg, rec, fed, main: bool = True) -> dict:
@@ -258,6 +284,7 @@ def run_comparison(run, data, cfg, rec, fed, main: bool = True) -> dict:
     from .quality import load_ldm_judge
 
     judge = load_ldm_judge(resolve_ldm(cfg.ldm))
+    style_judge = shared_style_judge(data.image_size, {c.client_id: c.domain for c in fed.clients}) if main else None
     for name, r_args, m_cfg in variants(run, cfg, rec):
         t = time.perf_counter()
         with variant_folder(r_args.output_dir):
@@ -279,6 +306,14 @@ def run_comparison(run, data, cfg, rec, fed, main: bool = True) -> dict:
                 x = sim.algorithm.synthetic["images"]
                 x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
                 rows[-1]["synthetic_fidelity_judge"] = judge_accuracy(judge, x, sim.algorithm.synthetic["labels"])
+            if style_judge is not None:  # are a client's synthetic images in its domain (the grids' style, read)
+                from .quality import style_fidelity
+
+                syn = sim.algorithm.synthetic
+                x = syn["images"].expand(-1, 3, -1, -1) if syn["images"].shape[1] == 1 else syn["images"]
+                style = style_fidelity(style_judge, x, syn["clients"], {c.client_id: c.domain for c in fed.clients})
+                rows[-1]["synthetic_style"] = style.pop("mean", None)
+                rows[-1]["synthetic_style_per_domain"] = style
         if name == "Central":  # class fidelity of every synthetic set: the real-data oracle's accuracy on it
             model = sim.algorithm.load_global(sim.server_state)
             for row in rows:
@@ -316,7 +351,8 @@ def aggregate_seeds(comparisons: list[dict]) -> list[dict]:
     for name in names:
         rows = [next(r for r in c["rows"] if r["variant"] == name) for c in comparisons]
         agg = {"variant": name, "seeds": [c["seed"] for c in comparisons]}
-        for k in ("mean_accuracy", "global_accuracy", "synthetic_fidelity", "synthetic_fidelity_judge"):
+        for k in ("mean_accuracy", "global_accuracy", "synthetic_fidelity", "synthetic_fidelity_judge",
+                  "synthetic_style"):
             vals = [r.get(k) for r in rows if r.get(k) is not None]
             if vals:
                 agg[k] = float(np.mean(vals))
@@ -348,7 +384,7 @@ def claims(summary: list[dict]) -> list[tuple[str, bool]]:
 
 def format_summary(summary: list[dict]) -> str:
     domains = sorted({d for r in summary for d in r["per_domain"]})
-    head = (f"{'variant':<20} {'mean acc':>15} {'syn-fid':>15} {'judge-fid':>15} " +
+    head = (f"{'variant':<20} {'mean acc':>15} {'syn-fid':>15} {'judge-fid':>15} {'style':>15} " +
             " ".join(f"{d[:8]:>8}" for d in domains))
     lines = [head, "-" * len(head)]
 
@@ -357,7 +393,7 @@ def format_summary(summary: list[dict]) -> str:
 
     for r in summary:
         lines.append(f"{r['variant']:<20} {pm(r, 'mean_accuracy'):>15} {pm(r, 'synthetic_fidelity'):>15} "
-                     f"{pm(r, 'synthetic_fidelity_judge'):>15} " +
+                     f"{pm(r, 'synthetic_fidelity_judge'):>15} {pm(r, 'synthetic_style'):>15} " +
                      " ".join(f"{r['per_domain'][d]:>8.3f}" for d in domains))
     lines.append(f"seeds {summary[0]['seeds']}; paper ordering: {PAPER_ORDER}")
     for text, ok in claims(summary):

@@ -40,7 +40,8 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
     901 (alpha_bar 0.0140): the instance signal enters at the wrong SNR. ``sampler_start``: noise to the sampler's
     first timestep (with ``timestep_spacing=trailing`` that *is* T = 999, the paper's literal choice).
     ``resolution_matched``: the first schedule timestep at or above :func:`resolution_matched_timestep` (at least as
-    much noise as SD's T at every image scale), and the sampler starts there; for a 64 x 64 latent (SD v1) that is
+    much noise as SD's T at every image scale), and the sampler starts there (an integer: the first schedule timestep
+    at or above it, likewise); for a 64 x 64 latent (SD v1) that is
     ``sampler_start``, the paper's setting. Not the default: on the tiny LDM it lifts instance-only above
     prompt-only but its synthetic images sit closer to the clients' train images than their real test images do and
     the membership-inference gap grows 5-9x (docs/fedbip.md, stop 28), the leak FedBiP's noising exists to
@@ -64,7 +65,11 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
     if not 0 <= int(choice) < T:
         raise ValueError(f"--noise_timestep must be a timestep of the LDM's schedule, 0 to {T - 1} (or "
                          f"sampler_start, resolution_matched, max), got {choice}")
-    return int(choice), t0
+    # an explicit level: the sampler starts where the clients noise (a sampler that assumes more noise than the
+    # latents carry denoises the wrong signal-to-noise ratio, the mismatch issue 8 diagnosed)
+    above = [t for t in timesteps if t >= int(choice)]
+    t = min(above) if above else t0
+    return t, t
 
 
 def concept_settings(pipe, config) -> tuple[float, float, float]:
