@@ -449,6 +449,41 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     assert "FedBiP-L" in printed and "Central" in printed and "syn-fid" in printed and " style " in printed
 
 
+def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule(ldm_dir, tmp_path, capsys):
+    """scripts/fedbip_noise_sweep.py: one instance-only run per timestep (clients noise there, the sampler starts
+    there), its style / closeness read off the synthetic set, the choice by hfpfl.fedbip.sweep's rule on what was
+    recorded; a finished sweep is not overwritten without --overwrite_output_dir."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from hfpfl.fedbip.sweep import choose_noise_timestep
+
+    spec = importlib.util.spec_from_file_location(
+        "fedbip_noise_sweep", Path(__file__).resolve().parents[1] / "scripts" / "fedbip_noise_sweep.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    out = tmp_path / "sweep"
+    argv = ["--timesteps", "401,901", "--output_dir", str(out), "--ldm", ldm_dir, "--max_per_domain", "80",
+            "--image_size", "12", "--test_fraction", "0.3", "--shots_per_class", "2", "--concept_steps", "2",
+            "--num_inference_steps", "10", "--classifier_epochs", "1", "--progress", "false"]
+    rows, floor, chosen = script.main(argv)
+    assert [r["timestep"] for r in rows] == [901, 401]
+    for r in rows:
+        cfg = json.loads((out / f"t{r['timestep']}" / "comparison.json").read_text())["config"]["fedbip"]
+        assert cfg["noise_timestep"] == str(r["timestep"])
+        assert 0 <= r["style"] <= 1 and set(r["style_per_domain"]) == {"mnistm", "syn", "usps"}
+    assert floor > 0 and chosen == choose_noise_timestep(rows, floor)
+    saved = json.loads((out / "sweep.json").read_text())
+    assert saved["floor"] == floor and saved["chosen"] == (chosen["timestep"] if chosen else None)
+    assert (out / "sweep.png").stat().st_size > 0
+    assert "choice:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        script.main(argv)
+    assert e.value.code == 2 and "--overwrite_output_dir" in capsys.readouterr().err
+
+
 def test_one_seed_in_seeds_is_the_run_seed(ldm_dir, tmp_path):
     """``--seeds 1`` alone: every variant runs with seed 1 (not only the few-shot draw), in output_dir itself."""
     from hfpfl.fedbip import compare

@@ -499,3 +499,20 @@ def test_style_judge_tells_the_client_domains_apart_from_public_images_only(monk
         x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
         style = q.style_fidelity(judge, x, torch.full((len(x),), c.client_id), {c.client_id: c.domain})
         assert style[c.domain] >= 0.9, (c.domain, style)
+
+
+def test_leave_one_out_spacing_and_the_sweeps_choice_by_hand():
+    """Leave-one-out distances of 1-pixel images 0, 0.3, 1.0: 0.3, 0.3, 0.7 (each to its nearest *other*); the
+    choice keeps the rows at or above the floor and takes the most style there (a tie goes to the higher timestep);
+    none at or above the floor: None."""
+    from hfpfl.fedbip.sweep import choose_noise_timestep, leave_one_out_distances
+
+    x = torch.tensor([0.0, 0.3, 1.0]).view(3, 1, 1, 1)
+    assert leave_one_out_distances(x).tolist() == pytest.approx([0.3, 0.3, 0.7])
+    with pytest.raises(ValueError, match="at least 2"):
+        leave_one_out_distances(x[:1])
+    rows = [{"timestep": 951, "style": 0.3, "nn_dist": 0.50}, {"timestep": 851, "style": 0.5, "nn_dist": 0.45},
+            {"timestep": 801, "style": 0.5, "nn_dist": 0.40}, {"timestep": 701, "style": 0.7, "nn_dist": 0.30}]
+    assert choose_noise_timestep(rows, floor=0.35)["timestep"] == 851
+    assert choose_noise_timestep(rows, floor=0.25)["timestep"] == 701
+    assert choose_noise_timestep(rows, floor=0.6) is None

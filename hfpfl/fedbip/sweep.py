@@ -1,0 +1,86 @@
+"""How noisy should the clients' instance latents be? A sweep of ``--noise_timestep`` read without client test data.
+
+[D] noises the instance latents to the maximum timestep T. On SD v1's 64 x 64 latents enough of a client's style
+survives T to lift instance-only over prompt-only ([D] Table 3); on the tiny LDM's 8 x 8 latents much less does
+(docs/fedbip.md). This sweep measures, for each noising timestep of the sampler's schedule (clients noise there and
+the sampler starts there), what the instance level carries and what it gives away:
+
+* **style**: the share of each client's instance-only synthetic images that the style judge (a domain classifier
+  trained on the domains' public splits, :func:`hfpfl.fedbip.quality.train_style_judge`) assigns to the client's
+  domain, mean over clients;
+* **closeness**: the mean RMS pixel distance of each synthetic image to the nearest train image of its client,
+  against the **floor** the client's own train images set: each one's distance to the nearest *other* train image
+  (leave-one-out; on the main setting it equals the clients' real test images' distance to the train set, 0.32, but
+  needs no test split).
+
+:func:`choose_noise_timestep` picks the timestep with the most style whose synthetic images stay, on average, at
+least as far from the client's train images as the train images are from each other. Accuracies are recorded
+beside, never read by the choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .privacy import nearest_neighbor_distances
+
+
+def leave_one_out_distances(images: torch.Tensor) -> torch.Tensor:
+    """For each image the RMS pixel distance to the nearest *other* image of the same set (the set's own spacing:
+    how far an unseen image of the same client typically lies from the rest)."""
+    n = len(images)
+    if n < 2:
+        raise ValueError(f"leave-one-out distances need at least 2 images, got {n}")
+    out = [nearest_neighbor_distances(images[i : i + 1], torch.cat([images[:i], images[i + 1 :]]))[0]
+           for i in range(n)]
+    return torch.stack(out)
+
+
+def train_spacing(fed) -> float:
+    """Mean over every client's train images of :func:`leave_one_out_distances` (the closeness floor)."""
+    ds = []
+    for c in fed.clients:
+        x = torch.stack(list(c.train.with_format("torch")["pixel_values"])).float()
+        ds.append(leave_one_out_distances(x))
+    return float(torch.cat(ds).mean())
+
+
+def choose_noise_timestep(rows: list[dict], floor: float) -> dict | None:
+    """The row (one per timestep: ``timestep``, ``style``, ``nn_dist``) with the most style among those whose
+    ``nn_dist`` >= ``floor``; ties go to the higher timestep (more noise, nearer [D]'s T). None when no row keeps the
+    floor."""
+    kept = [r for r in rows if r["nn_dist"] >= floor]
+    if not kept:
+        return None
+    return max(kept, key=lambda r: (r["style"], r["timestep"]))
+
+
+def plot_sweep(rows: list[dict], floor: float, path, chosen: int | None = None) -> str:
+    """Style share and closeness against the noising timestep (one figure, two axes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(rows, key=lambda r: r["timestep"])
+    t = [r["timestep"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    ax.plot(t, [r["style"] for r in rows], "o-", color="tab:blue", label="style share (domain judge)")
+    ax.plot(t, [r["class_fidelity"] for r in rows], "s--", color="tab:green", label="class fidelity (class judge)")
+    ax.set_xlabel("noising timestep (sampler starts there; [D]: T = the top)")
+    ax.set_ylabel("share of synthetic images")
+    ax.set_ylim(0, 1)
+    ax2 = ax.twinx()
+    ax2.plot(t, [r["nn_dist"] for r in rows], "^-", color="tab:red", label="distance to nearest train image")
+    ax2.axhline(floor, color="tab:red", ls=":", label="train images' own spacing (floor)")
+    ax2.set_ylabel("RMS pixel distance", color="tab:red")
+    if chosen is not None:
+        ax.axvline(chosen, color="grey", ls="-.", lw=1)
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="lower left")
+    ax.set_title("instance-only synthetic images vs how far clients noise their latents", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
