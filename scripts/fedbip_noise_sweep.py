@@ -1,12 +1,13 @@
-"""Sweep FedBiP's noising timestep on instance-only and choose it without client test data (hfpfl.fedbip.sweep).
+"""Sweep FedBiP's noising timestep and choose it without client test data (hfpfl.fedbip.sweep).
 
     .venv/bin/python scripts/fedbip_noise_sweep.py --seed 0            # the main setting, ~2 min per timestep
+    .venv/bin/python scripts/fedbip_noise_sweep.py --seed 0 --variant instance-only
     .venv/bin/python scripts/fedbip_noise_sweep.py --seed 0 --config recipes/configs/fedbip_dirichlet.yaml
 
 For every timestep of the sampler's schedule from its top down to ``resolution_matched`` (or ``--timesteps``), runs
-recipes/fedbip.py's instance-only row there (clients noise to t, the sampler starts at t) and reads its synthetic
-images: style share (the public-split domain judge), class fidelity (the LDM's public-image judge), distance to the
-nearest client train image against the train images' own spacing, and, recorded but not used to choose, accuracy and
+recipes/fedbip.py's FedBiP-L row (or ``--variant``) there (clients noise to t, the sampler starts at t) and reads its
+synthetic images: style share (the public-split domain judge), class fidelity (the LDM's public-image judge),
+distance to the nearest client train image against the train images' own spacing, and, recorded but not used to choose, accuracy and
 the membership-inference gap. Prints the table and the choice; writes sweep.json and sweep.png to --output_dir.
 Any other option goes to recipes/fedbip.py (e.g. --config, --num_inference_steps).
 """
@@ -23,8 +24,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0, help="Run seed (the choice is made on this seed).")
+    p.add_argument("--variant", default="FedBiP-L", choices=["FedBiP-L", "FedBiP-S", "instance-only"],
+                   help="The row swept (default FedBiP-L: the synthetic set the method hands the server, whose "
+                        "closeness to the clients' images is what the floor guards; instance-only: the level alone).")
     p.add_argument("--timesteps", default=None,
-                   help="Comma-separated noising timesteps (default: the sampler's, from its top to resolution_matched)")
+                   help="Comma-separated noising timesteps (default: the sampler's, from its top to "
+                        "resolution_matched).")
     p.add_argument("--output_dir", default=None, help="Where sweep.json, sweep.png and one folder per timestep go "
                    "(default: outputs/fedbip-noise-sweep-<timestamp>).")
     p.add_argument("--overwrite_output_dir", action="store_true", help="Replace a finished sweep in --output_dir.")
@@ -66,7 +71,7 @@ def main(argv=None):
     floor = train_spacing(fed)
     rows = []
     for t in timesteps:
-        res = compare.main(["--seeds", str(args.seed), "--num_processes", "1", "--variants", "instance-only",
+        res = compare.main(["--seeds", str(args.seed), "--num_processes", "1", "--variants", args.variant,
                             "--noise_timestep", str(t), "--output_dir", str(out / f"t{t}"),
                             "--overwrite_output_dir", "true", *extra])
         r = res["rows"][0]
@@ -87,9 +92,10 @@ def main(argv=None):
     lines.append(f"choice: --noise_timestep {chosen['timestep']}" if chosen else
                  "choice: none keeps the floor; keep --noise_timestep sampler_start")
     print("\n".join(lines))
-    (out / "sweep.json").write_text(json.dumps({"seed": args.seed, "floor": floor, "rows": rows, "extra": extra,
+    (out / "sweep.json").write_text(json.dumps({"seed": args.seed, "variant": args.variant, "floor": floor,
+                                                "rows": rows, "extra": extra,
                                                 "chosen": chosen["timestep"] if chosen else None}, indent=2))
-    print(plot_sweep(rows, floor, out / "sweep.png", chosen["timestep"] if chosen else None))
+    print(plot_sweep(rows, floor, out / "sweep.png", chosen["timestep"] if chosen else None, args.variant))
     return rows, floor, chosen
 
 

@@ -465,8 +465,9 @@ def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule
     sys.modules[spec.name] = script
     spec.loader.exec_module(script)
     out = tmp_path / "sweep"
-    argv = ["--timesteps", "401,901", "--output_dir", str(out), "--ldm", ldm_dir, "--max_per_domain", "80",
-            "--image_size", "12", "--test_fraction", "0.3", "--shots_per_class", "2", "--concept_steps", "2",
+    argv = ["--timesteps", "401,901", "--variant", "instance-only", "--output_dir", str(out), "--ldm", ldm_dir,
+            "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3", "--shots_per_class", "2",
+            "--concept_steps", "2",
             "--num_inference_steps", "10", "--classifier_epochs", "1", "--progress", "false"]
     rows, floor, chosen = script.main(argv)
     assert [r["timestep"] for r in rows] == [901, 401]

@@ -3,9 +3,10 @@
 [D] noises the instance latents to the maximum timestep T. On SD v1's 64 x 64 latents enough of a client's style
 survives T to lift instance-only over prompt-only ([D] Table 3); on the tiny LDM's 8 x 8 latents much less does
 (docs/fedbip.md). This sweep measures, for each noising timestep of the sampler's schedule (clients noise there and
-the sampler starts there), what the instance level carries and what it gives away:
+the sampler starts there), what a row's synthetic set (FedBiP-L's by default: what the method hands the server;
+instance-only: the level alone) carries of the client and how close it comes to the client's images:
 
-* **style**: the share of each client's instance-only synthetic images that the style judge (a domain classifier
+* **style**: the share of each client's synthetic images that the style judge (a domain classifier
   trained on the domains' public splits, :func:`hfpfl.fedbip.quality.train_style_judge`) assigns to the client's
   domain, mean over clients;
 * **closeness**: the mean RMS pixel distance of each synthetic image to the nearest train image of its client,
@@ -55,7 +56,7 @@ def choose_noise_timestep(rows: list[dict], floor: float) -> dict | None:
     return max(kept, key=lambda r: (r["style"], r["timestep"]))
 
 
-def plot_sweep(rows: list[dict], floor: float, path, chosen: int | None = None) -> str:
+def plot_sweep(rows: list[dict], floor: float, path, chosen: int | None = None, variant: str = "FedBiP-L") -> str:
     """Style share and closeness against the noising timestep (one figure, two axes)."""
     import matplotlib
 
@@ -79,7 +80,7 @@ def plot_sweep(rows: list[dict], floor: float, path, chosen: int | None = None) 
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="lower left")
-    ax.set_title("instance-only synthetic images vs how far clients noise their latents", fontsize=9)
+    ax.set_title(f"{variant}'s synthetic images vs how far clients noise their latents", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
