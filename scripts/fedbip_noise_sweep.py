@@ -7,9 +7,9 @@
 For every timestep of the sampler's schedule from its top down to ``resolution_matched`` (or ``--timesteps``), runs
 recipes/fedbip.py's FedBiP-L row (or ``--variant``) there (clients noise to t, the sampler starts at t) and reads its
 synthetic images: style share (the public-split domain judge), class fidelity (the LDM's public-image judge),
-distance to the nearest client train image against the train images' own spacing, and, recorded but not used to choose, accuracy and
-the membership-inference gap. Prints the table and the choice; writes sweep.json and sweep.png to --output_dir.
-Any other option goes to recipes/fedbip.py (e.g. --config, --num_inference_steps).
+distance to the nearest client train image against the train images' own spacing, and, recorded but not used to
+choose, accuracy and the membership-inference gap. Prints the table and the choice; writes sweep.json and sweep.png
+to --output_dir. Any other option goes to recipes/fedbip.py (e.g. --config, --num_inference_steps).
 """
 import argparse
 import dataclasses
