@@ -122,7 +122,8 @@ class FedBiPConfig:
                 "images are, with a 5-9x membership-inference gap: docs/fedbip.md) | max "
                 "(num_train_timesteps-1 = 999, [D]'s literal T; with leading spacing the sampler then starts at a "
                 "lower timestep than the noise level) | an integer (the first sampler timestep at or above it: clients noise "
-                "there and the sampler starts there; 701 is the style judge's choice for the tiny LDM, docs/fedbip.md)."})
+                "there and the sampler starts there; scripts/fedbip_noise_sweep.py measures style against closeness per "
+                "timestep, docs/fedbip.md)."})
     timestep_spacing: str | None = field(default=None, metadata={
         "help": "Sampler timestep spacing override: leading (the SD-v1 config) | trailing (the first step is T=999, "
                 "so sampler_start and max coincide) | linspace; default: the LDM's scheduler config."})
