@@ -602,3 +602,23 @@ def test_comparison_decides_its_processes_on_one_round_variants(ldm_dir, tmp_pat
         compare._main(None, {}, [])  # as the recipe script runs it (top level: it may start processes)
     assert e.value.args == (2,)
     assert "2 idle cores (2 usable, 0.00 busy), 3 clients x 1 rounds x 100 (update cost)" in capsys.readouterr().out
+
+
+def test_claims_read_a_mean_exactly_on_the_line_as_held():
+    """Stop 32's 3-seed FedBiP-L at t=801: accuracies are multiples of 1/420 (3 clients x 140 test images) and its
+    mean is prompt-only's + 21/420 = + 0.05 exactly; in floats the sum falls 1e-16 short and the check printed
+    "NOT held". One image fewer is below the line; a strict claim (instance > prompt) is not held by a tie."""
+    import numpy as np
+
+    from hfpfl.fedbip.compare import claims
+
+    def summary(fedbip_l, instance):
+        return [{"variant": v, "mean_accuracy": float(np.mean(np.array(a) / 420))}
+                for v, a in (("prompt-only", [243, 245, 252]), ("FedBiP-L", fedbip_l), ("FedBiP-S", [180, 180, 180]),
+                             ("instance-only", instance))]
+
+    held = dict(claims(summary([249, 274, 280], [243, 245, 252])))
+    assert held["FedBiP-L >= prompt-only + 0.05"] and held["FedBiP-L >= FedBiP-S"]
+    assert not held["instance-only > prompt-only"]
+    assert not dict(claims(summary([249, 274, 279], [243, 245, 253])))["FedBiP-L >= prompt-only + 0.05"]
+    assert dict(claims(summary([249, 274, 279], [243, 245, 253])))["instance-only > prompt-only"]

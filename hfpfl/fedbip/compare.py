@@ -371,8 +371,11 @@ def claims(summary: list[dict]) -> list[tuple[str, bool]]:
     def acc(n):
         return m[n]["mean_accuracy"] if n in m else float("nan")
 
-    out = [("FedBiP-L >= prompt-only + 0.05", acc("FedBiP-L") >= acc("prompt-only") + 0.05),
-           ("FedBiP-L >= FedBiP-S", acc("FedBiP-L") >= acc("FedBiP-S")),
+    # accuracies are fractions of the test-set size: a mean exactly on a line must not fail by float rounding
+    # (0.6373... vs 0.5873... + 0.05 differ by 1e-16 in floats and by nothing as fractions)
+    tol = 1e-9
+    out = [("FedBiP-L >= prompt-only + 0.05", acc("FedBiP-L") >= acc("prompt-only") + 0.05 - tol),
+           ("FedBiP-L >= FedBiP-S", acc("FedBiP-L") >= acc("FedBiP-S") - tol),
            ("instance-only > prompt-only", acc("instance-only") > acc("prompt-only")),
            ("FedBiP-L synthetic fidelity >= 0.6", m.get("FedBiP-L", {}).get("synthetic_fidelity", 0.0) >= 0.6),
            ("FedBiP-L synthetic fidelity >= 0.6 under the LDM's public-image judge",
