@@ -42,8 +42,9 @@ def main(argv=None):
     from hfpfl.fedbip import compare
     from hfpfl.fedbip.client import sampler_timesteps
     from hfpfl.fedbip.protocol import noising_timestep
-    from hfpfl.fedbip.sweep import choose_noise_timestep, plot_sweep, train_spacing
+    from hfpfl.fedbip.sweep import check_sweepable, choose_noise_timestep, plot_sweep, train_spacing
     from hfpfl.runtime import check_output_dir, resolve_output_dir
+    from hfpfl.tracking import atomic_write_text
 
     out = Path(resolve_output_dir(args.output_dir, "fedbip-noise-sweep"))
     try:
@@ -64,10 +65,11 @@ def main(argv=None):
             low = noising_timestep(pipe, dataclasses.replace(cfg, noise_timestep="resolution_matched"))[0]
             timesteps = sorted({t for t in sampler_timesteps(pipe.scheduler, cfg.num_inference_steps) if t >= low},
                                reverse=True)
+        fed = compare.few_shot(build_federated_dataset(data, seed=rec.data_seed), rec.shots_per_class, args.seed)
+        check_sweepable(fed, extra)
     except (ValueError, FileExistsError) as e:
         fail(e)
     out.mkdir(parents=True, exist_ok=True)
-    fed = compare.few_shot(build_federated_dataset(data, seed=rec.data_seed), rec.shots_per_class, args.seed)
     floor = train_spacing(fed)
     rows = []
     for t in timesteps:
@@ -84,7 +86,8 @@ def main(argv=None):
     lines = [head, "-" * len(head)]
     for r in rows:
         mark = "  <- chosen" if chosen is r else ("" if r["nn_dist"] >= floor else "  (below the floor)")
-        lines.append(f"{r['timestep']:>5} {r['style']:>6.3f} {r['class_fidelity'] or float('nan'):>6.3f} "
+        cls = r["class_fidelity"] if r["class_fidelity"] is not None else float("nan")  # LDM without a judge
+        lines.append(f"{r['timestep']:>5} {r['style']:>6.3f} {cls:>6.3f} "
                      f"{r['nn_dist']:>6.3f} {r['mia_loss_gap']:>6.3f} {r['accuracy']:>6.3f}{mark}")
     lines.append(f"floor (train images' leave-one-out spacing) {floor:.3f}; style = domain judge, class = class "
                  f"judge on the synthetic images; NN = distance to the nearest client train image; MIA = loss gap; "
@@ -92,10 +95,11 @@ def main(argv=None):
     lines.append(f"choice: --noise_timestep {chosen['timestep']}" if chosen else
                  "choice: none keeps the floor; keep --noise_timestep sampler_start")
     print("\n".join(lines))
-    (out / "sweep.json").write_text(json.dumps({"seed": args.seed, "variant": args.variant, "floor": floor,
-                                                "rows": rows, "extra": extra,
-                                                "chosen": chosen["timestep"] if chosen else None}, indent=2))
-    print(plot_sweep(rows, floor, out / "sweep.png", chosen["timestep"] if chosen else None, args.variant))
+    chosen_t = chosen["timestep"] if chosen else None
+    print(plot_sweep(rows, floor, out / "sweep.png", chosen_t, args.variant))
+    # the finished marker, written last and atomically: a sweep stopped part-way leaves no sweep.json
+    atomic_write_text(out / "sweep.json", json.dumps({"seed": args.seed, "variant": args.variant, "floor": floor,
+                                                      "rows": rows, "extra": extra, "chosen": chosen_t}, indent=2))
     return rows, floor, chosen
 
 

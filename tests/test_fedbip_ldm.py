@@ -516,3 +516,23 @@ def test_leave_one_out_spacing_and_the_sweeps_choice_by_hand():
     assert choose_noise_timestep(rows, floor=0.35)["timestep"] == 851
     assert choose_noise_timestep(rows, floor=0.25)["timestep"] == 701
     assert choose_noise_timestep(rows, floor=0.6) is None
+
+
+def test_sweep_refuses_what_it_cannot_read_with_the_fix_named():
+    """The sweep chooses by the style judge: clients of domains it does not know (a Hub dataset such as PACS) are
+    refused before any run, naming the datasets it reads; so is an option the sweep sets for every run itself (it
+    would silently replace the swept value). Known domains and other options pass."""
+    from types import SimpleNamespace
+
+    from hfpfl.fedbip.sweep import check_sweepable
+
+    def fed(*domains):
+        return SimpleNamespace(clients=[SimpleNamespace(domain=d) for d in domains])
+
+    with pytest.raises(ValueError, match=r"knows the domains mnist, usps, mnistm, syn; these clients hold art, "
+                                         r"photo: pass --dataset digits-nomnist"):
+        check_sweepable(fed("photo", "art"), [])
+    for opt in (["--noise_timestep", "5"], ["--seeds=0,1"], ["--variants", "FedBiP-L"]):
+        with pytest.raises(ValueError, match=f"{opt[0].split('=')[0]} is set by the sweep"):
+            check_sweepable(fed("usps"), ["--guidance_scale", "3", *opt])
+    check_sweepable(fed("usps", "mnistm", "syn"), ["--guidance_scale", "3", "--config", "x.yaml"])

@@ -299,18 +299,15 @@ def run_comparison(run, data, cfg, rec, fed, main: bool = True) -> dict:
             continue
         rows.append(summarize(name, sim, res, m_cfg, mia))
         if res["method"] == "fedbip":
-            syn_sets[name] = sim.algorithm.synthetic
+            syn = syn_sets[name] = sim.algorithm.synthetic
+            x = syn["images"].expand(-1, 3, -1, -1) if syn["images"].shape[1] == 1 else syn["images"]  # judges: RGB
             if judge is not None:  # a second, client-independent reading of the synthetic labels
                 from .quality import judge_accuracy
 
-                x = sim.algorithm.synthetic["images"]
-                x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
-                rows[-1]["synthetic_fidelity_judge"] = judge_accuracy(judge, x, sim.algorithm.synthetic["labels"])
+                rows[-1]["synthetic_fidelity_judge"] = judge_accuracy(judge, x, syn["labels"])
             if style_judge is not None:  # are a client's synthetic images in its domain (the grids' style, read)
                 from .quality import style_fidelity
 
-                syn = sim.algorithm.synthetic
-                x = syn["images"].expand(-1, 3, -1, -1) if syn["images"].shape[1] == 1 else syn["images"]
                 style = style_fidelity(style_judge, x, syn["clients"], {c.client_id: c.domain for c in fed.clients})
                 rows[-1]["synthetic_style"] = style.pop("mean", None)
                 rows[-1]["synthetic_style_per_domain"] = style

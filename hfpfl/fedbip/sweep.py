@@ -46,6 +46,26 @@ def train_spacing(fed) -> float:
     return float(torch.cat(ds).mean())
 
 
+# the options the sweep sets itself for every run: passing them through would silently change what is swept
+SWEEP_OWNED_OPTIONS = ("--noise_timestep", "--seeds", "--variants", "--compare")
+
+
+def check_sweepable(fed, extra: list[str]) -> None:
+    """ValueError (naming the fix) when the sweep cannot read what it chooses by: clients whose domains the style
+    judge does not know (it knows :data:`~hfpfl.fedbip.quality.STYLE_DOMAINS`), or an option the sweep sets itself."""
+    from .quality import STYLE_DOMAINS
+
+    owned = [o for o in extra if o.split("=")[0] in SWEEP_OWNED_OPTIONS]
+    if owned:
+        raise ValueError(f"{owned[0].split('=')[0]} is set by the sweep for every run; drop it (--timesteps and "
+                         f"--variant choose what is swept, --seed the seed)")
+    domains = sorted({str(c.domain) for c in fed.clients})
+    if not any(d in STYLE_DOMAINS for d in domains):
+        raise ValueError(f"the sweep chooses by the style judge, which knows the domains {', '.join(STYLE_DOMAINS)}; "
+                         f"these clients hold {', '.join(domains)}: pass --dataset digits-nomnist (or digits), or "
+                         f"choose --noise_timestep by hand")
+
+
 def choose_noise_timestep(rows: list[dict], floor: float) -> dict | None:
     """The row (one per timestep: ``timestep``, ``style``, ``nn_dist``) with the most style among those whose
     ``nn_dist`` >= ``floor``; ties go to the higher timestep (more noise, nearer [D]'s T). None when no row keeps the
@@ -67,7 +87,9 @@ def plot_sweep(rows: list[dict], floor: float, path, chosen: int | None = None, 
     t = [r["timestep"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     ax.plot(t, [r["style"] for r in rows], "o-", color="tab:blue", label="style share (domain judge)")
-    ax.plot(t, [r["class_fidelity"] for r in rows], "s--", color="tab:green", label="class fidelity (class judge)")
+    if all(r.get("class_fidelity") is not None for r in rows):  # an LDM without a quality judge has none
+        ax.plot(t, [r["class_fidelity"] for r in rows], "s--", color="tab:green",
+                label="class fidelity (class judge)")
     ax.set_xlabel("noising timestep (sampler starts there; [D]: T = the top)")
     ax.set_ylabel("share of synthetic images")
     ax.set_ylim(0, 1)
