@@ -49,6 +49,20 @@ def describe_model(model: str, adapter: str = "none") -> str:
     return f"{model} ({src})" + (f" + {adapter} adapters" if adapter and adapter != "none" else "")
 
 
+def describe_run_model(sim) -> str:
+    """The model this run trains: ``--model`` as :func:`describe_model` says, or, where the method builds its own
+    (``Algorithm.build_model``: FedBasis's basis combination, FedPop's tiny MLP, a user's plain ``nn.Module``), its
+    class, and ``--model`` only if the method built around it."""
+    from .federated.protocol import Algorithm
+
+    a, algo = sim.args, sim.algorithm
+    given = describe_model(a.model, a.adapter)
+    if type(algo).build_model is Algorithm.build_model and "build_model" not in vars(algo):
+        return given
+    built = f"{type(sim.model).__name__}, built by the method {a.method}"
+    return f"{built} around {given}" if getattr(sim, "default_model_built", False) else f"{built} (--model unused)"
+
+
 def _fmt_count(n: int) -> str:
     return f"{n:,}"
 
@@ -64,7 +78,7 @@ def run_header(sim) -> str:
     lines = [
         f"hfpfl run: {a.method}" + (" (one-shot)" if getattr(sim.algorithm, "one_shot", False) else "")
         + f", {a.num_rounds} round{'s' if a.num_rounds != 1 else ''}, seed {a.seed}",
-        f"  model      {describe_model(a.model, a.adapter)}",
+        f"  model      {describe_run_model(sim)}",
         f"  dataset    {getattr(d, 'dataset', 'custom')}: {data.num_labels} labels, "
         f"{data.num_channels}x{data.image_size}x{data.image_size} images"
         + (f", domains {', '.join(domains)}" if domains else ""),

@@ -357,3 +357,57 @@ def test_layers_point_one_way():
             "assert 'hfpfl.federated.training' not in sys.modules")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+class _PlainNet(nn.Module):
+    """A user's plain module with the calling convention the engine uses (no HF config)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3 * 16 * 16, 10)
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.fc(pixel_values.flatten(1))
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return ImageClassifierOutput(loss=loss, logits=logits)
+
+
+@register
+class OwnModel(FedAvg):
+    name = "test_own_model"
+
+    def build_model(self):
+        return _PlainNet()
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kw):
+        return self.inner(**kw)
+
+
+@register
+class WrapsDefaultModel(FedAvg):
+    name = "test_wraps_default"
+
+    def build_model(self):
+        return _Wrapped(self.ctx.build_default_model())
+
+
+def test_run_header_names_the_model_the_method_built(run_sim):
+    """The header said '--model tiny-resnet (built-in config, random init)' for every run, also where the method
+    builds its own model (FedBasis, FedPop's tiny MLP, a user's plain module) and --model is never read."""
+    from hfpfl.tracking import run_header
+
+    def model_line(method):
+        sim, _ = run_sim(method, run=False)
+        return next(ln for ln in run_header(sim).splitlines() if ln.startswith("  model "))
+
+    assert model_line("fedavg").split(None, 1)[1] == "tiny-resnet (built-in config, random init)"
+    assert model_line("test_own_model").split(None, 1)[1] == \
+        "_PlainNet, built by the method test_own_model (--model unused)"
+    assert model_line("test_wraps_default").split(None, 1)[1] == \
+        "_Wrapped, built by the method test_wraps_default around tiny-resnet (built-in config, random init)"

@@ -87,6 +87,7 @@ class Simulation:
             self.args = dataclasses.replace(run_args, num_rounds=1)
 
         set_seed(run_args.seed)
+        self.default_model_built = False
         self.model: nn.Module = self.algorithm.build_model().to(self.device)
         self.model_state = self.model.state_dict()  # entries share storage with the model: swap by copy_
         self.keys_by_role = self._assign_roles()
@@ -141,6 +142,7 @@ class Simulation:
         from ..models import build_run_model
         from ..runtime import preserved_rng
         warn_random_backbone(self.args)
+        self.default_model_built = True  # the run header names --model only when the model came from it
         with preserved_rng():  # pretraining a stand-in on first use must not shift this run's random streams
             return build_run_model(self.args.model, self.args.adapter, num_labels=self.data.num_labels,
                                    image_size=self.data.image_size, num_channels=self.data.num_channels,
