@@ -143,6 +143,34 @@ def test_vector_chunk_mb_splits_chunks_and_changes_no_numbers(ragged, tmp_path, 
         RunArguments(vector_chunk_mb=0)
 
 
+def test_every_chunks_stacked_data_is_built_once_and_dropped_when_unread(ragged, tmp_path, monkeypatch):
+    """Two chunks a round: each chunk's train and test stacks are built in round 1 and read again in later rounds
+    (one stack per split was kept before, so both chunks rebuilt theirs every round); a cap too small for a second
+    stack rebuilds only what did not fit; a stack no round read is dropped; the numbers never change."""
+    per_client = 4 * 766 * 4 + 40   # TinyNet's stacked state: two clients per chunk
+    small = dict(vector_chunk_mb=2.5 * per_client / 2**20, num_rounds=3)
+    built = []
+    real = vectorized.StackedData.build.__func__
+    monkeypatch.setattr(vectorized.StackedData, "build",
+                        classmethod(lambda cls, datas: built.append(len(datas)) or real(cls, datas)))
+    kept, r1 = _run(ragged, tmp_path, "tiny_fedbn", "on", **small)
+    assert len(built) == 4  # 2 chunks x (train, test), round 1 only
+    assert sorted(kept._stacked_data) == [("test", (0, 1)), ("test", (2, 3)), ("train", (0, 1)), ("train", (2, 3))]
+    one_stack = kept._stacked_data[("train", (0, 1))]["bytes"]
+    # by hand: 2 clients x the longer of their splits x (3x16x16 uint8 pixels + an int64 label)
+    longer = max(len(kept.train_data(0)), len(kept.train_data(1)))
+    assert one_stack == 2 * longer * (3 * 16 * 16 + 8)
+    built.clear()
+    monkeypatch.setattr(vectorized, "STACK_CACHE_BYTES", one_stack)  # room for the first train stack alone
+    capped, r2 = _run(ragged, tmp_path / "cap", "tiny_fedbn", "on", **small)
+    assert list(capped._stacked_data) == [("train", (0, 1))]
+    assert len(built) == 4 + 2 * 3  # round 1 builds 4; rounds 2 and 3 rebuild the 3 that did not fit
+    assert kept.history == capped.history and r1["per_client_accuracy"] == r2["per_client_accuracy"]
+    capped.round += 2  # two rounds later nothing was read: a new stack finds the old ones dropped
+    vectorized.stacked_data(capped, [0], "train", [capped.train_data(0)])
+    assert list(capped._stacked_data) == [("train", (0,))]
+
+
 def test_large_rounds_give_freed_heap_back_after_every_chunk_and_change_no_numbers(ragged, tmp_path, monkeypatch):
     per_client = 4 * 766 * 4 + 40   # TinyNet's stacked state, as above: two clients per chunk
     small = dict(vector_chunk_mb=2.5 * per_client / 2**20)
