@@ -63,8 +63,10 @@ ACCELERATOR_CHUNK_BYTES = 256 * 2**20
 # a chunk's client splits are stacked once per round (``[clients, longest split, ...]``, images kept uint8) when
 # that takes at most this many bytes; larger data is gathered client by client per step (then compute dominates)
 STACK_DATA_BYTES = 64 * 2**20
-# the stacks kept for the next round, every chunk and split together (:func:`stacked_data`)
-STACK_CACHE_BYTES = 64 * 2**20
+# the stacks kept for the next round, all chunks of a split together (:func:`stacked_data`). 64 MiB in all took
+# the 10,000-client LoRA round's peak RSS from 1.03 to 1.18 GB (scripts/bench_scale_memory.py: a one-round run
+# keeps every chunk's stack and reads none again); the rounds it speeds up are of small data
+STACK_CACHE_BYTES = 16 * 2**20
 
 
 def vectorize_reason(sim) -> str | None:
@@ -401,12 +403,13 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
     """The chunk's stacked ``split``, kept for the next round when the same clients come again (every client
     every round, the common simulation) and rebuilt otherwise.
 
-    Every chunk's stack is kept, up to :data:`STACK_CACHE_BYTES` in all: a round of two chunks (the MLP bench's 500
-    clients: 467 + 33) rebuilt both stacks every round while one stack per split was kept (6.7 of a 40 ms round).
-    A stack that does not fit is rebuilt each time it is needed (a round of more chunks than fit keeps its first
-    ones, instead of evicting each stack just before it would be read again), and stacks that a round did not read
-    are dropped (other clients were sampled). The cache holds weak references to the splits, so it never keeps a
-    split alive that the data cache let go (``--data_cache_mb``)."""
+    Every chunk's stack is kept, up to :data:`STACK_CACHE_BYTES` per split (a split's first stack always, as when
+    one stack per split was kept): a round of two chunks (the MLP bench's 500 clients: 467 + 33) rebuilt both stacks
+    every round while one stack per split was kept (6.7 of a 40 ms round). A stack that does not fit is rebuilt
+    each time it is needed (a round of more chunks than fit keeps its first ones, instead of evicting each stack
+    just before it would be read again), and stacks that a round did not read are dropped (other clients were
+    sampled). The cache holds weak references to the splits, so it never keeps a split alive that the data cache
+    let go (``--data_cache_mb``)."""
     import weakref
 
     cache = sim.__dict__.setdefault("_stacked_data", {})
@@ -422,7 +425,8 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
         del cache[k]  # not read in this round or the last (sim.round: the last finished round)
     if st is not None:
         size = sum(v.numel() * v.element_size() for v in st.columns.values())
-        if size + sum(e["bytes"] for e in cache.values()) <= STACK_CACHE_BYTES:
+        held = [e["bytes"] for k, e in cache.items() if k[0] == split]
+        if not held or size + sum(held) <= STACK_CACHE_BYTES:
             cache[key] = {"datas": [weakref.ref(d) for d in datas], "stack": st, "bytes": size, "round": sim.round}
     return st
 
