@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,24 +43,28 @@ def worker(a) -> dict:
     clients = [dataclasses.replace(fed.clients[i % distinct], client_id=i) for i in range(n)]
     fed = dataclasses.replace(fed, clients=clients, new_clients=[])
     data_args = dataclasses.replace(data_args, num_clients=n)
+    # the run's folder (10,000 clients spill ~800 MB of client states there) is removed when the worker ends
     out = tempfile.mkdtemp(prefix=f"hfpfl_scale_{n}_")
-    run = RunArguments(method=a.method, model="tiny-resnet", adapter="lora", lora_r=4, num_rounds=2, batch_size=16,
-                       checkpoint_every=0, progress=False, output_dir=out, overwrite_output_dir=True,
-                       random_backbone_ok=True, eval_every=10**6, max_state_mb=a.max_state_mb,
-                       vectorize=a.vectorize, vector_chunk_mb=a.vector_chunk_mb, local_steps=1,
-                       data_cache_mb=a.data_cache_mb)
-    sim = Simulation(run, data_args, fed_data=fed)
-    model_bytes = tensor_bytes(sim.model_state)
-    t = time.perf_counter()
-    sim.step()  # one training round over every client (no evaluation: eval_every is past the run)
-    dt = time.perf_counter() - t
-    store = sim.store
-    spilled = len(store._spilled)
-    total = store.nbytes()
-    return {"clients": n, "s_per_round": dt, "peak_rss_gb": rss_gb(), "model_mb": model_bytes / 2**20,
-            "private_kb_per_client": total / max(1, len(store)) / 1024, "store_total_mb": total / 2**20,
-            "store_in_memory_mb": store.in_memory_bytes / 2**20, "clients_spilled": spilled,
-            "train_loss": sim.history[-1].get("train_loss")}
+    try:
+        run = RunArguments(method=a.method, model="tiny-resnet", adapter="lora", lora_r=4, num_rounds=2,
+                           batch_size=16, checkpoint_every=0, progress=False, output_dir=out, overwrite_output_dir=True,
+                           random_backbone_ok=True, eval_every=10**6, max_state_mb=a.max_state_mb,
+                           vectorize=a.vectorize, vector_chunk_mb=a.vector_chunk_mb, local_steps=1,
+                           data_cache_mb=a.data_cache_mb)
+        sim = Simulation(run, data_args, fed_data=fed)
+        model_bytes = tensor_bytes(sim.model_state)
+        t = time.perf_counter()
+        sim.step()  # one training round over every client (no evaluation: eval_every is past the run)
+        dt = time.perf_counter() - t
+        store = sim.store
+        spilled = len(store._spilled)
+        total = store.nbytes()
+        return {"clients": n, "s_per_round": dt, "peak_rss_gb": rss_gb(), "model_mb": model_bytes / 2**20,
+                "private_kb_per_client": total / max(1, len(store)) / 1024, "store_total_mb": total / 2**20,
+                "store_in_memory_mb": store.in_memory_bytes / 2**20, "clients_spilled": spilled,
+                "train_loss": sim.history[-1].get("train_loss")}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def main():

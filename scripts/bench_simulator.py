@@ -299,9 +299,10 @@ def worker(a) -> dict:
             "process_peak_rss_gb": peaks if shares is not None else None}
 
 
-def command(a, n: int, impl: str, vec: str, par: str, cl: str) -> tuple[list[str], dict]:
-    """The worker command line (and its environment) of one configuration."""
-    args = ["--impl", impl, "--clients", str(n), "--model", a.model, "--rounds", str(a.rounds),
+def command(a, n: int, impl: str, vec: str, par: str, cl: str, outdir: str) -> tuple[list[str], dict]:
+    """The worker command line (and its environment) of one configuration; hfpfl writes its run under ``outdir``
+    (a folder of the parent's scratch directory, removed when the benchmark ends)."""
+    args = ["--impl", impl, "--output_dir", outdir, "--clients", str(n), "--model", a.model, "--rounds", str(a.rounds),
             "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
             "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
             "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1",
@@ -314,13 +315,10 @@ def command(a, n: int, impl: str, vec: str, par: str, cl: str) -> tuple[list[str
     if a.device == "cpu":  # accelerate would otherwise take a visible GPU
         env["ACCELERATE_USE_CPU"] = "1"
     if par.startswith("p") and a.device == "cpu":  # as the recipes: fork after the imports
-        cmd = [sys.executable, __file__, *args, "--fork", par[1:],
-               "--output_dir", tempfile.mkdtemp(prefix="hfpfl_bench_mp_")]
+        cmd = [sys.executable, __file__, *args, "--fork", par[1:]]
     elif par[:1] in ("p", "l"):  # clients sharded over N processes launched by accelerate
-        outdir = tempfile.mkdtemp(prefix="hfpfl_bench_mp_")
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", par[1:],
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", __file__, *args,
-               "--output_dir", outdir]
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", __file__, *args]
     else:
         cmd = [sys.executable, __file__, *args]
     return cmd, env
@@ -494,48 +492,57 @@ def main():
     print(f"{'clients':>8} {'train/client':>12} {'run':>20} {'s/round':>8} {'ratio to bare':>13} {'peak RSS GB':>11} "
           f"{'tree RSS GB':>11} {'tree PSS GB':>11} "
           + (f"{'GPU peak GB':>11} " if gpu else "") + f"{'load':>5}")
-    for n in a.clients:
-        runs = ([("bare", "off", "1")] if a.only != "hfpfl" else []) + \
-               ([("hfpfl", v, par) for v in a.vectorize for par in a.parallel] if a.only != "bare" else [])
-        runs = [(impl, vec, par, cl) for impl, vec, par in runs for cl in (a.channels_last if impl == "hfpfl" else ["off"])]
-        jobs = []
-        for impl, vec, par, cl in runs:
-            shown = par
-            if par == "auto":  # the recipes' --num_processes auto, resolved now (idle cores, at most n clients)
-                from hfpfl.launch import resolve
-                k = resolve("auto", n)
-                par, shown = (f"p{k}" if k > 1 else "1"), f"auto=p{k}"
-            if a.interleave and par[:1] in ("p", "l"):
-                p.error(f"--interleave: {shown} runs several processes per configuration; interleave 1 or tN runs")
-            name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}") \
-                + (f" cl={cl}" if len(a.channels_last) > 1 or cl != "auto" else "")
-            jobs.append(((impl, vec, par, cl), f"{name} with {n} clients", *command(a, n, impl, vec, par, cl)))
-        results = run_interleaved(jobs, a) if a.interleave else run_one_by_one(jobs, a)
-        res = {}
-        for (key, label, _, _), (r, mem) in zip(jobs, results):
-            name = label.rsplit(" with ", 1)[0]
-            res[key] = r
-            bare = res.get(("bare", "off", "1", "off"))
-            ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
-            print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
-                  f"{r['peak_rss_gb']:>11.2f} "
-                  + (f"{mem.peak_rss_gb:>11.2f} {mem.peak_pss_gb:>11.2f} " if mem else f"{'-':>11} {'-':>11} ")
-                  + (f"{r['gpu_peak_gb'] or 0:>11.3f} " if gpu else "")
-                  + f"{os.getloadavg()[0]:>5.2f}"
-                  + (f"  train examples per process: {' / '.join(map(str, r['process_train_examples']))}"
-                     if r.get("process_train_examples") else "")
-                  + (f"; peak RSS per process: {' / '.join(f'{x:.2f}' for x in r['process_peak_rss_gb'])} GB"
-                     if r.get("process_peak_rss_gb") else ""), flush=True)
-        if a.interleave and len(jobs) > 1:  # each round against the first configuration's same round
-            first, base = results[0][0]["round_s"], jobs[0][1].rsplit(" with ", 1)[0]
-            for (_, label, _, _), (r, _) in list(zip(jobs, results))[1:]:
-                q = sorted(t / f for f, t in zip(first[1:], r["round_s"][1:]))
-                if q:
-                    med = q[len(q) // 2]
-                    print(f"{n:>8} {'':>12} {label.rsplit(' with ', 1)[0]:>20} same rounds, this / {base}: median "
-                          f"{med:.3f} (min {q[0]:.3f}, max {q[-1]:.3f}, {len(q)} rounds; {base} / this {1 / med:.1f}x)",
-                          flush=True)
+    # every run's output (results, metrics, checkpoints and spilled client states of 10,000 clients: hundreds of MB)
+    # goes to one scratch folder, removed at the end, also when a run fails or the benchmark is interrupted
+    with tempfile.TemporaryDirectory(prefix="hfpfl_bench_") as scratch:
+        for n in a.clients:
+            _bench_clients(a, p, n, gpu, scratch)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
+
+
+def _bench_clients(a, p, n: int, gpu: bool, scratch: str) -> None:
+    """Every configuration of one client count: run, then print a row each (and the same-round ratios)."""
+    runs = ([("bare", "off", "1")] if a.only != "hfpfl" else []) + \
+           ([("hfpfl", v, par) for v in a.vectorize for par in a.parallel] if a.only != "bare" else [])
+    runs = [(impl, vec, par, cl) for impl, vec, par in runs for cl in (a.channels_last if impl == "hfpfl" else ["off"])]
+    jobs = []
+    for impl, vec, par, cl in runs:
+        shown = par
+        if par == "auto":  # the recipes' --num_processes auto, resolved now (idle cores, at most n clients)
+            from hfpfl.launch import resolve
+            k = resolve("auto", n)
+            par, shown = (f"p{k}" if k > 1 else "1"), f"auto=p{k}"
+        if a.interleave and par[:1] in ("p", "l"):
+            p.error(f"--interleave: {shown} runs several processes per configuration; interleave 1 or tN runs")
+        name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}") \
+            + (f" cl={cl}" if len(a.channels_last) > 1 or cl != "auto" else "")
+        outdir = os.path.join(scratch, f"{a.model}-{n}-{len(jobs)}")
+        jobs.append(((impl, vec, par, cl), f"{name} with {n} clients", *command(a, n, impl, vec, par, cl, outdir)))
+    results = run_interleaved(jobs, a) if a.interleave else run_one_by_one(jobs, a)
+    res = {}
+    for (key, label, _, _), (r, mem) in zip(jobs, results):
+        name = label.rsplit(" with ", 1)[0]
+        res[key] = r
+        bare = res.get(("bare", "off", "1", "off"))
+        ratio = r["s_per_round"] / bare["s_per_round"] if bare else float("nan")
+        print(f"{n:>8} {r['mean_train_per_client']:>12.1f} {name:>20} {r['s_per_round']:>8.3f} {ratio:>13.2f} "
+              f"{r['peak_rss_gb']:>11.2f} "
+              + (f"{mem.peak_rss_gb:>11.2f} {mem.peak_pss_gb:>11.2f} " if mem else f"{'-':>11} {'-':>11} ")
+              + (f"{r['gpu_peak_gb'] or 0:>11.3f} " if gpu else "")
+              + f"{os.getloadavg()[0]:>5.2f}"
+              + (f"  train examples per process: {' / '.join(map(str, r['process_train_examples']))}"
+                 if r.get("process_train_examples") else "")
+              + (f"; peak RSS per process: {' / '.join(f'{x:.2f}' for x in r['process_peak_rss_gb'])} GB"
+                 if r.get("process_peak_rss_gb") else ""), flush=True)
+    if a.interleave and len(jobs) > 1:  # each round against the first configuration's same round
+        first, base = results[0][0]["round_s"], jobs[0][1].rsplit(" with ", 1)[0]
+        for (_, label, _, _), (r, _) in list(zip(jobs, results))[1:]:
+            q = sorted(t / f for f, t in zip(first[1:], r["round_s"][1:]))
+            if q:
+                med = q[len(q) // 2]
+                print(f"{n:>8} {'':>12} {label.rsplit(' with ', 1)[0]:>20} same rounds, this / {base}: median "
+                      f"{med:.3f} (min {q[0]:.3f}, max {q[-1]:.3f}, {len(q)} rounds; {base} / this {1 / med:.1f}x)",
+                      flush=True)
 
 
 if __name__ == "__main__":
