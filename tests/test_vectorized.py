@@ -146,7 +146,8 @@ def test_vector_chunk_mb_splits_chunks_and_changes_no_numbers(ragged, tmp_path, 
 def test_every_chunks_stacked_data_is_built_once_and_dropped_when_unread(ragged, tmp_path, monkeypatch):
     """Two chunks a round: each chunk's train and test stacks are built in round 1 and read again in later rounds
     (one stack per split was kept before, so both chunks rebuilt theirs every round); a cap too small for a second
-    stack keeps each split's first and rebuilds only what did not fit; a stack no round read is dropped; the numbers never change."""
+    stack keeps each split's first and rebuilds only what did not fit; a split's stack that its last round did not
+    read is dropped when the split builds a new one, another split's stays; the numbers never change."""
     per_client = 4 * 766 * 4 + 40   # TinyNet's stacked state: two clients per chunk
     small = dict(vector_chunk_mb=2.5 * per_client / 2**20, num_rounds=3)
     built = []
@@ -166,9 +167,9 @@ def test_every_chunks_stacked_data_is_built_once_and_dropped_when_unread(ragged,
     assert list(capped._stacked_data) == [("train", (0, 1)), ("test", (0, 1))]  # a split's first stack always
     assert len(built) == 4 + 2 * 2  # round 1 builds 4; rounds 2 and 3 rebuild the 2 that did not fit
     assert kept.history == capped.history and r1["per_client_accuracy"] == r2["per_client_accuracy"]
-    capped.round += 2  # two rounds later nothing was read: a new stack finds the old ones dropped
-    vectorized.stacked_data(capped, [0], "train", [capped.train_data(0)])
-    assert list(capped._stacked_data) == [("train", (0,))]
+    capped.round += 2  # two rounds later, other clients train: their stack replaces the unread train stack, and
+    vectorized.stacked_data(capped, [0], "train", [capped.train_data(0)])  # the test stack (another split) stays
+    assert list(capped._stacked_data) == [("test", (0, 1)), ("train", (0,))]
 
 
 def test_large_rounds_give_freed_heap_back_after_every_chunk_and_change_no_numbers(ragged, tmp_path, monkeypatch):

@@ -407,8 +407,8 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
     one stack per split was kept): a round of two chunks (the MLP bench's 500 clients: 467 + 33) rebuilt both stacks
     every round while one stack per split was kept (6.7 of a 40 ms round). A stack that does not fit is rebuilt
     each time it is needed (a round of more chunks than fit keeps its first ones, instead of evicting each stack
-    just before it would be read again), and stacks that a round did not read are dropped (other clients were
-    sampled). The cache holds weak references to the splits, so it never keeps a split alive that the data cache
+    just before it would be read again), and a split's stacks that its last round did not read are dropped when it
+    builds a new one (other clients were sampled). The cache holds weak references to the splits, so it never keeps a split alive that the data cache
     let go (``--data_cache_mb``)."""
     import weakref
 
@@ -421,8 +421,10 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
     st = StackedData.build(datas)
     if st is not None and sim.device.type != "cpu":  # on the accelerator once per chunk, not once per step
         st.columns = {k: v.to(sim.device) for k, v in st.columns.items()}
-    for k in [k for k, e in cache.items() if e["round"] < sim.round - 1 or k == key]:
-        del cache[k]  # not read in this round or the last (sim.round: the last finished round)
+    # this split's stacks that no round read since the last one (sim.round: the last finished round) go: other
+    # clients were sampled. Another split's stay (test stacks read every --eval_every rounds)
+    for k in [k for k, e in cache.items() if k[0] == split and e["round"] < sim.round - 1 or k == key]:
+        del cache[k]
     if st is not None:
         size = sum(v.numel() * v.element_size() for v in st.columns.values())
         held = [e["bytes"] for k, e in cache.items() if k[0] == split]
