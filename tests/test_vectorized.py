@@ -161,6 +161,13 @@ def test_every_chunks_stacked_data_is_built_once_and_dropped_when_unread(ragged,
     # by hand: 2 clients x the longer of their splits x (3x16x16 uint8 pixels + an int64 label)
     longer = max(len(kept.train_data(0)), len(kept.train_data(1)))
     assert one_stack == 2 * longer * (3 * 16 * 16 + 8)
+    # a client whose split object changed (the data cache let it go and converted it again) never reads the old
+    # stack: the same clients with other data are stacked anew, from the new data
+    other = [kept.train_data(1).rows(0, 5), kept.train_data(0)]
+    built.clear()
+    st = vectorized.stacked_data(kept, [0, 1], "train", other)
+    assert built == [2] and st.lengths == [5, len(kept.train_data(0))]
+    assert torch.equal(st.columns["labels"][0, :5], other[0].select(torch.arange(5))["labels"])
     built.clear()
     monkeypatch.setattr(vectorized, "STACK_CACHE_BYTES", 1)  # room for no second stack of a split
     capped, r2 = _run(ragged, tmp_path / "cap", "tiny_fedbn", "on", **small)
