@@ -221,7 +221,7 @@ def worker(a) -> dict:
                        checkpoint_every=0, vectorize=a.vectorize, eval_every=a.eval_every,
                        channels_last=a.channels_last, vector_chunk_mb=a.vector_chunk_mb,
                        eval_clients=a.eval_clients, progress=False, num_threads=a.threads, report_to="none",
-                       output_dir=a.output_dir or tempfile.mkdtemp(prefix=f"hfpfl_bench_{a.model}_{n_clients}_"),
+                       output_dir=a.output_dir,
                        overwrite_output_dir=True)
     n_train = [len(c.train) for c in fed.clients]
     if a.impl == "hfpfl":
@@ -468,6 +468,8 @@ def main():
         if not torch.cuda.is_available():
             p.error("--device cuda: no CUDA GPU is visible to torch; use --device cpu (or auto)")
     if a.impl:  # worker mode
+        if not a.output_dir:  # the parent passes a folder of its scratch directory, which it removes at the end
+            p.error("--impl is the benchmark's worker mode and needs --output_dir; run the benchmark without --impl")
         a.vectorize, a.channels_last = a.vectorize[0], a.channels_last[0]
         try:
             r = worker(a)
