@@ -40,6 +40,10 @@ class PretrainArguments:
     cache_dir: str | None = field(default=None, metadata={"help": "Hub cache dir (default: the HF_HUB_CACHE)."})
     force: bool = field(default=False, metadata={"help": "Retrain even if the repo id is already cached."})
     image_size: int = field(default=32, metadata={"help": "Image resolution (MNIST 28x28 is padded to 32)."})
+    latent_size: int = field(default=8, metadata={
+        "help": "Side of the VAE latent: 8 (factor 4, the shipped hfpfl/tiny-ldm-digits-broad) or 16 (factor 2: 4x "
+                "the latent pixels, ~5x the UNet's CPU cost; measured on an H100 in docs/fedbip.md, not shipped). "
+                "Publish it under its own --repo_id."})
     max_images: int | None = field(default=None, metadata={"help": "Cap on public images used (default: all)."})
     device: str = field(default="auto", metadata={
         "help": "Where to train: auto (CUDA when available, else cpu), cpu, cuda, cuda:N. The step and batch "
@@ -101,6 +105,12 @@ class PretrainArguments:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: CUDA is not available on this machine; pass --device cpu "
                              "(or auto)")
+        from hfpfl.fedbip.ldm import TinyLDMConfig
+
+        try:
+            TinyLDMConfig.for_latent_size(self.image_size, self.latent_size)
+        except ValueError as e:
+            raise ValueError(f"--{e}; pass --latent_size 8 or 16 for --image_size 32") from None
         if self.max_images is not None and self.max_images < 1:
             raise ValueError(f"--max_images must be >= 1 (or None for all), got {self.max_images}")
 

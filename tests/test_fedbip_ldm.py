@@ -536,3 +536,20 @@ def test_sweep_refuses_what_it_cannot_read_with_the_fix_named():
         with pytest.raises(ValueError, match=f"{opt[0].split('=')[0]} is set by the sweep"):
             check_sweepable(fed("usps"), ["--guidance_scale", "3", *opt])
     check_sweepable(fed("usps", "mnistm", "syn"), ["--guidance_scale", "3", "--config", "x.yaml"])
+
+
+def test_latent_size_sets_the_vae_downsampling_and_the_unet_resolution():
+    """``--latent_size 16`` (TinyLDMConfig.for_latent_size): a 32x32 image encodes to a 16x16 latent, which the
+    UNet is built for; 8 (the shipped model) to 8x8; a side that is no power-of-two divisor is refused."""
+    import torch
+
+    from hfpfl.fedbip.ldm import TinyLDMConfig, build_tiny_ldm
+
+    for side in (8, 16):
+        comps = build_tiny_ldm(32, config=TinyLDMConfig.for_latent_size(32, side))
+        with torch.no_grad():
+            z = comps["vae"].encode(torch.zeros(1, 3, 32, 32)).latent_dist.mean
+        assert tuple(z.shape) == (1, 4, side, side) and comps["unet"].config.sample_size == side
+    for bad in (0, 3, 12, 64):
+        with pytest.raises(ValueError, match="latent_size must divide image_size 32 by a power of two"):
+            TinyLDMConfig.for_latent_size(32, bad)

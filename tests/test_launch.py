@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hfpfl import launch
 from hfpfl.config import RunArguments
@@ -88,6 +89,7 @@ def test_busy_cores_are_measured_only_where_they_can_change_the_answer(monkeypat
         monkeypatch.delenv(k, raising=False)
     calls = []
     monkeypatch.setattr(launch, "usable_cores", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a 2-core CPU box also on a GPU machine
     monkeypatch.setattr(launch, "busy_cores", lambda window=launch.BUSY_WINDOW_S: calls.append(window) or 1.0)
     run, data, _ = parse_run_args(["--num_clients", "4", "--num_rounds", "2"])
     assert _processes_to_launch(run, data) == 1 and calls == []                    # a short run: not watched

@@ -166,6 +166,20 @@ class TinyLDMConfig:
     text_time_embedding: bool = True
     text_time_heads: int = 4
 
+    @classmethod
+    def for_latent_size(cls, image_size: int = 32, latent_size: int = 8) -> "TinyLDMConfig":
+        """The config whose VAE maps an ``image_size`` image to a ``latent_size`` latent: one VAE block per
+        downsampling plus one, channels (16, 32, 32, ...) as the default's. 8 (factor 4) is the shipped model's;
+        16 (factor 2) keeps 4x as many latent pixels: why that matters for FedBiP's instance level is in
+        docs/fedbip.md ("Resolution-matched noising": a feature spanning 1/8 of the image averages latent_side^2/64
+        latent pixels, so at a given timestep its SNR grows with the latent's area, as on SD's 64 x 64 latents)."""
+        factor = image_size // latent_size if latent_size > 0 else 0
+        if factor < 1 or image_size % latent_size or factor & (factor - 1):
+            raise ValueError(f"latent_size must divide image_size {image_size} by a power of two (1, 2, 4, ...), "
+                             f"got {latent_size}")
+        n_blocks = factor.bit_length()  # factor 4 -> 3 blocks (2 downsamplings), 2 -> 2, 1 -> 1
+        return cls(image_size=image_size, vae_channels=((16,) + (32,) * (n_blocks - 1)))
+
 
 def sd_v1_scheduler_config(num_train_timesteps: int = 1000) -> dict:
     """The scheduler settings of CompVis/stable-diffusion-v1-4 (scaled_linear 0.00085..0.012, eps prediction)."""
@@ -283,6 +297,9 @@ def state_checksum(*modules) -> str:
 @dataclass
 class PretrainConfig:
     image_size: int = 32
+    # side of the VAE latent (TinyLDMConfig.for_latent_size): 8 = the shipped hfpfl/tiny-ldm-digits-broad (factor
+    # 4); 16 = factor 2, 4x the latent pixels, closer to SD's 64 x 64 (measured in docs/fedbip.md, stop 33)
+    latent_size: int = 8
     max_images: int | None = None
     pool_copies: int = 2  # procedural renderings per public digit shape (see hfpfl.fedbip.pool)
     pool_font_masks: int = 1500
@@ -474,7 +491,8 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
     x_all = x_cpu.to(dev)
     log(f"[pretrain] broad pool: {n} images, {len(set(pool['styles']))} styles, "
         f"{len(set(pool['captions']))} distinct captions (built in {time.time() - t_start:.0f}s); training on {dev}")
-    comps = build_tiny_ldm(cfg.image_size, seed=cfg.seed)
+    comps = build_tiny_ldm(cfg.image_size, seed=cfg.seed,
+                           config=TinyLDMConfig.for_latent_size(cfg.image_size, cfg.latent_size))
     vae, unet, te, tok = comps["vae"], comps["unet"], comps["text_encoder"], comps["tokenizer"]
     if cfg.token_embedding_std:
         with torch.no_grad():
