@@ -40,10 +40,10 @@ class PretrainArguments:
     cache_dir: str | None = field(default=None, metadata={"help": "Hub cache dir (default: the HF_HUB_CACHE)."})
     force: bool = field(default=False, metadata={"help": "Retrain even if the repo id is already cached."})
     image_size: int = field(default=32, metadata={"help": "Image resolution (MNIST 28x28 is padded to 32)."})
-    latent_size: int = field(default=8, metadata={
-        "help": "Side of the VAE latent: 8 (factor 4, the shipped hfpfl/tiny-ldm-digits-broad) or 16 (factor 2: 4x "
-                "the latent pixels, ~5x the UNet's CPU cost; measured on an H100 in docs/fedbip.md, not shipped). "
-                "Publish it under its own --repo_id."})
+    latent_size: int | None = field(default=None, metadata={
+        "help": "Side of the VAE latent (default: image_size / 4, i.e. 8 for 32x32 images, the shipped "
+                "hfpfl/tiny-ldm-digits-broad). 16 for 32x32 images = factor 2: 4x the latent pixels, ~5x the UNet's "
+                "CPU cost; measured on an H100 in docs/fedbip.md, not shipped. Publish it under its own --repo_id."})
     max_images: int | None = field(default=None, metadata={"help": "Cap on public images used (default: all)."})
     device: str = field(default="auto", metadata={
         "help": "Where to train: auto (CUDA when available, else cpu), cpu, cuda, cuda:N. The step and batch "
@@ -110,7 +110,8 @@ class PretrainArguments:
         try:
             TinyLDMConfig.for_latent_size(self.image_size, self.latent_size)
         except ValueError as e:
-            raise ValueError(f"--{e}; pass --latent_size 8 or 16 for --image_size 32") from None
+            raise ValueError(f"--{e}; pass --latent_size {self.image_size // 4} or {self.image_size // 2} for "
+                             f"--image_size {self.image_size}, or leave it out") from None
         if self.max_images is not None and self.max_images < 1:
             raise ValueError(f"--max_images must be >= 1 (or None for all), got {self.max_images}")
 

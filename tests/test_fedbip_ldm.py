@@ -553,3 +553,6 @@ def test_latent_size_sets_the_vae_downsampling_and_the_unet_resolution():
     for bad in (0, 3, 12, 64):
         with pytest.raises(ValueError, match="latent_size must divide image_size 32 by a power of two"):
             TinyLDMConfig.for_latent_size(32, bad)
+    # left out, every image size keeps the factor 4 it had before the option: 16 -> 4x4, 32 -> 8x8, 64 -> 16x16
+    for image, channels in ((16, (16, 32, 32)), (32, (16, 32, 32)), (64, (16, 32, 32))):
+        assert TinyLDMConfig.for_latent_size(image).vae_channels == channels == TinyLDMConfig().vae_channels

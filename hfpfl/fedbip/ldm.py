@@ -167,12 +167,15 @@ class TinyLDMConfig:
     text_time_heads: int = 4
 
     @classmethod
-    def for_latent_size(cls, image_size: int = 32, latent_size: int = 8) -> "TinyLDMConfig":
+    def for_latent_size(cls, image_size: int = 32, latent_size: int | None = None) -> "TinyLDMConfig":
         """The config whose VAE maps an ``image_size`` image to a ``latent_size`` latent: one VAE block per
-        downsampling plus one, channels (16, 32, 32, ...) as the default's. 8 (factor 4) is the shipped model's;
+        downsampling plus one, channels (16, 32, 32, ...) as the default's. None = ``image_size // 4`` (factor 4,
+        what every image size got before the option existed); for 32x32 images 8 (factor 4) is the shipped model's;
         16 (factor 2) keeps 4x as many latent pixels: why that matters for FedBiP's instance level is in
         docs/fedbip.md ("Resolution-matched noising": a feature spanning 1/8 of the image averages latent_side^2/64
         latent pixels, so at a given timestep its SNR grows with the latent's area, as on SD's 64 x 64 latents)."""
+        if latent_size is None:
+            latent_size = max(1, image_size // 4)
         factor = image_size // latent_size if latent_size > 0 else 0
         if factor < 1 or image_size % latent_size or factor & (factor - 1):
             raise ValueError(f"latent_size must divide image_size {image_size} by a power of two (1, 2, 4, ...), "
@@ -297,9 +300,10 @@ def state_checksum(*modules) -> str:
 @dataclass
 class PretrainConfig:
     image_size: int = 32
-    # side of the VAE latent (TinyLDMConfig.for_latent_size): 8 = the shipped hfpfl/tiny-ldm-digits-broad (factor
-    # 4); 16 = factor 2, 4x the latent pixels, closer to SD's 64 x 64 (measured in docs/fedbip.md, stop 33)
-    latent_size: int = 8
+    # side of the VAE latent (TinyLDMConfig.for_latent_size): None = image_size // 4 (factor 4: 8 for 32x32 images,
+    # the shipped hfpfl/tiny-ldm-digits-broad); 16 for 32x32 = factor 2, 4x the latent pixels, closer to SD's 64 x 64
+    # (measured in docs/fedbip.md, stop 33)
+    latent_size: int | None = None
     max_images: int | None = None
     pool_copies: int = 2  # procedural renderings per public digit shape (see hfpfl.fedbip.pool)
     pool_font_masks: int = 1500
