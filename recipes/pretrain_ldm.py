@@ -44,6 +44,12 @@ class PretrainArguments:
         "help": "Side of the VAE latent (default: image_size / 4, i.e. 8 for 32x32 images, the shipped "
                 "hfpfl/tiny-ldm-digits-broad). 16 for 32x32 images = factor 2: 4x the latent pixels, ~5x the UNet's "
                 "CPU cost; measured on an H100 in docs/fedbip.md, not shipped. Publish it under its own --repo_id."})
+    unet_channels: list[int] | None = field(default=None, metadata={
+        "help": "Channels per UNet level, e.g. 32 64 64 (default: 32 64, the shipped model's)."})
+    unet_attention: list[int] | None = field(default=None, metadata={
+        "help": "Per UNet level, 1 = a cross-attention block, 0 = plain ResNet blocks, e.g. 0 1 0 (default: 1 on "
+                "every level but the lowest). With --latent_size 16, --unet_channels 32 64 64 --unet_attention 0 1 0 "
+                "is the shipped UNet with a plain 16x16 level on top (~2.4x its CPU cost)."})
     max_images: int | None = field(default=None, metadata={"help": "Cap on public images used (default: all)."})
     device: str = field(default="auto", metadata={
         "help": "Where to train: auto (CUDA when available, else cpu), cpu, cuda, cuda:N. The step and batch "
@@ -105,13 +111,20 @@ class PretrainArguments:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: CUDA is not available on this machine; pass --device cpu "
                              "(or auto)")
-        from hfpfl.fedbip.ldm import TinyLDMConfig
+        from hfpfl.fedbip.ldm import PretrainConfig, TinyLDMConfig, ldm_config
 
         try:
             TinyLDMConfig.for_latent_size(self.image_size, self.latent_size)
         except ValueError as e:
             raise ValueError(f"--{e}; pass --latent_size {self.image_size // 4} or {self.image_size // 2} for "
                              f"--image_size {self.image_size}, or leave it out") from None
+        if self.unet_attention is not None and any(a not in (0, 1) for a in self.unet_attention):
+            raise ValueError(f"--unet_attention takes 0 or 1 per UNet level, got {self.unet_attention}")
+        try:
+            ldm_config(PretrainConfig(image_size=self.image_size, latent_size=self.latent_size,
+                                      unet_channels=self.unet_channels, unet_attention=self.unet_attention))
+        except ValueError as e:
+            raise ValueError(f"--{e}; e.g. --unet_channels 32 64 64 --unet_attention 0 1 0") from None
         if self.max_images is not None and self.max_images < 1:
             raise ValueError(f"--max_images must be >= 1 (or None for all), got {self.max_images}")
 

@@ -312,6 +312,8 @@ def test_partition_script_none_values_and_config_file(tmp_path, capsys):
     ("scripts/partition.py", ["--alpha", "0", "--partition", "dirichlet", "--output_dir", "{tmp}/p"], "--alpha"),
     ("recipes/pretrain_ldm.py", ["--unet_steps", "0"], "--unet_steps must be >= 1"),
     ("recipes/pretrain_ldm.py", ["--probe_every", "-1"], "--probe_every must be >= 0"),
+    ("recipes/pretrain_ldm.py", ["--unet_channels", "32", "48"], "--unet_channels must be positive multiples of 32"),
+    ("recipes/pretrain_ldm.py", ["--unet_attention", "1", "0", "1"], "--unet_attention needs one entry per UNet level"),
 ])
 def test_entry_point_exit_code_and_first_line(script, args, expected, tmp_path):
     args = [a.format(tmp=tmp_path) for a in args]

@@ -556,3 +556,31 @@ def test_latent_size_sets_the_vae_downsampling_and_the_unet_resolution():
     # left out, every image size keeps the factor 4 it had before the option: 16 -> 4x4, 32 -> 8x8, 64 -> 16x16
     for image, channels in ((16, (16, 32, 32)), (32, (16, 32, 32)), (64, (16, 32, 32))):
         assert TinyLDMConfig.for_latent_size(image).vae_channels == channels == TinyLDMConfig().vae_channels
+
+
+def test_unet_levels_and_attention_are_built_as_asked():
+    """``--unet_channels 32 64 64 --unet_attention 0 1 0`` (stop 34's 16x16-latent candidates): three UNet levels,
+    cross-attention only at the middle one, up blocks mirroring the down blocks, a 16x16 latent in and out; left
+    out, the shipped (32, 64) with attention on all but the lowest level; mismatched or ungroupable shapes refused."""
+    import torch
+
+    from hfpfl.fedbip.ldm import PretrainConfig, build_tiny_ldm, ldm_config
+
+    cfg = ldm_config(PretrainConfig(latent_size=16, unet_channels=(32, 64, 64), unet_attention=(0, 1, 0)))
+    unet = build_tiny_ldm(32, config=cfg)["unet"]
+    assert unet.config.down_block_types == ("DownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D")
+    assert unet.config.up_block_types == ("UpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D")
+    assert tuple(unet.config.block_out_channels) == (32, 64, 64) and unet.config.sample_size == 16
+    # attention modules exist only at the middle level (down_blocks[1], up_blocks[1])
+    assert [hasattr(b, "attentions") for b in unet.down_blocks] == [False, True, False]
+    with torch.no_grad():
+        out = unet(torch.zeros(2, 4, 16, 16), torch.tensor([10, 900]), torch.zeros(2, 16, 32)).sample
+    assert out.shape == (2, 4, 16, 16)
+    shipped = build_tiny_ldm(32, config=ldm_config(PretrainConfig()))["unet"]
+    assert shipped.config.down_block_types == ("CrossAttnDownBlock2D", "DownBlock2D")
+    assert shipped.config.up_block_types == ("UpBlock2D", "CrossAttnUpBlock2D")
+    with pytest.raises(ValueError, match="one entry per UNet level"):
+        ldm_config(PretrainConfig(unet_channels=(32, 64, 64), unet_attention=(1, 0)))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        ldm_config(PretrainConfig(unet_channels=(32, 48)))
+
