@@ -622,3 +622,25 @@ def test_claims_read_a_mean_exactly_on_the_line_as_held():
     assert not held["instance-only > prompt-only"]
     assert not dict(claims(summary([249, 274, 279], [243, 245, 253])))["FedBiP-L >= prompt-only + 0.05"]
     assert dict(claims(summary([249, 274, 279], [243, 245, 253])))["instance-only > prompt-only"]
+
+
+def test_claims_whose_rows_were_not_run_are_not_measured_not_failed():
+    """``--variants`` without FedAvg / Central (or a run without the Central classifier's fidelity): the claims that
+    read those rows are None and print "not measured"; they printed "NOT held" before stop 34. The others are
+    judged as usual."""
+    from hfpfl.fedbip.compare import claims, format_summary
+
+    rows = [{"variant": v, "mean_accuracy": a, "mean_accuracy_std": 0.0, "per_domain": {"usps": a}, "seeds": [0]}
+            for v, a in (("prompt-only", 0.70), ("instance-only", 0.71), ("FedBiP-S", 0.40), ("FedBiP-L", 0.69))]
+    rows[-1].update(synthetic_fidelity_judge=0.73, synthetic_fidelity_judge_std=0.0)
+    got = dict(claims(rows))
+    assert got["FedBiP-L >= prompt-only + 0.05"] is False and got["FedBiP-L >= FedBiP-S"] is True
+    assert got["instance-only > prompt-only"] is True
+    assert got["FedBiP-L synthetic fidelity >= 0.6 under the LDM's public-image judge"] is True
+    for unmeasured in ("FedBiP-L synthetic fidelity >= 0.6", "FedBiP-L > FedAvg (paper, on average)",
+                       "FedBiP-L < Central (paper)"):
+        assert got[unmeasured] is None
+    text = format_summary(rows)
+    assert "not measured  FedBiP-L < Central (paper)" in text and "NOT held      FedBiP-L >= prompt-only + 0.05" in text
+    rows.append({"variant": "FedAvg", "mean_accuracy": 0.30, "per_domain": {"usps": 0.3}, "seeds": [0]})
+    assert dict(claims(rows))["FedBiP-L > FedAvg (paper, on average)"] is True

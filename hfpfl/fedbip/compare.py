@@ -361,25 +361,30 @@ def aggregate_seeds(comparisons: list[dict]) -> list[dict]:
     return out
 
 
-def claims(summary: list[dict]) -> list[tuple[str, bool]]:
-    """The issue's acceptance checks on the mean over seeds ("held" / "not held")."""
+def claims(summary: list[dict]) -> list[tuple[str, bool | None]]:
+    """The issue's acceptance checks on the mean over seeds: True (held), False (not held) or None (not measured: a
+    row it reads was not run, e.g. ``--variants`` without FedAvg, or a field the run has not got, e.g. the
+    Central-classifier fidelity without Central)."""
     m = {r["variant"]: r for r in summary}
 
-    def acc(n):
-        return m[n]["mean_accuracy"] if n in m else float("nan")
+    def value(variant, key="mean_accuracy"):
+        return m.get(variant, {}).get(key)
+
+    def check(test, *needed):
+        vals = [value(*n) if isinstance(n, tuple) else value(n) for n in needed]
+        return None if any(v is None for v in vals) else bool(test(*vals))
 
     # accuracies are fractions of the test-set size: a mean exactly on a line must not fail by float rounding
     # (0.6373... vs 0.5873... + 0.05 differ by 1e-16 in floats and by nothing as fractions)
     tol = 1e-9
-    out = [("FedBiP-L >= prompt-only + 0.05", acc("FedBiP-L") >= acc("prompt-only") + 0.05 - tol),
-           ("FedBiP-L >= FedBiP-S", acc("FedBiP-L") >= acc("FedBiP-S") - tol),
-           ("instance-only > prompt-only", acc("instance-only") > acc("prompt-only")),
-           ("FedBiP-L synthetic fidelity >= 0.6", m.get("FedBiP-L", {}).get("synthetic_fidelity", 0.0) >= 0.6),
-           ("FedBiP-L synthetic fidelity >= 0.6 under the LDM's public-image judge",
-            m.get("FedBiP-L", {}).get("synthetic_fidelity_judge", 0.0) >= 0.6),
-           ("FedBiP-L > FedAvg (paper, on average)", acc("FedBiP-L") > acc("FedAvg")),
-           ("FedBiP-L < Central (paper)", acc("FedBiP-L") < acc("Central"))]
-    return out
+    return [("FedBiP-L >= prompt-only + 0.05", check(lambda l, p: l >= p + 0.05 - tol, "FedBiP-L", "prompt-only")),
+            ("FedBiP-L >= FedBiP-S", check(lambda l, s: l >= s - tol, "FedBiP-L", "FedBiP-S")),
+            ("instance-only > prompt-only", check(lambda i, p: i > p, "instance-only", "prompt-only")),
+            ("FedBiP-L synthetic fidelity >= 0.6", check(lambda f: f >= 0.6, ("FedBiP-L", "synthetic_fidelity"))),
+            ("FedBiP-L synthetic fidelity >= 0.6 under the LDM's public-image judge",
+             check(lambda f: f >= 0.6, ("FedBiP-L", "synthetic_fidelity_judge"))),
+            ("FedBiP-L > FedAvg (paper, on average)", check(lambda l, a: l > a, "FedBiP-L", "FedAvg")),
+            ("FedBiP-L < Central (paper)", check(lambda l, c: l < c, "FedBiP-L", "Central"))]
 
 
 def format_summary(summary: list[dict]) -> str:
@@ -397,7 +402,8 @@ def format_summary(summary: list[dict]) -> str:
                      " ".join(f"{r['per_domain'][d]:>8.3f}" for d in domains))
     lines.append(f"seeds {summary[0]['seeds']}; paper ordering: {PAPER_ORDER}")
     for text, ok in claims(summary):
-        lines.append(f"  {'held    ' if ok else 'NOT held'}  {text}")
+        word = "not measured" if ok is None else "held" if ok else "NOT held"
+        lines.append(f"  {word:<12}  {text}")
     return "\n".join(lines)
 
 
