@@ -121,10 +121,20 @@ class PretrainArguments:
         if self.unet_attention is not None and any(a not in (0, 1) for a in self.unet_attention):
             raise ValueError(f"--unet_attention takes 0 or 1 per UNet level, got {self.unet_attention}")
         try:
-            ldm_config(PretrainConfig(image_size=self.image_size, latent_size=self.latent_size,
-                                      unet_channels=self.unet_channels, unet_attention=self.unet_attention))
+            model = ldm_config(PretrainConfig(image_size=self.image_size, latent_size=self.latent_size,
+                                              unet_channels=self.unet_channels, unet_attention=self.unet_attention))
         except ValueError as e:
             raise ValueError(f"--{e}; e.g. --unet_channels 32 64 64 --unet_attention 0 1 0") from None
+        if self.repo_id == DEFAULT_LDM_REPO and not self.measure_only:
+            # another architecture under the default id would be skipped when the shipped model is cached (nothing
+            # trained) or, when it is not, become the LDM every FedBiP run loads by default, without a word
+            def shape(m):
+                return m.image_size, tuple(m.vae_channels), tuple(m.unet_channels), m.unet_block_types()
+
+            if shape(model) != shape(ldm_config(PretrainConfig())):
+                raise ValueError(f"--image_size / --latent_size / --unet_channels / --unet_attention build a model "
+                                 f"other than the shipped {DEFAULT_LDM_REPO}; pass --repo_id <org>/<name> to publish "
+                                 "it under its own id (load it with recipes/fedbip.py --ldm <org>/<name>)")
         if self.max_images is not None and self.max_images < 1:
             raise ValueError(f"--max_images must be >= 1 (or None for all), got {self.max_images}")
 

@@ -314,6 +314,9 @@ def test_partition_script_none_values_and_config_file(tmp_path, capsys):
     ("recipes/pretrain_ldm.py", ["--probe_every", "-1"], "--probe_every must be >= 0"),
     ("recipes/pretrain_ldm.py", ["--unet_channels", "32", "48"], "--unet_channels must be positive multiples of 32"),
     ("recipes/pretrain_ldm.py", ["--unet_attention", "1", "0", "1"], "--unet_attention needs one entry per UNet level"),
+    ("recipes/pretrain_ldm.py", ["--latent_size", "16"], "pass --repo_id <org>/<name>"),
+    ("recipes/pretrain_ldm.py", ["--unet_channels", "32", "64", "64", "--unet_attention", "0", "1", "0"],
+     "pass --repo_id <org>/<name>"),
 ])
 def test_entry_point_exit_code_and_first_line(script, args, expected, tmp_path):
     args = [a.format(tmp=tmp_path) for a in args]
