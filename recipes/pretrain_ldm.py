@@ -43,7 +43,7 @@ class PretrainArguments:
     latent_size: int | None = field(default=None, metadata={
         "help": "Side of the VAE latent (default: image_size / 4, i.e. 8 for 32x32 images, the shipped "
                 "hfpfl/tiny-ldm-digits-broad). 16 for 32x32 images = factor 2: 4x the latent pixels, ~5x the UNet's "
-                "CPU cost; measured on an H100 in docs/fedbip.md, not shipped. Publish it under its own --repo_id."})
+                "CPU cost; measured on an H100 in docs/fedbip.md, not shipped. Needs its own --repo_id (as do --image_size and --unet_channels / --unet_attention other than the shipped model's)."})
     unet_channels: list[int] | None = field(default=None, metadata={
         "help": "Channels per UNet level, e.g. 32 64 64 (default: 32 64, the shipped model's)."})
     unet_attention: list[int] | None = field(default=None, metadata={
