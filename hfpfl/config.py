@@ -269,12 +269,34 @@ class _UserError(ValueError):
     pass
 
 
+def _option_parser_class():
+    import copy
+    import types
+
+    from transformers import HfArgumentParser
+
+    from .options import parser_metadata
+
+    class OptionParser(HfArgumentParser):
+        """HfArgumentParser that leaves hfpfl's declared checks (``hfpfl.options``) out of argparse's arguments."""
+
+        @staticmethod
+        def _parse_dataclass_field(parser, field):
+            field = copy.copy(field)
+            field.metadata = types.MappingProxyType(parser_metadata(field.metadata))
+            return HfArgumentParser._parse_dataclass_field(parser, field)
+
+    return OptionParser
+
+
+def _OptionParser(*args, **kwargs):
+    return _option_parser_class()(*args, **kwargs)
+
+
 def make_parser(dataclass_types, prog: str | None = None, description: str | None = None):
     """An ``HfArgumentParser`` whose errors are one-line ValueErrors (not argparse's usage + exit) and whose optional
     options accept ``None`` on the command line (``--max_per_domain None``, as their help says)."""
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(dataclass_types, prog=prog, description=description)
+    parser = _OptionParser(dataclass_types, prog=prog, description=description)
 
     def error(message):
         raise _UserError(f"{message}; run with --help to list every option")
@@ -361,6 +383,9 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
         hint = f" Did you mean {close[0]}?" if close else ""
         raise ValueError(f"unknown option {flags[0]!r} for method {method_name!r}.{hint} "
                          f"Run with --help (and --method {method_name}) to list every option.")
+    from .options import validate
+    for obj in (run, data, method_cfg):
+        validate(obj)   # every declared check (hfpfl.options), before anything is written
     check_model_name(run.model)
     return run, data, method_cfg
 

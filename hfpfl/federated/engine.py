@@ -80,8 +80,11 @@ class Simulation:
         self.ownership = self._build_ownership()
 
         algo_cls = get_algorithm(run_args.method)
+        method_config = method_config if method_config is not None else algo_cls.Config()
+        from ..options import validate
+        validate(method_config)   # a config built in Python meets the same declared checks as a parsed one
         self.ctx = MethodContext(self)
-        self.algorithm: Algorithm = algo_cls(self.ctx, method_config if method_config is not None else algo_cls.Config())
+        self.algorithm: Algorithm = algo_cls(self.ctx, method_config)
         if algo_cls.one_shot and run_args.num_rounds != 1:
             logger.warning("%s is one-shot: running exactly 1 round (asked for %d)", algo_cls.name, run_args.num_rounds)
             self.args = dataclasses.replace(run_args, num_rounds=1)
