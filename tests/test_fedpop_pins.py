@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hfpfl.algorithms import get_algorithm
 from hfpfl.algorithms.base import MODEL
@@ -256,3 +257,27 @@ def test_server_lr_momentum_and_decay_reach_the_fedopt_step_over_three_rounds(ma
     x3 = rounds[2][0]
     assert any((x3[k] - rounds[0][0][k]).abs().max() > 1e-3 for k in x3)
 
+
+# ------------------------------------------------------------------------------------------------ scores
+def test_ditto_member_is_scored_on_its_uploaded_local_model_not_the_personal_one(make_tuner):
+    """A2.1: a member's per-round score is the validation loss of each locally trained model w^k, the model the
+    client uploads. Ditto trains a personal model after w^k; the score must be w^k's mean cross-entropy on the
+    client's val split (recomputed here from the upload), which differs from the personal model's."""
+    import copy
+
+    tuner = make_tuner(method="ditto", out="ditto", tuner="rs", population_size=1, rounds_per_member=1)
+    m = tuner.members[0]
+    m.sim.keep_uploads = True
+    scores = tuner.member_round(m)
+    clients = [u.client_id for u in m.sim.last_updates]
+    assert clients == sorted(clients) and len(scores) == len(clients)
+    net = copy.deepcopy(m.sim.model).eval()
+    for s, u in zip(scores, m.sim.last_updates):
+        val = m.sim.ctx.val_data(u.client_id)
+        with torch.no_grad():
+            net.load_state_dict(u.upload[MODEL], strict=False)
+            uploaded = F.cross_entropy(net(val.pixel_values).logits, val.labels).item()
+            net.load_state_dict(m.sim.store.get(u.client_id)["personal"], strict=False)
+            personal = F.cross_entropy(net(val.pixel_values).logits, val.labels).item()
+        assert s == pytest.approx(uploaded, rel=1e-5, abs=1e-6)
+        assert abs(uploaded - personal) > 1e-4
