@@ -258,6 +258,22 @@ def test_server_lr_momentum_and_decay_reach_the_fedopt_step_over_three_rounds(ma
     assert any((x3[k] - rounds[0][0][k]).abs().max() > 1e-3 for k in x3)
 
 
+def test_a_round_with_momentum_zero_leaves_no_stale_buffer(make_tuner):
+    """FedPop's Evo can move a member's server momentum to 0 and back. m_t = beta_t m_{t-1} + d_t holds every round,
+    so after a beta = 0 round the buffer is that round's d_t: momenta (0.5, 0, 0.5) give m_3 = 0.5 d_2 + d_3, not
+    0.5 d_1 + d_3 (the buffer of round 1, left stale by round 2)."""
+    tuner = make_tuner(tuner="rs", population_size=1, rounds_per_member=3, space=_fixed_server_space(0.5, 0.5, 1.0))
+    m, rounds = _three_rounds(tuner, momenta=[0.5, 0.0, 0.5])
+    (x1, mean1), (x2, mean2), (x3, mean3) = rounds
+    d2 = {k: x2[k] - mean2[k] for k in x2}
+    assert all(torch.allclose(x2[k], x1[k] - 0.5 * (x1[k] - mean1[k]), atol=1e-6) for k in x1)
+    assert all(torch.allclose(x3[k], x2[k] - 0.5 * d2[k], atol=1e-6) for k in x2)
+    got = {k: v.double() for k, v in m.sim.server_state[MODEL].items()}
+    for k in x3:
+        want = x3[k] - 0.5 * (0.5 * d2[k] + (x3[k] - mean3[k]))
+        assert torch.allclose(got[k], want, rtol=0, atol=1e-6), k
+
+
 # ------------------------------------------------------------------------------------------------ scores
 def test_ditto_member_is_scored_on_its_uploaded_local_model_not_the_personal_one(make_tuner):
     """A2.1: a member's per-round score is the validation loss of each locally trained model w^k, the model the
