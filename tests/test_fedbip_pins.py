@@ -228,3 +228,33 @@ def test_one_adam_step_moves_exactly_the_concepts_by_lr(pipe, train_class):
     sample, _, ehs, out = pipe.unet.calls[0]
     assert torch.equal(out, ehs.mean(dim=(1, 2))[:, None, None, None].expand_as(sample) + 100.0)
     assert 9000 < res.losses[0] < 11000
+
+
+def test_output_space_prompt_with_perturbed_S_and_guidance_by_hand(pipe):
+    """concept_space="output" ([C]) with sigma 0.3 and guidance 2: the UNet's conditioning is [empty-prompt states
+    x N, concept-prompt states x N]; a concept row is the text encoder's output for "A _ style of a _" (placeholders
+    as BOS) with row 2 replaced by S^ = S + 0.3 eta_b (eta ~ N(0, I), the generator's first draw, one per image,
+    Eq. 5) and row 6 by V_{y_b}; every other row untouched."""
+    _stub(pipe, lambda z, ehs: torch.zeros_like(z))
+    S, V = _concepts(n_classes=3, seed=6)
+    y = torch.tensor([2, 0, 1])
+    pipe(torch.zeros(3, C, H, W), y, S, V, num_inference_steps=3, guidance_scale=2.0, concept_noise_sigma=0.3,
+         concept_space="output", output_type="latent", generator=torch.Generator().manual_seed(1))
+    ehs = pipe.unet.calls[0][2]
+    tok, te = pipe.tokenizer, pipe.text_encoder
+    L = tok.model_max_length
+    words = tok("A style of a", add_special_tokens=False).input_ids
+    ids = [tok.bos_token_id, words[0], tok.bos_token_id, words[1], words[2], words[3], tok.bos_token_id,
+           tok.eos_token_id]
+    ids = torch.tensor([ids + [tok.pad_token_id] * (L - len(ids))])
+    with torch.no_grad():
+        h = te(ids)[0][0]
+        neg = te(tok("", padding="max_length", max_length=L, return_tensors="pt").input_ids)[0][0]
+    eta = torch.randn(3, 1, D, generator=torch.Generator().manual_seed(1))
+    assert ehs.shape == (6, L, D)
+    for b in range(3):
+        assert torch.equal(ehs[b], neg)
+        want = h.clone()
+        want[2] = S[0] + 0.3 * eta[b, 0]
+        want[6] = V[y[b], 0]
+        assert torch.allclose(ehs[3 + b], want, atol=1e-6), b
