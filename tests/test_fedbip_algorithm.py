@@ -132,14 +132,43 @@ def test_each_upload_is_synthesised_on_receipt_alone(full_run):
     assert torch.equal(x2, ups[2].received["synthetic"][0]) and torch.equal(y2, ups[2].received["synthetic"][1])
 
 
-def test_results_privacy_metrics_and_grid(full_run):
+def test_results_privacy_metrics_by_hand(full_run):
+    """results.json's privacy numbers recomputed here from the run's state: the nearest-neighbour RMS pixel distance
+    of every synthetic image to its own client's train images (mean, min), of every real test image to the train
+    images (mean); the membership-inference gaps |mean member - mean non-member| of the final classifier's
+    cross-entropy and prediction entropy, members = the clients' train images, non-members = their test images;
+    personal accuracy = the mean over clients of the classifier's accuracy on each test split."""
     sim, res, _, _ = full_run
-    on_disk = json.loads((sim.output_dir / "results.json").read_text())
-    for k in ("mia_loss_gap", "mia_entropy_gap", "syn_nn_dist_mean", "syn_nn_dist_min", "real_test_nn_dist_mean",
-              "personal_accuracy", "global_accuracy"):
-        assert k in on_disk["final"] and np.isfinite(on_disk["final"][k]), k
-    assert on_disk["final"]["syn_nn_dist_min"] > 0  # no synthetic image is a copy of a client image
-    assert set(on_disk["per_domain_accuracy"]) == {"usps", "mnistm", "syn"}
+    final = json.loads((sim.output_dir / "results.json").read_text())["final"]
+    syn = sim.algorithm.synthetic
+
+    def nn_rms(q, ref):
+        return ((q[:, None].double() - ref[None].double()) ** 2).flatten(2).mean(-1).min(1).values.sqrt()
+
+    syn_d, ref_d, member, nonmember, accs = [], [], [], [], []
+    model = sim.algorithm.load_personal(0, sim.server_state, None, sim.round)  # FedBiP: one global classifier
+    model.eval()
+    with torch.no_grad():
+        for cid in range(sim.num_clients):
+            train, test = sim.train_data(cid), sim.test_data(cid)
+            syn_d.append(nn_rms(syn["images"][syn["clients"] == cid], train.pixel_values))
+            ref_d.append(nn_rms(test.pixel_values, train.pixel_values))
+            for data, out in ((train, member), (test, nonmember)):
+                logp = torch.log_softmax(model(pixel_values=data.pixel_values).logits.double(), -1)
+                out.append((-logp[torch.arange(len(data.labels)), data.labels], -(logp.exp() * logp).sum(-1)))
+            accs.append(float((model(pixel_values=test.pixel_values).logits.argmax(-1) == test.labels).double().mean()))
+    syn_d, ref_d = torch.cat(syn_d), torch.cat(ref_d)
+    assert final["syn_nn_dist_mean"] == pytest.approx(float(syn_d.mean()), rel=1e-5)
+    assert final["syn_nn_dist_min"] == pytest.approx(float(syn_d.min()), rel=1e-5)
+    assert final["syn_nn_dist_min"] > 0  # no synthetic image is a copy of a client image
+    assert final["real_test_nn_dist_mean"] == pytest.approx(float(ref_d.mean()), rel=1e-5)
+    ml, me = (torch.cat([r[i] for r in member]).mean() for i in (0, 1))
+    nl, ne = (torch.cat([r[i] for r in nonmember]).mean() for i in (0, 1))
+    assert final["mia_loss_gap"] == pytest.approx(abs(float(ml - nl)), rel=1e-4, abs=1e-6)
+    assert final["mia_entropy_gap"] == pytest.approx(abs(float(me - ne)), rel=1e-4, abs=1e-6)
+    assert final["personal_accuracy"] == pytest.approx(float(np.mean(accs)), abs=1e-9)
+    assert set(json.loads((sim.output_dir / "results.json").read_text())["per_domain_accuracy"]) == \
+        {"usps", "mnistm", "syn"}
     assert (sim.output_dir / "synthetic_grid.png").stat().st_size > 0
 
 
@@ -379,20 +408,36 @@ def test_pndm_started_below_its_top_denoises_an_exact_noise_prediction_back(ldm_
     assert torch.equal(pipe.timesteps_from(951), pipe.scheduler.timesteps)
 
 
-def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path):
-    """lr 0.1 / sigma 0.1 are output-space settings ([C]); in the input (token-embedding) space they are scaled by
-    std(embeddings)/std(outputs), and the server's perturbation has exactly that std."""
-    from hfpfl.fedbip import concept_space_scale
+def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path, monkeypatch):
+    """lr 0.1 / sigma 0.1 are output-space settings ([C]); in the input (token-embedding) space both are multiplied
+    by std(embedding table) / std(text-encoder states of "A _ style of a _", placeholders as BOS), computed here from
+    hand-built token ids; the server's perturbation S^ - S then has that std. Output space or concept_scale=none:
+    0.1 as given."""
+    import pipelines.pipeline_fedbip as pf
 
-    sim = _sim(fed, tmp_path, _cfg(ldm_dir), name="scale", num_rounds=1)
+    sim = _sim(fed, tmp_path, _cfg(ldm_dir, personalization="domain", concept_steps=1), name="scale", num_rounds=1)
     algo = sim.algorithm
     te, tok = algo.pipe.text_encoder, algo.pipe.tokenizer
-    scale = concept_space_scale(te, tok, algo.config.prompt_template, "input")
-    assert scale == pytest.approx(algo.space_scale)
+    words = tok("A style of a", add_special_tokens=False).input_ids
+    ids = [tok.bos_token_id, words[0], tok.bos_token_id, words[1], words[2], words[3], tok.bos_token_id,
+           tok.eos_token_id]
+    ids += [tok.pad_token_id] * (tok.model_max_length - len(ids))
+    with torch.no_grad():
+        scale = float(te.get_input_embeddings().weight.std() / te(torch.tensor([ids]))[0].std())
+    assert algo.space_scale == pytest.approx(scale, rel=1e-5)
     assert algo.concept_lr == pytest.approx(0.1 * scale) and algo.concept_sigma == pytest.approx(0.1 * scale)
     assert scale < 0.5  # token embeddings are much smaller than the layer-normed outputs
+    seen = []
+    real = pf.encode_concept_prompt
+    monkeypatch.setattr(pf, "encode_concept_prompt",
+                        lambda te_, tk, tpl, S, V, space="input": seen.append(S.detach().clone())
+                        or real(te_, tk, tpl, S, V, space))
+    upd = algo.client_update(0, {}, {}, 0)
+    algo.synthesize(upd, 0)
+    eta = torch.cat(seen) - upd.upload["fedbip"]["domain_concept"]
+    assert eta.numel() >= 1000 and float(eta.std()) == pytest.approx(0.1 * scale, rel=0.1)
     out = _sim(fed, tmp_path, _cfg(ldm_dir, concept_space="output"), name="scale-out", num_rounds=1).algorithm
-    assert out.space_scale == 1.0 and out.concept_sigma == pytest.approx(0.1)
+    assert out.space_scale == 1.0 and out.concept_lr == pytest.approx(0.1) and out.concept_sigma == pytest.approx(0.1)
     none = _sim(fed, tmp_path, _cfg(ldm_dir, concept_scale="none"), name="scale-none", num_rounds=1).algorithm
     assert none.concept_lr == pytest.approx(0.1) and none.concept_sigma == pytest.approx(0.1)
 
