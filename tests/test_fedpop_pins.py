@@ -181,15 +181,19 @@ def test_fedpop_g_on_known_scores_exploits_the_best_and_explores_within_eps(make
 
 # ------------------------------------------------------------------------------------------------ SHA
 def test_sha_keeps_exactly_the_best_third_by_its_stage_scores(make_tuner):
-    """SHA (9 -> 3 -> 1) on known scores: stage 1 keeps the three lowest, stage 2 re-scores only on its own rounds
-    (member 5, third after stage 1, is best in stage 2) and keeps it."""
-    tuner = make_tuner(tuner="sha", sha_start=9, population_size=2, rounds_per_member=6)
-    stage1 = [0.7, 0.2, 0.9, 0.1, 0.5, 0.3, 0.8, 0.4, 0.6]
-    stage2 = {3: 0.4, 1: 0.2, 5: 0.05}
+    """SHA (9 -> 3 -> 1; R_t = 60: 3 rounds each in stage 1, 11 in stage 2) on known scores. Stage 1 keeps the three
+    lowest by Eq. 5 (weights 0.81, 0.9, 1): member 5 ([1, 0, 0]: 0.81 / 2.71 = 0.299) over member 7 ([0, 0, 0.95]:
+    0.95 / 2.71 = 0.351), which a plain mean would rank the other way (0.333 vs 0.317). Stage 2 re-scores only on
+    its own rounds: member 5, third after stage 1, is best there and is the one kept."""
+    tuner = make_tuner(tuner="sha", sha_start=9, population_size=2, rounds_per_member=30)
+    assert tuner.sha_schedule() == [(9, 3), (3, 11)]
+    stage1 = {0: [0.7] * 3, 1: [0.2] * 3, 2: [0.9] * 3, 3: [0.1] * 3, 4: [0.5] * 3, 5: [1.0, 0.0, 0.0],
+              6: [0.8] * 3, 7: [0.0, 0.0, 0.95], 8: [0.6] * 3}
+    stage2 = {3: 0.4, 1: 0.2, 5: 0.05, 7: 0.3}
     stage = {"n": 0}
 
     def known_round(m):
-        s = stage1[m.idx] if stage["n"] == 0 else stage2[m.idx]
+        s = stage1[m.idx][len(m.hist)] if stage["n"] == 0 else stage2[m.idx]
         m.hist.append(s)
         m.rounds += 1
         tuner.rounds_used += 1
@@ -204,10 +208,11 @@ def test_sha_keeps_exactly_the_best_third_by_its_stage_scores(make_tuner):
 
     tuner.save = save
     tuner._run_sha()
-    kept1, kept2 = tuner.events[0]["kept"], tuner.events[1]["kept"]
-    assert sorted(kept1) == [1, 3, 5] and sorted(tuner.events[0]["dropped"]) == [0, 2, 4, 6, 7, 8]
-    assert kept2 == [5]
+    assert 0.81 / 2.71 < 0.95 / 2.71 and 1 / 3 > 0.95 / 3
+    assert tuner.events[0]["kept"] == [3, 1, 5] and sorted(tuner.events[0]["dropped"]) == [0, 2, 4, 6, 7, 8]
+    assert tuner.events[1]["kept"] == [5] and tuner.events[1]["rounds_each"] == 11
     assert [m.idx for m in tuner.members if m.alive] == [5]
+    assert tuner.rounds_used == 9 * 3 + 3 * 11 <= 60
 
 
 # ------------------------------------------------------------------------------------------------ server step
