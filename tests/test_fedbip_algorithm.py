@@ -132,6 +132,35 @@ def test_each_upload_is_synthesised_on_receipt_alone(full_run):
     assert torch.equal(x2, ups[2].received["synthetic"][0]) and torch.equal(y2, ups[2].received["synthetic"][1])
 
 
+def test_server_denoising_starts_from_each_clients_uploaded_latents(full_run):
+    """The engine plug-in hands the upload's z_i(T) to the sampler: the UNet's first call sees exactly the first
+    synthesis batch of uploaded latents (PNDM: init_noise_sigma 1, no input scaling), and an upload with other
+    latents (negated) gives other images while the same upload gives the same ones."""
+    sim, _, _, _ = full_run
+    algo, upd = sim.algorithm, sim.last_updates[0]
+    up = upd.upload["fedbip"]
+    firsts = []
+
+    def first_call(module, args, kwargs):
+        if not firsts:
+            firsts.append(args[0].detach().clone())
+
+    r = sim.history[-1]["round"]
+    h = algo.pipe.unet.register_forward_pre_hook(first_call, with_kwargs=True)
+    try:
+        x, y = algo.synthesize(upd, r)
+    finally:
+        h.remove()
+    n = min(len(up["latents"]), algo.config.synthesis_batch_size)
+    assert torch.equal(firsts[0], up["latents"][:n].to(firsts[0].dtype))
+    assert torch.equal(x, upd.received["synthetic"][0]) and torch.equal(y, up["labels"])
+    from hfpfl.algorithms import Update
+
+    other = Update(upd.client_id, {"fedbip": {**up, "latents": -up["latents"]}}, upd.num_samples)
+    x_other, _ = algo.synthesize(other, r)
+    assert (x_other - x).abs().mean() > 1e-3
+
+
 def test_results_privacy_metrics_by_hand(full_run):
     """results.json's privacy numbers recomputed here from the run's state: the nearest-neighbour RMS pixel distance
     of every synthetic image to its own client's train images (mean, min), of every real test image to the train
