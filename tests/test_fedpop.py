@@ -1,7 +1,6 @@
 """FedPop and its baselines (hfpfl/tuning): the spec's acceptance checks A8 1-10, the search space file, per-slot
 client hyperparameters reaching the engine, the server vector reaching the FedOpt step, FedEx and SHA mechanics,
 and resume of the whole population after a kill. Tiny MLP on 8x8 USPS-like digits, a few rounds per member."""
-import dataclasses
 import math
 
 import numpy as np
@@ -307,12 +306,28 @@ def test_sha_schedule_27_9_3_within_budget():
     assert sched[-1][1] > sched[0][1]  # survivors train longer: the budget per stage is about R_t / 3
 
 
-def test_sha_runs_and_eliminates(make_tuner):
+def test_sha_keeps_the_best_by_each_stages_power_law_score(make_tuner):
+    """SHA 9 -> 3 -> 1 on real training: each stage's kept members are the ceil(n / 3) lowest by Eq. 5 over that
+    stage's rounds only (weights 0.9^(R - r), written out here from each member's recorded curve), ties by index;
+    the budget is within R_t and the survivor is the best member."""
     tuner = make_tuner(tuner="sha", sha_start=9, population_size=2, rounds_per_member=6, space=SAFE_SPACE)
     res = tuner.run()
     assert [n for n, _ in tuner.sha_schedule()] == [9, 3]
-    assert sum(m.alive for m in tuner.members) == 1 and res["budget"]["rounds_used"] <= 12
-    assert res["best_member"]["alive"]
+    done = {m.idx: 0 for m in tuner.members}  # rounds of each member's curve already read
+    for ev in tuner.events:
+        per, members = ev["rounds_each"], sorted(ev["kept"] + ev["dropped"])
+        score = {}
+        for i in members:
+            curve = [s for _, s in tuner.members[i].curve[done[i]: done[i] + per]]
+            assert len(curve) == per
+            w = [0.9 ** (per - r) for r in range(1, per + 1)]
+            score[i] = sum(wr * sr for wr, sr in zip(w, curve)) / sum(w)
+            done[i] += per
+        keep = math.ceil(len(members) / 3)
+        assert ev["kept"] == sorted(members, key=lambda i: (score[i], i))[:keep]
+    assert [m.idx for m in tuner.members if m.alive] == tuner.events[-1]["kept"]
+    assert res["budget"]["rounds_used"] <= 12 and res["best_member"]["alive"]
+    assert res["best_member"]["member"] == tuner.events[-1]["kept"][0]
 
 
 # ------------------------------------------------------------------------------------------------ resume

@@ -677,8 +677,9 @@ def server_optimizer_step(server_state: Parts, mean: TensorDict, hp: ServerHPara
     """FedOpt's server step on the model part's parameters (see :class:`ServerHParams`); the momentum buffer is the
     server state's part ``"server_opt"``. Buffers (BatchNorm statistics, counters) and integer tensors take the mean:
     a pseudo-gradient step with momentum on a running variance can make it negative. server_lr = 1 and
-    momentum = 0 return the mean itself (FedAvg, bit for bit)."""
-    if hp.server_lr == 1.0 and hp.server_momentum == 0.0 and hp.server_lr_decay == 1.0:
+    momentum = 0 return the mean itself (FedAvg, bit for bit; after a momentum round, up to rounding, the buffer kept)."""
+    fedavg = hp.server_lr == 1.0 and hp.server_momentum == 0.0 and hp.server_lr_decay == 1.0
+    if fedavg and "server_opt" not in server_state:
         return {**server_state, MODEL: {**server_state[MODEL], **mean}}
     lr = hp.server_lr * hp.server_lr_decay ** (round_idx - 1)
     x, new, buf = server_state[MODEL], dict(server_state[MODEL]), dict(server_state.get("server_opt", {}))
@@ -687,9 +688,10 @@ def server_optimizer_step(server_state: Parts, mean: TensorDict, hp: ServerHPara
             new[k] = m
             continue
         d = x[k].double() - m.double()                      # pseudo-gradient
-        if hp.server_momentum:
-            d = hp.server_momentum * buf[k].double() + d if k in buf else d
-            buf[k] = d.to(x[k].dtype)
+        if hp.server_momentum and k in buf:
+            d = hp.server_momentum * buf[k].double() + d
+        if hp.server_momentum or k in buf:  # m_t = beta_t m_{t-1} + d_t every round, beta_t = 0 included: a tuner
+            buf[k] = d.to(x[k].dtype)       # that sets momentum to 0 and back must not reuse an older m
         new[k] = (x[k].double() - lr * d).to(x[k].dtype)
     out = {**server_state, MODEL: new}
     if buf:

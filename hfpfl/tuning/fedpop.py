@@ -9,8 +9,10 @@ deterministic, so the tuner knows the round's clients, in sorted order = slots 0
 
 Scores: the validation loss of each *locally trained* model w^k (A2.1, l.1789). The engine aggregates the uploads
 inside ``step()`` and keeps no copy of w^k, so the tuner wraps the member's ``algorithm.client_update`` (an instance
-attribute; no engine change): right after the method's local update, while ``ctx.model`` still holds w^k, it evaluates
-``ctx.evaluate(ctx.model, ctx.val_data(client))``. Evaluation is in eval mode and changes no weights or statistics.
+attribute; no engine change): right after the method's local update it loads the uploaded model part into
+``ctx.model`` (a method may train more after w^k, as Ditto's personal model) and evaluates
+``ctx.evaluate(ctx.model, ctx.val_data(client))``; a method that uploads no model part (SCAFFOLD's deltas) is scored
+on the model its update leaves. Evaluation is in eval mode and changes no weights or statistics.
 With several accelerate processes each member's clients are sharded by the engine and the scores are all-gathered.
 
 Where the spec and the paper differ, the paper is followed, and each place says so:
@@ -201,6 +203,8 @@ class Tuner:
 
         def client_update(client_id, down, private, round_idx):
             upd = original(client_id, down, private, round_idx)
+            if MODEL in upd.upload:  # score w^k as uploaded: Ditto, e.g., leaves its personal model in ctx.model
+                algo.ctx.load(upd.upload[MODEL])
             res = algo.ctx.evaluate(algo.ctx.model, algo.ctx.val_data(client_id))
             m.scores[client_id] = float(res["loss"])
             return upd
