@@ -236,6 +236,7 @@ def _atomic_write(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)   # mkstemp's 0600 would make a committed summary private to its writer
     os.replace(tmp, path)
 
 
