@@ -13,7 +13,7 @@ import pytest
 from hfpfl.experiments import Study, Variant, controls, greater, load_study, margin, within
 from hfpfl.experiments import claims as claims_mod
 from hfpfl.experiments import runner
-from hfpfl.experiments.docs import render, write_docs
+from hfpfl.experiments.docs import render, render_index, write_docs
 
 DATA = Path(__file__).parent / "data" / "studies"
 REPO = Path(__file__).resolve().parents[1]
@@ -235,12 +235,14 @@ def test_micro_study_doc_matches_the_committed_expected_output(micro_store, tmp_
 
 
 def test_docs_regenerate_from_stored_summaries_with_no_diff(tmp_path):
-    """Every committed docs/results/<study>.md is what its committed summary.json renders to."""
+    """Every committed docs/results/<study>.md (and index.md) is what the committed summary.json files render to."""
     store = REPO / "docs" / "results"
     summaries = sorted(store.glob("*/summary.json"))
     for s in summaries:
         name = s.parent.name
         assert render(json.loads(s.read_text())) == (store / f"{name}.md").read_text(), name
+    if summaries:
+        assert render_index([json.loads(s.read_text()) for s in summaries]) == (store / "index.md").read_text()
     (path,) = write_docs(DATA, tmp_path, ["micro_digits"])    # the committed micro summary too
     assert path.read_text() == (DATA / "micro_digits.md").read_text()
 
@@ -268,3 +270,21 @@ def test_cli_help_and_bad_study_name(capsys):
     assert main(["claims", "no_such_study"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown study 'no_such_study'" in err[0] and "baselines_digits" in err[0]
+
+
+def hook_adds_a_metric(sim, results):
+    """A task-specific metric (here: the rounds the simulation ran, and its client count)."""
+    results["final"]["rounds_run"] = float(sim.round)
+    results["final"]["clients_seen"] = float(sim.num_clients)
+
+
+def test_metrics_hook_adds_task_specific_metrics_to_the_row(tmp_path):
+    """A variant's metrics_hook runs on the trained simulation and its metrics land in the stored row; changing the
+    hook changes the row's key (the stored row is then stale)."""
+    fedavg = Variant("fedavg", ("--method", "fedavg"), metrics_hook="test_studies:hook_adds_a_metric")
+    st = Study(name="hooked", title="t", paper="p", seeds=(0,), common=MICRO.common, variants=(fedavg,),
+               metrics={"rounds_run": "rounds", "clients_seen": "clients"})
+    s = runner.run_study(st, tmp_path / "store", work_dir=tmp_path / "work", log=lambda *_: None)
+    assert s["variants"]["fedavg"]["metrics"]["rounds_run"]["mean"] == 1.0
+    assert s["variants"]["fedavg"]["metrics"]["clients_seen"]["mean"] == 4.0
+    assert st.row_key(fedavg, 0) != st.row_key(Variant("fedavg", ("--method", "fedavg")), 0)

@@ -119,8 +119,18 @@ def run_engine(study, variant, seed: int, out_dir: Path) -> dict:
     if variant.recipe:
         res = _load_recipe(variant.recipe).main(argv)
     else:
-        res = run_recipe(argv=argv, top_level=False)
+        res = run_recipe(argv=argv, top_level=False, after=_hook(variant.metrics_hook))
     return controls.row_from_results(res)
+
+
+def _hook(spec: str | None):
+    if not spec:
+        return None
+    import importlib
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"metrics_hook {spec!r}: write it as 'package.module:function'")
+    return getattr(importlib.import_module(module), name)
 
 
 def run_row(study, variant, seed: int, work_dir: Path, prov: dict | None = None) -> dict:

@@ -21,7 +21,9 @@ class Variant:
     ``"majority"``, ``"untrained"``, or a task-specific one registered with :func:`controls.register`).
     ``paper``: the paper's number for this row, as the paper prints it (shown beside ours, never computed on).
     ``recipe``: a recipe file (``recipes/<name>.py``, from the repository root) whose ``main(argv)`` runs the row, for
-    methods with their own benchmark data; default: ``hfpfl run``."""
+    methods with their own benchmark data; default: ``hfpfl run``. ``metrics_hook``: ``"module:function"``, called as
+    ``function(sim, results)`` on the trained simulation (run_recipe's ``after``) to add task-specific metrics to
+    ``results["final"]`` (e.g. label-re-weighted or new-client accuracy) before the row is stored."""
     name: str
     argv: tuple[str, ...] = ()
     label: str | None = None
@@ -29,6 +31,7 @@ class Variant:
     paper: str | None = None
     note: str | None = None
     recipe: str | None = None
+    metrics_hook: str | None = None
 
     @property
     def is_control(self) -> bool:
@@ -114,6 +117,9 @@ class Study:
             if n not in names:
                 raise ValueError(f"study {self.name!r}: paper_ordering names {n!r}, not a variant")
         for v in self.variants:
+            if v.recipe and v.metrics_hook:
+                raise ValueError(f"study {self.name!r}: variant {v.name!r}: a metrics_hook runs on hfpfl run's path; "
+                                 "a recipe adds its metrics in its own `after`")
             if v.kind == "untrained" and v.recipe:
                 raise ValueError(f"study {self.name!r}: control {v.name!r}: the untrained control runs through "
                                  "hfpfl run, not a recipe; register a task-specific control for recipe data")
@@ -136,7 +142,7 @@ class Study:
     def row_key(self, variant: Variant, seed: int) -> str:
         """What identifies a row's computation: the variant's kind and full flags at this seed. A stored row whose key
         differs (the spec changed) is stale and runs again."""
-        blob = json.dumps([variant.kind, variant.recipe, self.argv(variant, seed)])
+        blob = json.dumps([variant.kind, variant.recipe, variant.metrics_hook, self.argv(variant, seed)])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def default_command(self) -> str:
