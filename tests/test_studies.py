@@ -115,10 +115,24 @@ def test_claims_between_different_budgets_are_refused_unless_the_study_says_why(
     assert v["verdict"] == "refused"
     v = _verdict(greater("a", "b"), {"a": _entry(0.5, steps=100), "b": _entry(0.1, steps=0, kind="chance")})
     assert v["verdict"] == "held" and "control" in v["budgets"]
+    driver = {**_entry(0.5, steps=100, kind="tuner"), "control": False}    # a registered driver trains: no pass
+    assert _verdict(greater("a", "b"), {"a": driver, "b": _entry(0.4, steps=940)})["verdict"] == "refused"
     ep = {"a": {**_entry(0.5, steps=100), "budget": {"epochs_per_model": 2.0}},
           "b": {**_entry(0.4, steps=900), "budget": {"epochs_per_model": 2.0}}}
     assert _verdict(greater("a", "b"), ep, matched_by="epochs")["verdict"] == "held"
     assert _verdict(greater("a", "b"), ep, matched_by="steps")["verdict"] == "refused"
+
+
+def test_registered_kinds_are_controls_unless_they_train():
+    controls.register("question_only", lambda *a: {})
+    controls.register("tuner", lambda *a: {}, control=False)
+    try:
+        assert controls.is_control("question_only") and controls.is_control("chance")
+        assert not controls.is_control("tuner") and not controls.is_control("run")
+    finally:
+        for k in ("question_only", "tuner"):
+            controls.RUNNERS.pop(k)
+            controls.DRIVERS.discard(k)
 
 
 def test_a_study_refuses_claims_on_rows_it_does_not_have():
@@ -243,6 +257,8 @@ def test_docs_regenerate_from_stored_summaries_with_no_diff(tmp_path):
         assert render(json.loads(s.read_text())) == (store / f"{name}.md").read_text(), name
     if summaries:
         assert render_index([json.loads(s.read_text()) for s in summaries]) == (store / "index.md").read_text()
+    # the committed micro rows are current under today's row keys (a key change would silently re-run every study)
+    assert len(runner.current_rows(MICRO, runner.RowStore(DATA, "micro_digits").load())) == 10
     (path,) = write_docs(DATA, tmp_path, ["micro_digits"])    # the committed micro summary too
     assert path.read_text() == (DATA / "micro_digits.md").read_text()
 

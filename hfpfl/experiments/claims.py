@@ -49,7 +49,7 @@ def evaluate(claim, summary: dict, *, primary: str, seeds, matched_by: str) -> d
             return {**out, "verdict": NOT_MEASURED, "detail": f"{side}: {why}"}
     ma, mb = ea["metrics"][metric]["mean"], eb["metrics"][metric]["mean"]
     out.update(mean_a=ma, mean_b=mb)
-    controls = [n for n, e in ((claim.a, ea), (claim.b, eb)) if e.get("kind", "run") != "run"]
+    controls = [n for n, e in ((claim.a, ea), (claim.b, eb)) if e.get("control", e.get("kind", "run") != "run")]
     key = BUDGET_KEY[matched_by]
     if controls:
         out["budgets"] = f"{' and '.join(controls)} {'is a control' if len(controls) == 1 else 'are controls'}"

@@ -19,18 +19,27 @@ from .spec import Variant
 
 #: kind -> fn(study, variant, seed, out_dir) -> row fields (metrics, per_domain, per_client, budget)
 RUNNERS: dict[str, Callable] = {}
+#: registered kinds that train (drivers such as a tuner): their rows are compared under the budget rule
+DRIVERS: set[str] = set()
+
+
+def is_control(kind: str) -> bool:
+    return kind != "run" and kind not in DRIVERS
 
 _NO_TRAINING = {"trained_models": 0, "optimizer_steps": 0, "examples_seen": 0, "optimizer_steps_per_model": 0.0,
                 "examples_seen_per_model": 0.0, "epochs_per_model": 0.0}
 
 
-def register(kind: str, fn: Callable | None = None):
-    """Register ``fn(study, variant, seed, out_dir) -> dict`` as the runner of control ``kind`` (usable as a
-    decorator). The dict has ``metrics`` (name -> value) and optionally ``per_domain`` / ``per_client`` / ``budget``."""
+def register(kind: str, fn: Callable | None = None, *, control: bool = True):
+    """Register ``fn(study, variant, seed, out_dir) -> dict`` as the runner of variants of ``kind`` (usable as a
+    decorator). The dict has ``metrics`` (name -> value) and optionally ``per_domain`` / ``per_client`` / ``budget``.
+    ``control=False``: the kind trains (a driver that is not one ``Simulation.run``, e.g. a hyperparameter tuner);
+    its rows must report a budget and claims on them follow the budget rule."""
     def deco(f):
         if kind == "run":
             raise ValueError("'run' is the engine's kind, not a control")
         RUNNERS[kind] = f
+        (DRIVERS.discard if control else DRIVERS.add)(kind)
         return f
     return deco(fn) if fn is not None else deco
 

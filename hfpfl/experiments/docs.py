@@ -63,7 +63,7 @@ def render(summary: dict) -> str:
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in s.get("order") or list(variants):
         e = variants[n]
-        cells = [e["label"], "control" if e["kind"] != "run" else "run"]
+        cells = [e["label"], "control" if e.get("control", e["kind"] != "run") else "run"]
         cells += [_mean_std(e["metrics"].get(m)) if m in e["metrics"] else "n/a" for m in metrics]
         cells += [_num((e.get("per_domain", {}).get(d) or {}).get("mean")) for d in domains]
         cells += [_budget(e["budget"], "optimizer_steps_per_model"), _budget(e["budget"], "examples_seen_per_model"),

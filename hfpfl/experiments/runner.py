@@ -190,7 +190,7 @@ def summarize(study, rows: dict) -> dict:
         rs = sorted((r for (name, _), r in rows.items() if name == v.name), key=lambda r: r["seed"])
         if not rs:
             continue
-        entry = {"kind": v.kind, "label": v.title(), "paper": v.paper, "seeds": [r["seed"] for r in rs],
+        entry = {"kind": v.kind, "control": controls.is_control(v.kind), "label": v.title(), "paper": v.paper, "seeds": [r["seed"] for r in rs],
                  "metrics": {}, "per_domain": {}, "per_client": {}, "budget": {}}
         for m in sorted({k for r in rs for k in r.get("metrics", {})}):
             have = [r for r in rs if r["metrics"].get(m) is not None]
@@ -256,8 +256,8 @@ def write_figure(study, summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     m = study.primary
-    runs = [(n, e) for n, e in summary["variants"].items() if e["kind"] == "run" and m in e["metrics"]]
-    ctrl = [(n, e) for n, e in summary["variants"].items() if e["kind"] != "run" and m in e["metrics"]]
+    runs = [(n, e) for n, e in summary["variants"].items() if not e["control"] and m in e["metrics"]]
+    ctrl = [(n, e) for n, e in summary["variants"].items() if e["control"] and m in e["metrics"]]
     fig, ax = plt.subplots(figsize=(1.6 + 1.0 * max(1, len(runs)), 3.4))
     xs = range(len(runs))
     ax.bar(xs, [e["metrics"][m]["mean"] for _, e in runs], yerr=[e["metrics"][m]["std"] or 0 for _, e in runs],

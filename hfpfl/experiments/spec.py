@@ -17,8 +17,9 @@ MATCHED_BY = ("steps", "epochs")
 @dataclass(frozen=True)
 class Variant:
     """One row of the table. ``argv``: the run's flags on top of the study's ``common`` flags (later flags win, as on
-    a command line). ``kind``: ``"run"`` (trained through the engine), or a control kind (``"chance"``,
-    ``"majority"``, ``"untrained"``, or a task-specific one registered with :func:`controls.register`).
+    a command line). ``kind``: ``"run"`` (trained through the engine), a control kind (``"chance"``,
+    ``"majority"``, ``"untrained"``, or a task-specific one registered with :func:`controls.register`), or a
+    registered driver (a method that is not one ``Simulation.run``, e.g. a tuner; ``register(..., control=False)``).
     ``paper``: the paper's number for this row, as the paper prints it (shown beside ours, never computed on).
     ``recipe``: a recipe file (``recipes/<name>.py``, from the repository root) whose ``main(argv)`` runs the row, for
     methods with their own benchmark data; default: ``hfpfl run``. ``metrics_hook``: ``"module:function"``, called as
@@ -32,10 +33,6 @@ class Variant:
     note: str | None = None
     recipe: str | None = None
     metrics_hook: str | None = None
-
-    @property
-    def is_control(self) -> bool:
-        return self.kind != "run"
 
     def title(self) -> str:
         return self.label or self.name
@@ -142,7 +139,10 @@ class Study:
     def row_key(self, variant: Variant, seed: int) -> str:
         """What identifies a row's computation: the variant's kind and full flags at this seed. A stored row whose key
         differs (the spec changed) is stale and runs again."""
-        blob = json.dumps([variant.kind, variant.recipe, variant.metrics_hook, self.argv(variant, seed)])
+        parts = [variant.kind, variant.recipe, self.argv(variant, seed)]
+        if variant.metrics_hook:   # optional fields join only when set: rows stored without them stay current
+            parts.append({"metrics_hook": variant.metrics_hook})
+        blob = json.dumps(parts)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def default_command(self) -> str:
