@@ -5,7 +5,20 @@
     python -m hfpfl.experiments verify baselines_digits fedbn --seed 0
     python -m hfpfl.experiments docs
 
-A study spec is a module of :mod:`hfpfl.experiments.studies` defining ``STUDY`` (a :class:`Study`)."""
+A study spec is a module of :mod:`hfpfl.experiments.studies` defining ``STUDY`` (a :class:`Study`), one per paper
+table. What a table needs, and where it goes:
+
+* a method on built-in data: a :class:`Variant` of ``hfpfl run`` flags (``studies/baselines_digits.py``);
+* a benchmark a recipe builds (PFLBED, the degradation benchmark, easy-vqa): ``Variant(..., recipe="recipes/x.py")``;
+* a metric the engine does not report (label-re-weighted or corrupted-test accuracy): ``metrics_hook="pkg.mod:fn"``,
+  ``fn(sim, results)`` adding to ``results["final"]``;
+* a task-specific control (question-only or shuffled-image VQA, a classifier on pooled real data):
+  ``controls.register("kind", fn)`` and variants of that kind;
+* a method that is not one ``Simulation.run`` (a tuner driving several simulations): ``controls.register("kind", fn,
+  control=False)``; its rows report a budget like any trained row.
+
+Rows are matched by training budget (``matched_by``); a claim across unequal budgets needs
+``budgets_differ_because``."""
 from __future__ import annotations
 
 import importlib

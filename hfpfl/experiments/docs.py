@@ -48,7 +48,9 @@ def render(summary: dict) -> str:
               f"- **Commit**: {commits}" + (" (with uncommitted changes)" if prov.get("dirty") else ""),
               f"- **Date**: {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else ""),
               f"- **Machine**: {'; '.join(prov.get('machines', [])) or 'unknown'} (torch "
-              f"{', '.join(prov.get('torch', []))}, Python {', '.join(prov.get('python', []))})",
+              f"{', '.join(prov.get('torch', []))}, Python {', '.join(prov.get('python', []))})"
+              + (f"; load average {prov['load'][0]:g} to {prov['load'][1]:g} while the rows ran" if prov.get("load")
+                 else ""),
               f"- **Runtime**: {s.get('seconds', 0) / 60:.1f} min for all rows, one process",
               f"- **Every row**: `{' '.join(s['common'])}`",
               f"- **Budgets** matched by {s['matched_by']}: optimizer steps and examples seen per trained model "

@@ -148,7 +148,16 @@ def run_row(study, variant, seed: int, work_dir: Path, prov: dict | None = None)
         fields = controls.RUNNERS[variant.kind](study, variant, seed, out_dir)
     return {"study": study.name, "variant": variant.name, "seed": seed, "kind": variant.kind,
             "key": study.row_key(variant, seed), "argv": study.argv(variant, seed), **fields,
-            "seconds": time.perf_counter() - t0, "provenance": {**(prov or provenance()), "date": _now()}}
+            "seconds": time.perf_counter() - t0,
+            "provenance": {**(prov or provenance()), "date": _now(), "load": _load()}}
+
+
+def _load() -> float | None:
+    """The 1-minute load average when the row ended: on a shared box it says how far the runtime is inflated."""
+    try:
+        return round(os.getloadavg()[0], 1)
+    except OSError:
+        return None
 
 
 def run_study(study, store, *, seeds=None, variants=None, work_dir=None, log=print) -> dict:
@@ -227,7 +236,8 @@ def _merge_provenance(provs: list[dict]) -> dict:
     def distinct(k):
         return sorted({str(p.get(k)) for p in provs})
     dates = sorted(p["date"] for p in provs)
-    return {"commits": distinct("commit"), "dirty": any(p.get("dirty") for p in provs),
+    loads = sorted(p["load"] for p in provs if p.get("load") is not None)
+    return {**({"load": [loads[0], loads[-1]]} if loads else {}),"commits": distinct("commit"), "dirty": any(p.get("dirty") for p in provs),
             "dates": [dates[0], dates[-1]], "machines": sorted({f"{p['cpu']}, {p['cores']} cores" for p in provs}),
             "torch": distinct("torch"), "python": distinct("python")}
 
