@@ -173,6 +173,15 @@ def test_engine_counts_steps_and_examples_per_trained_model(run_sim, small_digit
     assert res["budget"]["examples_seen"] == 2 * (40 + 36 + 36 + 36)
 
 
+def test_a_resumed_run_counts_the_rounds_before_its_checkpoint(run_sim):
+    """Round 1, checkpoint, then resumed to round 2: the same budget as the straight 2-round run (2 x 17 steps at
+    batch 12 over the 28/56/56/56-image clients), because the budget is summed from the checkpointed round history."""
+    run_sim("fedavg", num_rounds=1, batch_size=12, output_dir="rs", checkpoint_every=1)
+    _, res = run_sim("fedavg", num_rounds=2, batch_size=12, output_dir="rs", checkpoint_every=1,
+                     resume_from_checkpoint="latest", overwrite_output_dir=False)
+    assert res["budget"]["optimizer_steps"] == 2 * 17 and res["budget"]["examples_seen"] == 2 * 196
+
+
 # ---------------------------------------------------------------------------------------------- rows
 def test_rows_resume_and_an_interrupted_line_never_counts(tmp_path):
     """Two complete rows and a line cut mid-write: load gives the two and cuts the partial line off the file, so the
