@@ -46,11 +46,12 @@ def _row(variant, seed, acc, steps=10, examples=100, domain=None, kind="run"):
 
 
 def test_summarize_rows_gives_means_sample_stds_domains_and_budgets():
-    """Rows a: 0.5, 0.6, 0.7 (mean 0.6, sample std 0.1), per-domain mnist 0.4, 0.6 -> 0.5; b: 0.2, 0.4 at steps 10
+    """Rows a: 0.5, 0.6, 0.7 at the study's seeds (mean 0.6, sample std 0.1; a row at seed 7 is left out), per-domain mnist 0.4, 0.6 -> 0.5; b: 0.2, 0.4 at steps 10
     and 20 (budget mean 15, marked as varying)."""
     st = _study()
     rows = {("a", 0): _row("a", 0, 0.5, domain={"mnist": 0.4}), ("a", 1): _row("a", 1, 0.6, domain={"mnist": 0.6}),
-            ("a", 2): _row("a", 2, 0.7), ("b", 0): _row("b", 0, 0.2, steps=10), ("b", 1): _row("b", 1, 0.4, steps=20)}
+            ("a", 2): _row("a", 2, 0.7), ("b", 0): _row("b", 0, 0.2, steps=10), ("b", 1): _row("b", 1, 0.4, steps=20),
+            ("a", 7): _row("a", 7, 0.0)}   # seed 7 is not one of the study's: outside the table
     s = runner.summarize(st, rows)
     pa = s["variants"]["a"]["metrics"]["personal_accuracy"]
     assert pa["mean"] == pytest.approx(0.6) and pa["std"] == pytest.approx(0.1) and pa["n"] == 3

@@ -193,7 +193,9 @@ def mean_std(values: list[float]) -> dict:
 
 def summarize(study, rows: dict) -> dict:
     """rows: (variant, seed) -> row. Per variant: every metric's mean / sample std / n / seeds / values, per-domain
-    and per-client means of the personal accuracy, the budget per trained model (mean over seeds), wall time."""
+    and per-client means of the personal accuracy, the budget per trained model (mean over seeds), wall time. Only
+    the study's seeds count (a row run for another seed stays in rows.jsonl, outside the table)."""
+    rows = {k: r for k, r in rows.items() if k[1] in study.seeds}
     variants = {}
     for v in study.variants:
         rs = sorted((r for (name, _), r in rows.items() if name == v.name), key=lambda r: r["seed"])
