@@ -329,7 +329,7 @@ def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: in
     if len(optimizers) != len(loss_fns):
         raise ValueError(f"{len(optimizers)} optimizers need as many loss functions, got {len(loss_fns)}")
     model.train()
-    steps, loss_sum = 0, 0.0
+    steps, examples, loss_sum = 0, 0, 0.0
     # on an accelerator the loss is summed where it is (float64, the same adds as Python's float): reading it every
     # step would wait for the device every step
     on_device = torch.device(device).type != "cpu"
@@ -349,14 +349,15 @@ def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: in
             if scheduler is not None:
                 scheduler.step()
             steps += 1
+            examples += len(next(iter(batch.values())))  # every column of a batch has one row per example
             loss_sum = loss_sum + task_loss.double() if on_device else loss_sum + float(task_loss)
             if after_step is not None:
                 after_step(steps)
             if max_steps is not None and steps >= max_steps:
-                return {"train_loss": float(loss_sum) / steps, "steps": steps}
+                return {"train_loss": float(loss_sum) / steps, "steps": steps, "examples": examples}
         epochs -= 1
         if max_steps is None and epochs <= 0:
-            return {"train_loss": float(loss_sum) / max(steps, 1), "steps": steps}
+            return {"train_loss": float(loss_sum) / max(steps, 1), "steps": steps, "examples": examples}
 
 
 # ---------------------------------------------------------------------------------------------- metrics

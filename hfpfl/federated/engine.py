@@ -450,6 +450,10 @@ class Simulation:
         if meta and "train_loss" in meta[0][2]:
             metrics["train_loss"] = sum(m["train_loss"] * n for _, n, m in meta) / total_n
         metrics["bytes_down"], metrics["bytes_up"] = self.ledger.round_totals(round_idx)
+        # the training budget: summed only when every client's update reports it (a method with its own loop may not)
+        for key, name in (("steps", "optimizer_steps"), ("examples", "examples_seen")):
+            if meta and all(key in m for _, _, m in meta):
+                metrics[name] = int(sum(m[key] for _, _, m in meta))
         return new_state, metrics
 
     def _check_finite_state(self, state: dict, round_idx: int) -> None:
@@ -737,8 +741,23 @@ class Simulation:
             "new_client_accuracy": final_eval.get("new_clients", {}),
             "communication": self.ledger.totals(),
             "parameters": self.parameter_counts(),
+            "budget": self.budget(),
             "wall_time_s": wall,
         }
+
+    def budget(self) -> dict:
+        """Client training spent so far, from the round history (so a resumed run counts every round):
+        optimizer steps and examples seen in total and per trained model (each client that trained keeps or uploads
+        its own model, so the per-model figure is the total over the clients that trained at least once). None where
+        a round's updates did not report them."""
+        trained = {int(c) for h in self.history for c in h.get("clients", [])}
+        out: dict = {"trained_models": len(trained)}
+        for name in ("optimizer_steps", "examples_seen"):
+            known = all(name in h for h in self.history)
+            total = int(sum(h[name] for h in self.history)) if known else None
+            out[name] = total
+            out[f"{name}_per_model"] = (total / len(trained) if trained else 0.0) if known else None
+        return out
 
 
 # numpy's SeedSequence (numpy/random/bit_generator.pyx: pool size 4, uint32 words), for many entropy rows at once

@@ -688,7 +688,8 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
     for i, c in enumerate(clients):
         upload = {MODEL: {k: up_rows[k][i] for k in gkeys}} if uploads else {}
         private = {MODEL: Fresh({k: priv_rows[k][i].clone() for k in pkeys})}
-        metrics = {"train_loss": losses[i] / max(n_steps[i], 1), "steps": n_steps[i]}
+        metrics = {"train_loss": losses[i] / max(n_steps[i], 1), "steps": n_steps[i],
+                   "examples": sum(size for _, size in scheds.spans[i])}
         upd = Update(c, upload=upload, num_samples=sizes[i], private=private, metrics=metrics)
         upd.finite = finite[i]  # checked here for the whole chunk (the engine checks only what is not)
         out.append(upd)
