@@ -61,10 +61,11 @@ def sections() -> list[tuple[str, str, type]]:
     seen = set()
     for name, cls in sorted(REGISTRY.items()):
         cfg = cls.Config
-        if not dataclasses.fields(cfg):
-            continue
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         title = f"`--method {name}`"
+        if not dataclasses.fields(cfg):
+            out.append((title, f"{doc} No options of its own.", None))
+            continue
         if cfg in seen:
             out.append((title, f"{doc} (the same options as another method's config `{cfg.__name__}`)", None))
             continue
