@@ -266,6 +266,7 @@ def test_fedprox_adds_mu_times_the_distance_to_the_download(tmp_path, monkeypatc
         close(sim.last_updates[0].upload["model"], state(ys[0]))
         close(sim.last_updates[1].upload["model"], state(ys[1]))
     close(sim.server_state["model"], state(lin((0.4, ys[0]), (0.6, ys[1]))))
+    assert sim.ledger.totals()["by_part"] == {"model": {"bytes_down": 32, "bytes_up": 32}}   # the anchor is the download
 
 
 # ------------------------------------------------------------------------------------------------ SCAFFOLD
@@ -337,6 +338,7 @@ def test_fednova_normalizes_each_update_by_its_local_steps(tmp_path):
     close(sim.last_updates[1].upload["model"], state(y1))
     assert [u.upload["fednova"]["a"].item() for u in sim.last_updates] == [1.0, 3.0]
     assert nbytes(sim.last_updates[1].upload) == {"model": 16, "fednova": 8}
+    assert sim.ledger.totals()["per_client"]["1"] == {"bytes_down": 16, "bytes_up": 24}
     expected = lin((1, x), (-2.2 * 0.4, lin((1, x), (-1, y0))), (-2.2 * 0.6 / 3, lin((1, x), (-1, y1))))
     close(sim.server_state["model"], state(expected))
 
@@ -365,7 +367,7 @@ def test_ditto_personal_step_pulls_toward_the_received_global_model(tmp_path):
     for i in (0, 1):
         close(sim.store.get(i)["personal"], state(v[i]))
         assert set(sim.last_updates[i].upload) == {"model"}
-    assert set(sim.ledger.totals()["by_part"]) == {"model"}
+    assert sim.ledger.totals()["by_part"] == {"model": {"bytes_down": 32, "bytes_up": 32}}
     sim.step()
     w1 = P(FEDAVG1)
     for i in (0, 1):
@@ -399,14 +401,14 @@ def test_fedrep_trains_the_head_first_then_the_body(tmp_path):
     with the new head fixed. The first head step is STEP0's (c, b) = (1.575, 0.6). Only w travels; the head stays."""
     sim = make_sim(tmp_path, "fedrep", FedRepConfig(head_epochs=2, body_epochs=1))
     sim.step()
+    def head_step(p, i):
+        g = grads(p, i)
+        return {**p, "c": p["c"] - LR * g["c"], "b": p["b"] - LR * g["b"]}
+
+    close(state(head_step(P(W0), 0), "cb"), state(P(STEP0), "cb"))
     ys = []
     for i in (0, 1):
-        p = P(W0)
-        for _ in range(2):
-            g = grads(p, i)
-            p = {**p, "c": p["c"] - LR * g["c"], "b": p["b"] - LR * g["b"]}
-            if not ys and _ == 0 and i == 0:
-                close(state(p, "cb"), state(P(STEP0), "cb"))
+        p = head_step(head_step(P(W0), i), i)
         p = {**p, "w": p["w"] - LR * grads(p, i)["w"]}
         ys.append(p)
         close(sim.store.get(i)["model"], state(p, "cb"))
@@ -488,6 +490,7 @@ def test_fedavg_ft_personal_model_is_the_global_model_fine_tuned(tmp_path):
     sim = make_sim(tmp_path, "fedavg_ft", FineTuneConfig(finetune_epochs=2))
     sim.step()
     close(sim.server_state["model"], state(P(FEDAVG1)))
+    assert sim.ledger.totals()["by_part"] == {"model": {"bytes_down": 32, "bytes_up": 32}}
     model = sim.algorithm.load_personal(0, sim.server_state, sim.store.get(0), 1)
     close({k: v.detach() for k, v in model.state_dict().items()}, state(sgd(P(FEDAVG1), 0, 2)))
     close(sim.server_state["model"], state(P(FEDAVG1)))
@@ -517,7 +520,7 @@ def test_feddf_distills_from_the_weighted_average_and_the_uploaded_models(tmp_pa
     expect = state(P(FEDAVG1))
     expect["classifier.bias"] = torch.tensor([9.0])
     close(sim.server_state["model"], expect)
-    assert set(sim.ledger.totals()["by_part"]) == {"model"}
+    assert sim.ledger.totals()["by_part"] == {"model": {"bytes_down": 32, "bytes_up": 32}}
     sim.step()  # past kd_rounds: the plain weighted average of two steps from the distilled model
     assert len(calls) == 1
     x = {**P(FEDAVG1), "b": torch.tensor(9.0, dtype=torch.float64)}
