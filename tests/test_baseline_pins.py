@@ -101,12 +101,13 @@ def _ds(xs, ys):
     return Dataset.from_dict({"pixel_values": xs, "labels": ys}).with_format("torch")
 
 
-def federation(n_clients=2):
-    clients = [ClientData(i, _ds(*DATA[i]), _ds(*DATA[i])) for i in range(n_clients)]
-    return FederatedData(clients, [], _ds(*DATA[0]), None, 1, ["y"], 1, 1)
+def federation(n_clients=2, n_new=0):
+    """Clients 0 .. n_clients - 1 hold DATA[i]; held-out new clients (ids continue) hold the next DATA rows."""
+    clients = [ClientData(i, _ds(*DATA[i]), _ds(*DATA[i])) for i in range(n_clients + n_new)]
+    return FederatedData(clients[:n_clients], clients[n_clients:], _ds(*DATA[0]), None, 1, ["y"], 1, 1)
 
 
-def make_sim(tmp_path, method, config=None, *, clients=2, vectorize="off", keep_uploads=True, **kw):
+def make_sim(tmp_path, method, config=None, *, clients=2, new_clients=0, vectorize="off", keep_uploads=True, **kw):
     """A Simulation of ``pin_<method>`` on the toy federation: full-batch plain SGD at lr 0.1, every client every
     round (unless ``clients_per_round``), evaluation only after the last round."""
     run = dict(method=f"pin_{method}", num_rounds=20, eval_every=1000, batch_size=8, lr=LR, momentum=0.0,
@@ -114,7 +115,8 @@ def make_sim(tmp_path, method, config=None, *, clients=2, vectorize="off", keep_
                output_dir=str(tmp_path / f"{method}-{vectorize}"))
     run.update(kw)
     cfg = config if config is not None else PIN[method].Config()
-    return Simulation(RunArguments(**run), None, cfg, fed_data=federation(clients), keep_uploads=keep_uploads)
+    return Simulation(RunArguments(**run), None, cfg, fed_data=federation(clients, new_clients),
+                      keep_uploads=keep_uploads)
 
 
 PATHS = [pytest.param("off", True, id="sequential"), pytest.param("on", False, id="vectorized")]
@@ -525,3 +527,21 @@ def test_feddf_distills_from_the_weighted_average_and_the_uploaded_models(tmp_pa
     assert len(calls) == 1
     x = {**P(FEDAVG1), "b": torch.tensor(9.0, dtype=torch.float64)}
     close(sim.server_state["model"], state(lin((0.4, sgd(x, 0)), (0.6, sgd(x, 1)))))
+
+
+# ------------------------------------------------------------------------------------------------ new clients
+@pytest.mark.parametrize("method,start", [
+    ("fedavg", FEDAVG1),                                     # the global model
+    ("ditto", FEDAVG1),                                      # Ditto's global model (no personal v yet)
+    ("fedper", {"w": FEDAVG1["w"], "c": W0["c"], "b": W0["b"]}),   # global body, the initial head
+    ("local", W0),                                           # nothing global: the initial model
+])
+def test_new_client_fine_tunes_from_the_global_state(tmp_path, method, start):
+    """The baselines' new-client protocol: a held-out client (DATA[2]) starts from the round's global keys and the
+    initial private ones, and takes --new_client_epochs (2) SGD steps on its own data; the server state is untouched."""
+    sim = make_sim(tmp_path, method, new_clients=1, new_client_epochs=2)
+    sim.step()
+    before = {k: v.clone() for k, v in sim.server_state["model"].items()}
+    model = sim.algorithm.personalize_new_client(2, sim.server_state, sim.train_data(2), 1)
+    close({k: v.detach() for k, v in model.state_dict().items()}, state(sgd(P(start), 2, 2)))
+    close(sim.server_state["model"], before, atol=0)
