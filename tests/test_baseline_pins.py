@@ -43,7 +43,7 @@ from hfpfl.config import RunArguments
 from hfpfl.data.federated import ClientData, FederatedData
 from hfpfl.federated import vectorized
 from hfpfl.federated.engine import Simulation
-from hfpfl.federated.protocol import ServerHParams, WeightedSums, server_optimizer_step
+from hfpfl.federated.protocol import ServerHParams, Update, WeightedSums, server_optimizer_step
 from hfpfl.training import Metric
 
 LR = 0.1
@@ -545,3 +545,33 @@ def test_new_client_fine_tunes_from_the_global_state(tmp_path, method, start):
     model = sim.algorithm.personalize_new_client(2, sim.server_state, sim.train_data(2), 1)
     close({k: v.detach() for k, v in model.state_dict().items()}, state(sgd(P(start), 2, 2)))
     close(sim.server_state["model"], before, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ which path runs
+def test_methods_with_their_own_local_update_never_take_the_vectorized_path(tmp_path):
+    """``--vectorize on`` trains FedAvg, FedProx, FedPer, FedBN and Local-only in batched chunks (their defining terms
+    are pinned on both paths above); SCAFFOLD (correction), FedNova (a_i), Ditto (personal model) and FedRep (head
+    then body) train their own way and must fall back to the sequential loop, or their defining step would vanish."""
+    for method in ("fedavg", "fedprox", "fedper", "fedbn", "local", "fedavg_ft"):
+        assert vectorized.vectorize_reason(make_sim(tmp_path, method, vectorize="on")) is None, method
+    for method in ("scaffold", "fednova", "ditto", "fedrep"):
+        sim = make_sim(tmp_path, method, vectorize="on")
+        assert "trains its clients its own way" in vectorized.vectorize_reason(sim), method
+        assert not vectorized.should_vectorize(sim, [0, 1]), method
+
+
+def test_fednova_skips_a_non_finite_client(tmp_path, caplog):
+    """A client whose upload is NaN is left out and logged: with client 1 alone (p = 1, a = 3), x+ = x - 3 (x - y_1)/3
+    = y_1, the surviving client's model."""
+    sim = make_sim(tmp_path, "fednova")
+    algo = sim.algorithm
+    x = algo.init_server_state()
+    y1 = state(P(STEP1))
+    bad = {k: torch.full_like(v, float("nan")) for k, v in y1.items()}
+    a = {"a": torch.tensor([1.0], dtype=torch.float64)}
+    ups = [Update(0, {"model": bad, "fednova": a}, 2),
+           Update(1, {"model": y1, "fednova": {"a": torch.tensor([3.0], dtype=torch.float64)}}, 3)]
+    with caplog.at_level("WARNING", logger="hfpfl"):
+        out = algo.aggregate(x, ups, 1)
+    close(out["model"], y1)
+    assert "client 0 sent a non-finite update; skipped" in caplog.text
