@@ -575,3 +575,28 @@ def test_fednova_skips_a_non_finite_client(tmp_path, caplog):
         out = algo.aggregate(x, ups, 1)
     close(out["model"], y1)
     assert "client 0 sent a non-finite update; skipped" in caplog.text
+
+
+def test_fedbn_keep_optimizer_state_carries_each_clients_momentum_across_rounds(tmp_path):
+    """--keep_optimizer_state, momentum 0.5: client 1's BN shift beta has gradient mean(r c) = 2 * mean(2.949, -0.5,
+    -3.949) = -1 in round 1, so its momentum buffer leaves round 1 at -1 (beta = 0.1); round 2's step is then
+    lr * (0.5 * -1 + g_2) with g_2 the gradient at round 2's start (a fresh optimizer would step lr * g_2). The state
+    stays on the client."""
+    from hfpfl.algorithms.fedbn import FedBNConfig
+
+    sim = make_sim(tmp_path, "fedbn", FedBNConfig(keep_optimizer_state=True), momentum=0.5)
+    sim.step()
+    priv = sim.store.get(1)
+    assert priv["model"]["bn.bias"].item() == pytest.approx(0.1, abs=1e-6)
+    assert priv["optim"]["0:bn.bias.momentum_buffer"].item() == pytest.approx(-1.0, abs=1e-6)
+    g = sim.server_state["model"]
+    w, c, b = (g[k].double().flatten() for k in ("body.weight", "classifier.weight", "classifier.bias"))
+    gamma, beta = priv["model"]["bn.weight"].double(), priv["model"]["bn.bias"].double()
+    X, Y = (torch.tensor(v, dtype=torch.float64) for v in DATA[1])
+    h = X @ w
+    yhat = (h - h.mean()) / torch.sqrt(h.var(unbiased=False) + 1e-5)
+    g2 = ((c * (gamma * yhat + beta) + b - Y) * c).mean()
+    sim.step()
+    expected = beta - LR * (0.5 * -1.0 + g2)
+    assert sim.store.get(1)["model"]["bn.bias"].double().item() == pytest.approx(expected.item(), abs=1e-6)
+    assert set(sim.ledger.totals()["by_part"]) == {"model"}
