@@ -329,7 +329,7 @@ def test_scaffold_partial_participation_and_server_lr_against_the_paper(tmp_path
 # ------------------------------------------------------------------------------------------------ FedNova
 def test_fednova_normalizes_each_update_by_its_local_steps(tmp_path):
     """Client 0 takes tau_0 = 1 step, client 1 tau_1 = 3 (plain SGD: ||a_i||_1 = tau_i). p = (2/5, 3/5),
-    tau_eff = 0.4 * 1 + 0.6 * 3 = 2.2, x+ = x - 2.2 (0.4 (x - y_0) / 1 + 0.6 (x - y_1) / 3) (Wang et al. 2020, eq. 6);
+    tau_eff = 0.4 * 1 + 0.6 * 3 = 2.2, x+ = x - 2.2 (0.4 (x - y_0) / 1 + 0.6 (x - y_1) / 3) (Wang et al. 2020);
     the plain weighted mean (no normalization) would be x - (0.4 (x - y_0) + 0.6 (x - y_1)). What travels: the model
     and a (one float64, 8 bytes)."""
     sim = make_sim(tmp_path, "fednova")
@@ -346,7 +346,7 @@ def test_fednova_normalizes_each_update_by_its_local_steps(tmp_path):
 
 
 def test_fednova_with_momentum_uses_the_momentum_normalizer(tmp_path):
-    """Momentum 0.5, 3 local steps: ||a||_1 = sum_t (1 - 0.5^t) / 0.5 = 1 + 1.5 + 1.75 = 4.25 (paper, appendix)."""
+    """Momentum 0.5, 3 local steps: ||a||_1 = sum_t (1 - 0.5^t) / 0.5 = 1 + 1.5 + 1.75 = 4.25 (Wang et al. 2020, momentum SGD)."""
     sim = make_sim(tmp_path, "fednova", momentum=0.5, local_steps=3)
     sim.step()
     assert [u.upload["fednova"]["a"].item() for u in sim.last_updates] == [4.25, 4.25]
