@@ -268,7 +268,8 @@ def test_fedprox_adds_mu_times_the_distance_to_the_download(tmp_path, monkeypatc
         close(sim.last_updates[0].upload["model"], state(ys[0]))
         close(sim.last_updates[1].upload["model"], state(ys[1]))
     close(sim.server_state["model"], state(lin((0.4, ys[0]), (0.6, ys[1]))))
-    assert sim.ledger.totals()["by_part"] == {"model": {"bytes_down": 32, "bytes_up": 32}}   # the anchor is the download
+    # the anchor is the download itself: nothing more travels
+    assert sim.ledger.totals()["by_part"] == {"model": {"bytes_down": 32, "bytes_up": 32}}
 
 
 # ------------------------------------------------------------------------------------------------ SCAFFOLD
@@ -346,7 +347,8 @@ def test_fednova_normalizes_each_update_by_its_local_steps(tmp_path):
 
 
 def test_fednova_with_momentum_uses_the_momentum_normalizer(tmp_path):
-    """Momentum 0.5, 3 local steps: ||a||_1 = sum_t (1 - 0.5^t) / 0.5 = 1 + 1.5 + 1.75 = 4.25 (Wang et al. 2020, momentum SGD)."""
+    """Momentum 0.5, 3 local steps: ||a||_1 = sum_t (1 - 0.5^t) / 0.5 = 1 + 1.5 + 1.75 = 4.25 (Wang et al. 2020,
+    momentum SGD)."""
     sim = make_sim(tmp_path, "fednova", momentum=0.5, local_steps=3)
     sim.step()
     assert [u.upload["fednova"]["a"].item() for u in sim.last_updates] == [4.25, 4.25]
@@ -422,7 +424,8 @@ def test_fedrep_trains_the_head_first_then_the_body(tmp_path):
 # ------------------------------------------------------------------------------------------------ FedBN
 def _bn_step(i):
     """Client i's one step on the BN toy from W0 (BN at weight 1, bias 0, fresh statistics): the running statistics
-    (momentum 0.1, unbiased batch variance) and the BN affine's step (dL/dbeta = mean r c, dL/dgamma = mean r c yhat)."""
+    (momentum 0.1, unbiased batch variance) and the BN affine's step (dL/dbeta = mean r c,
+    dL/dgamma = mean r c yhat)."""
     X, Y = (torch.tensor(v, dtype=torch.float64) for v in DATA[i])
     h = X @ torch.tensor(W0["w"], dtype=torch.float64)
     mu, var = h.mean(), h.var(unbiased=False)

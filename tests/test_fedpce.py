@@ -217,8 +217,8 @@ def test_baselines_split_and_new_client_protocol(pce_sim, method, local, adapts)
 def test_run_results_and_budget_benchmark(pce_sim):
     """A one-round run reports exact bytes (each of the 4 clients receives and sends the shared weights once, nothing
     else travels) and, as the new client's accuracy, that of the new-client protocol's model (the global weights with
-    the client's own embedding adapted) on its test split; a budget keeps exactly min(k, available) training images per class of a new
-    client, the budget-1 images among the budget-2 ones."""
+    the client's own embedding adapted) on its test split; a budget keeps exactly min(k, available) training images
+    per class of a new client, the budget-1 images among the budget-2 ones."""
     from hfpfl.data.benchmarks import with_new_client_budget
     sim = pce_sim("fedpce")
     sim.args = sim.args.__class__(**{**sim.args.__dict__, "num_rounds": 1})
