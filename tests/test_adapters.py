@@ -154,15 +154,98 @@ def test_perada_parameter_counts_resnet18():
 
 
 def test_parallel_resnet26_payload_ratio():
+    """Rebuffi et al.'s ResNet-26 (stem 3x3 3->32; stages 64/128/256 x 4 basic blocks; parameter-free shortcuts; final
+    BN + linear) with a parallel 1x1 adapter beside each of its 25 3x3 convs, counted by hand:
+    3x3 convs: stem 9*3*32 = 864; stage 64: 9*32*64 + 7 * 9*64*64 = 276,480; stage 128: 9*64*128 + 7 * 9*128*128 =
+    1,105,920; stage 256: 9*128*256 + 7 * 9*256*256 = 4,423,680; sum 5,806,944. Adapters: the same with 1x1 = /9 =
+    645,216. BN channels 32 + 8*64 + 8*128 + 8*256 + 256 (final) = 3,872: affine 7,744, statistics 7,744. Linear 256*10
+    + 10 = 2,570. Trainable with adapters 645,216 + 7,744 + 2,570 = 655,530; full model 5,806,944 + 7,744 + 2,570 =
+    5,817,258; payloads with statistics 663,274 and 5,825,002 floats."""
     ref = rebuffi_resnet26_counts(num_labels=10)
-    assert (ref["base_convs"], ref["adapters"], ref["trainable"]) == (5_806_944, 645_216, 655_530)
-    assert round(ref["trainable_ratio"], 3) == 8.874 and round(ref["payload_ratio"], 3) == 8.782
-    assert abs(ref["full_mib"] - 22.2) < 0.05 and abs(ref["with_adapters_mib"] - 24.7) < 0.05
-    assert round(rebuffi_resnet26_counts(10, width=0.25)["trainable_ratio"], 3) == 8.518
-    # the same accounting, measured on transformers' closest ResNet-26 with the real tuner
+    assert ref["n_adapted_convs"] == 25
+    assert (ref["base_convs"], ref["adapters"], ref["bn_affine"], ref["fc"]) == (5_806_944, 645_216, 7_744, 2_570)
+    assert (ref["trainable"], ref["base"]) == (655_530, 5_817_258)
+    assert (ref["payload_floats"], ref["full_state_floats"]) == (663_274, 5_825_002)
+    assert ref["trainable_ratio"] == 5_817_258 / 655_530 and ref["payload_ratio"] == 5_825_002 / 663_274
+    assert ref["full_mib"] == 5_825_002 * 4 / 2**20 and ref["with_adapters_mib"] == (5_825_002 + 645_216) * 4 / 2**20
+    # width 0.25: channels 8/16/32/64: convs 9*(3*8 + 8*16 + 7*16*16 + 16*32 + 7*32*32 + 32*64 + 7*64*64) = 363,096;
+    # BN channels 8 + 128 + 256 + 512 + 64 = 968 (affine 1,936); linear 64*10 + 10 = 650
+    q = rebuffi_resnet26_counts(10, width=0.25)
+    assert q["base_convs"] == 363_096 and q["adapters"] == 40_344
+    assert q["trainable_ratio"] == (363_096 + 1_936 + 650) / (40_344 + 1_936 + 650)
+    # the same accounting on transformers' closest ResNet-26 (7x7 stride-2 stem, 1x1 conv + BN shortcuts at the start
+    # of each stage, no final BN), measured by the real tuner, against the same arithmetic: 5,864,490 parameters,
+    # 655,018 trainable (the stem's adapter is 3*32 as in Rebuffi's; shortcuts get none and keep their frozen BN)
+    convs3 = 9 * (32 * 64 + 7 * 64 * 64 + 64 * 128 + 7 * 128 * 128 + 128 * 256 + 7 * 256 * 256)   # 24 block convs
+    shortcuts = 32 * 64 + 64 * 128 + 128 * 256
+    bn_ch = 32 + 8 * 64 + 8 * 128 + 8 * 256 + (64 + 128 + 256)   # stem, 24 block convs, 3 shortcuts = 4,064
+    base = 49 * 3 * 32 + convs3 + shortcuts + 2 * bn_ch + 2_570
+    adapters = 3 * 32 + convs3 // 9                                  # the stem (7x7) and the 24 block convs
+    adapted_bn = 32 + 8 * 64 + 8 * 128 + 8 * 256                     # their BN copies (shortcuts stay frozen)
+    trainable = adapters + 2 * adapted_bn + 2_570
+    assert (base, trainable) == (5_864_490, 655_018)
     hf = count_parameters(resnet26_like_config(num_labels=10), ParallelAdapterConfig())
-    assert 8.5 <= hf["payload_ratio"] <= 9.1 and 8.5 <= hf["trainable_ratio"] <= 9.1
-    assert hf["communicated"] == hf["trainable"]
+    assert (hf["base"], hf["trainable"], hf["communicated"]) == (base, trainable, trainable)
+    assert hf["trainable_ratio"] == base / trainable
+    assert hf["payload_ratio"] == (base + 2 * bn_ch) / (trainable + 2 * adapted_bn)
+
+
+class _Unit(torch.nn.Module):
+    """One conv unit as transformers' ResNet has it (.convolution, .normalization, .activation), 1 channel."""
+
+    def __init__(self):
+        super().__init__()
+        self.convolution = torch.nn.Conv2d(1, 1, 3, padding=1, bias=False)
+        self.normalization = torch.nn.BatchNorm2d(1)
+        self.activation = torch.nn.ReLU()
+        with torch.no_grad():
+            self.convolution.weight.zero_()
+            self.convolution.weight[0, 0, 1, 1] = 3.0    # on a 1x1 input only the centre tap sees x: conv(x) = 3x
+
+    def forward(self, x):
+        return self.activation(self.normalization(self.convolution(x)))
+
+
+def _set_bn(bn, mean, var, weight, bias):
+    with torch.no_grad():
+        bn.running_mean.fill_(mean), bn.running_var.fill_(var), bn.weight.fill_(weight), bn.bias.fill_(bias)
+
+
+def _eps(v):
+    return (v + 1e-5) ** 0.5
+
+
+@pytest.mark.parametrize("kind", ["residual", "parallel"])
+def test_adapter_layer_forward_by_hand(kind):
+    """x = 2 on a 1x1 map, conv(x) = 3x = 6, the unit's trainable BN copy (mean 1, var 4, gamma 2, beta 0.5) replacing
+    the pretrained BN (mean 0, var 1, gamma 1, beta 0), ReLU, eval mode.
+    Residual (PerAda): h = 6 + A * BN_a(6) with A = 0.5, BN_a (mean 2, var 1): h = 6 + 0.5 * 4 = 8 -> (8 - 1)/2 * 2 +
+    0.5 = 7.5. Parallel (Rebuffi): h = 6 + a * x with a = 0.5: 7 -> (7 - 1)/2 * 2 + 0.5 = 6.5."""
+    from hfpfl.models.adapters import ParallelAdapterLayer
+
+    layer = (ResidualAdapterLayer if kind == "residual" else ParallelAdapterLayer)(_Unit())
+    cfg = ResidualAdapterConfig(dropout=0.0) if kind == "residual" else ParallelAdapterConfig()
+    layer.update_layer("default", cfg, with_adapter=True)
+    layer.set_adapter("default")
+    _set_bn(layer.base_layer.normalization, 0.0, 1.0, 1.0, 0.0)
+    _set_bn(layer._norm_dict()["default"], 1.0, 4.0, 2.0, 0.5)
+    with torch.no_grad():
+        layer._conv_dict()["default"].weight.fill_(0.5)
+    if kind == "residual":
+        _set_bn(layer.radapter_bn["default"], 2.0, 1.0, 1.0, 0.0)
+        h = 6 + 0.5 * (6 - 2) / _eps(1.0)
+    else:
+        h = 6 + 0.5 * 2
+    expected = (h - 1) / _eps(4.0) * 2 + 0.5                  # 7.5 / 6.5
+    assert expected == pytest.approx(7.5 if kind == "residual" else 6.5, abs=1e-4)
+    layer.eval()
+    with torch.no_grad():
+        out = layer(torch.full((1, 1, 1, 1), 2.0))
+    torch.testing.assert_close(out, torch.full((1, 1, 1, 1), expected), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        layer.disabled = True                                 # adapter off: the pretrained unit, (6 - 0)/1 * 1 + 0
+        torch.testing.assert_close(layer(torch.full((1, 1, 1, 1), 2.0)),
+                                   torch.full((1, 1, 1, 1), 6 / _eps(1.0)), rtol=0, atol=1e-6)
 
 
 def test_merge_parallel_equals_unmerged():

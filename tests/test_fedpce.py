@@ -4,7 +4,6 @@ new-client adaptation training exactly the E numbers with every global tensor bi
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hfpfl.algorithms import get_algorithm
 from hfpfl.algorithms.base import MODEL, OPTIM, PRIVATE
@@ -70,12 +69,60 @@ def test_conditional_norm_by_hand_and_save_pretrained_roundtrip(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
+def test_conditional_norm_affine_from_the_embedding_by_hand():
+    """Eq. 3-4 with known numbers: E = 2, hidden 2, C = 2 channels. v = (2, 3); first layer W1 = [[1, 0], [0, -1]],
+    b1 = (0, 0.5): relu((2, -2.5)) = (2, 0); second layer (output ordered beta, gamma - 1) rows (0.5, 1), (-0.25, 1),
+    (0.1, 1), (0.2, 1), bias (0.1, 0, -0.2, 0): (1.1, -0.5, 0, 0.4), so beta = (1.1, -0.5), gamma = (1, 1.4).
+    Instance norm (4-D): channel 0 (1, 3) -> (-1, 1) * 1 + 1.1 = (0.1, 2.1); channel 1 (0, 4) -> (-1, 1) * 1.4 - 0.5 =
+    (-1.9, 0.9). Head norm (2-D, over the features): (1, 3) -> (-1, 1) * (1, 1.4) + (1.1, -0.5) = (0.1, 0.9)."""
+    cfg = CondNormResNetConfig(num_labels=3, embedding_dim=2, mlp_hidden=2)
+    layer = CondNorm(2, cfg)
+    with torch.no_grad():
+        layer.mlp[0].weight.copy_(torch.tensor([[1.0, 0.0], [0.0, -1.0]]))
+        layer.mlp[0].bias.copy_(torch.tensor([0.0, 0.5]))
+        layer.mlp[2].weight.copy_(torch.tensor([[0.5, 1.0], [-0.25, 1.0], [0.1, 1.0], [0.2, 1.0]]))
+        layer.mlp[2].bias.copy_(torch.tensor([0.1, 0.0, -0.2, 0.0]))
+    v = torch.tensor([2.0, 3.0])
+    gamma, beta = layer.affine(v)
+    torch.testing.assert_close(gamma, torch.tensor([1.0, 1.4]))
+    torch.testing.assert_close(beta, torch.tensor([1.1, -0.5]))
+    s1, s2 = (1 + 1e-5) ** -0.5, 2 * (4 + 1e-5) ** -0.5     # |x - mean| / sqrt(var + eps): spreads +-1, +-2
+    x = torch.tensor([[[[1.0, 3.0]], [[0.0, 4.0]]]])           # [1, C=2, 1, 2]
+    with torch.no_grad():
+        out = layer(x, v)
+        head = layer(torch.tensor([[1.0, 3.0]]), v)
+    torch.testing.assert_close(out, torch.tensor([[[[1.1 - s1, 1.1 + s1]], [[-0.5 - 1.4 * s2, -0.5 + 1.4 * s2]]]]),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(head, torch.tensor([[1.1 - s1, -0.5 + 1.4 * s1]]), atol=1e-6, rtol=0)
+
+
+def test_every_norm_layer_reads_the_clients_embedding():
+    """Each CondNorm of the network (stem, both norms of every block, every shortcut norm, the head norm) is called
+    with the model's own client embedding (the tensor the engine swaps per client), nothing else."""
+    cfg = CondNormResNetConfig(num_labels=3, hidden_sizes=[4, 4, 8, 8], depths=[1, 1, 1, 1], embedding_dim=4,
+                               mlp_hidden=3)
+    model = CondNormResNetForImageClassification(cfg)
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen[name] = args[1]
+        return hook
+
+    for name, m in model.norm_layers():
+        m.register_forward_pre_hook(record(name))
+    model(pixel_values=torch.randn(2, 3, 16, 16))
+    names = [n for n, _ in model.norm_layers()]
+    assert len(names) == 1 + 2 * 4 + 3 + 1                      # stem, 4 blocks x 2, 3 shortcuts, head
+    assert sorted(seen) == sorted(names) and all(v is model.client_embedding for v in seen.values())
+
+
 @pytest.fixture
 def pce_sim(run_sim):
-    def _make(method="fedpce", **kw):
+    def _make(method="fedpce", local_steps=2, **kw):
         cfg = get_algorithm(method).Config(**{**TINY, **kw})
         return run_sim(method, method_config=cfg, run=False, optimizer="adam", lr=1e-3, weight_decay=1e-4,
-                       local_steps=2, output_dir=method)[0]
+                       local_steps=local_steps, output_dir=method)[0]
     return _make
 
 
@@ -86,20 +133,14 @@ def test_embeddings_never_travel_and_payload_bytes(pce_sim):
     assert torch.equal(algo.init_private_state(0)[MODEL][EMBEDDING_KEY], torch.tensor([1.0, 0.0]))
     assert torch.equal(algo.init_private_state(1)[MODEL][EMBEDDING_KEY], torch.tensor([0.0, 1.0]))
     assert torch.equal(algo.init_private_state(3)[MODEL][EMBEDDING_KEY], torch.zeros(2))
-    server = sim.algorithm.init_server_state()
     sim.step()
     shared = {n: p for n, p in sim.model.named_parameters() if n != EMBEDDING_KEY}
     expect = sum(p.numel() * p.element_size() for p in shared.values())
-    embs = []
     for u in sim.last_updates:
         assert set(u.upload) == {MODEL} and set(u.upload[MODEL]) == set(shared)       # no embedding travels
         assert sum(t.numel() * t.element_size() for t in u.upload[MODEL].values()) == expect
         priv = sim.store.get(u.client_id)
         assert set(priv[MODEL]) == {EMBEDDING_KEY} and priv[OPTIM]                   # Adam moments kept per client
-        embs.append(priv[MODEL][EMBEDDING_KEY])
-        assert u.upload[MODEL] and any(not torch.equal(u.upload[MODEL][k], server[MODEL][k]) for k in shared)
-    assert not torch.equal(embs[2], torch.zeros(2))        # zero-initialised embeddings still receive gradients
-    assert len({tuple(e.tolist()) for e in embs}) == 4      # embeddings stay distinct
     # unweighted mean (1/N) of the uploads, whatever the client sizes
     mean = {k: torch.stack([u.upload[MODEL][k].double() for u in sim.last_updates]).mean(0) for k in shared}
     assert all(torch.allclose(sim.server_state[MODEL][k].double(), mean[k], atol=1e-6) for k in shared)
@@ -108,6 +149,28 @@ def test_embeddings_never_travel_and_payload_bytes(pce_sim):
     st = sim.store.get(0)[OPTIM]
     steps = [v for k, v in st.items() if k.endswith(".step")]
     assert steps and all(float(s) == 4.0 for s in steps)
+
+
+def test_first_adam_step_moves_every_group_by_its_learning_rate(pce_sim):
+    """One local Adam step (bias-corrected, its step is lr * g / |g| per coordinate) in round 1, where the cosine is at
+    its start: every coordinate of every client's embedding moves by lr_embedding = 0.1 (also the zero-initialised
+    v of clients 2 and 3: E = 2 < 4 clients), the MLP weights by lr_mlp = 0.01, the other weights by --lr = 0.001
+    (median over a tensor's coordinates: a coordinate whose gradient is ~0 moves less)."""
+    sim = pce_sim("fedpce", local_steps=1, embedding_dim=2)
+    x0 = sim.algorithm.init_server_state()[MODEL]
+    sim.step()
+    for c in range(4):
+        e0 = sim.algorithm.init_private_state(c)[MODEL][EMBEDDING_KEY]
+        e1 = sim.store.get(c)[MODEL][EMBEDDING_KEY]
+        torch.testing.assert_close((e1 - e0).abs(), torch.full_like(e0, 0.1), atol=1e-5, rtol=0)
+    up = next(u for u in sim.last_updates if u.client_id == 0).upload[MODEL]
+    params = dict(sim.model.named_parameters())
+    for k in up:
+        if k not in params:
+            continue
+        lr = 0.01 if ".mlp." in k else 1e-3
+        moved = (up[k] - x0[k]).abs()
+        assert torch.allclose(moved.median(), torch.tensor(lr), rtol=1e-3), (k, moved.median())
 
 
 def test_new_client_trains_exactly_the_embedding(pce_sim):
@@ -152,15 +215,28 @@ def test_baselines_split_and_new_client_protocol(pce_sim, method, local, adapts)
 
 
 def test_run_results_and_budget_benchmark(pce_sim):
+    """A one-round run reports exact bytes (each of the 4 clients receives and sends the shared weights once, nothing
+    else travels) and, as the new client's accuracy, that of the new-client protocol's model (the global weights with
+    the client's own embedding adapted) on its test split; a budget keeps exactly min(k, available) training images
+    per class of a new client, the budget-1 images among the budget-2 ones."""
     from hfpfl.data.benchmarks import with_new_client_budget
     sim = pce_sim("fedpce")
     sim.args = sim.args.__class__(**{**sim.args.__dict__, "num_rounds": 1})
     res = sim.run()
-    assert "new_client_accuracy" in res and res["communication"]["by_part"]
-    fed = with_new_client_budget(sim.data, 2, seed=0)
-    c = fed.new_clients[0]
-    counts = np.bincount(np.asarray(c.train.with_format(None)["labels"]), minlength=10)
-    assert counts.max() <= 2 and len(c.test) == len(sim.data.new_clients[0].test)
+    shared = sum(p.numel() * p.element_size() for n, p in sim.model.named_parameters() if n != EMBEDDING_KEY)
+    assert res["communication"]["by_part"] == {"model": {"bytes_down": 4 * shared, "bytes_up": 4 * shared}}
+    cid = sim.num_clients
+    model = sim.algorithm.personalize_new_client(cid, sim.server_state, sim.train_data(cid), 1)
+    assert res["new_client_accuracy"] == {str(cid): sim.ctx.evaluate(model, sim.test_data(cid))["accuracy"]}
+    labels = np.asarray(sim.data.new_clients[0].train.with_format(None)["labels"])
+    available = np.bincount(labels, minlength=10)
+    rows = {}
+    for k in (1, 2):
+        c = with_new_client_budget(sim.data, k, seed=0).new_clients[0]
+        counts = np.bincount(np.asarray(c.train.with_format(None)["labels"]), minlength=10)
+        assert counts.tolist() == np.minimum(available, k).tolist() and len(c.test) == len(sim.data.new_clients[0].test)
+        rows[k] = {np.asarray(x).tobytes() for x in c.train.with_format(None)["pixel_values"]}
+    assert rows[1] <= rows[2]
 
 
 def test_resume_after_interruption_equals_straight_run(pce_sim, run_sim):

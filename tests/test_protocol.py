@@ -13,7 +13,7 @@ from torch import nn
 from transformers.modeling_outputs import ImageClassifierOutput
 
 from hfpfl.algorithms import register
-from hfpfl.algorithms.base import MODEL, OPTIM, PRIVATE, HParams, NonFiniteError, Update, weighted_average
+from hfpfl.algorithms.base import MODEL, OPTIM, PRIVATE, HParams, NonFiniteError, Update
 from hfpfl.algorithms.fedavg import FedAvg
 from hfpfl.federated.protocol import dropout_rate
 from hfpfl.training import SoftTargetAccuracy, TensorData, evaluate, iterate_batches, train_local
@@ -194,7 +194,9 @@ def test_server_optimizer_matches_fedopt_by_hand(run_sim):
     for r in (1, 2, 3):
         sim.step()
         ups = sim.last_updates
-        mean = weighted_average([u.upload[MODEL] for u in ups], [u.num_samples for u in ups])
+        n = [u.num_samples for u in ups]  # the sample-weighted mean, written out (float64, stored as float32)
+        mean = {k: (sum(ni * u.upload[MODEL][k].double() for ni, u in zip(n, ups)) / sum(n)).float()
+                for k in ups[0].upload[MODEL] if ups[0].upload[MODEL][k].is_floating_point()}
         for k in x:
             d = x[k] - mean[k].double()
             buf[k] = 0.9 * buf[k] + d if k in buf else d
