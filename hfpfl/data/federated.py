@@ -12,7 +12,7 @@ from datasets import Dataset
 
 from ..options import Check, at_least, in_range, one_of, positive, validate
 from .partition import PARTITIONS, partition_dataset
-from .sources import check_source_name, load_source
+from .sources import check_degradations, check_source_name, load_source
 from .transforms import DEGRADATIONS, to_model_inputs
 
 
@@ -108,6 +108,7 @@ class DataArguments:
             raise ValueError(f"--partition must be one of {', '.join(PARTITIONS)}, got {self.partition!r}"
                              + (f" (did you mean {close[0]!r}?)" if close else ""))
         check_source_name(self.dataset)   # a misspelt '+degradation' is blamed, not the source
+        check_degradations(self.degradations)   # the same rule as the declared check, with a did-you-mean
         validate(self)
         if self.test_fraction + self.val_fraction >= 1:
             raise ValueError(f"--test_fraction + --val_fraction must be < 1 (no training data left), got "

@@ -557,6 +557,26 @@ def check_source_name(name: str, option: str = "--dataset") -> None:
         base = head
 
 
+def check_degradations(value: str | None, option: str = "--degradations") -> None:
+    """A comma-separated list of ``kind[:severity]``: an unknown kind (with a did-you-mean) or a severity outside 1..5
+    is one ValueError line naming ``option``."""
+    import difflib
+
+    from .transforms import DEGRADATIONS
+
+    for tok in str(value or "").split(","):
+        kind, colon, sev = tok.strip().partition(":")
+        if not tok.strip():
+            continue
+        if kind not in DEGRADATIONS:
+            close = difflib.get_close_matches(kind, DEGRADATIONS, n=1, cutoff=0.6)
+            raise ValueError(f"{option}: unknown degradation {kind!r}; expected some of {', '.join(DEGRADATIONS)}, "
+                             f"each optionally ':severity' 1-5" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if colon and not (sev.isdigit() and 1 <= int(sev) <= 5):
+            raise ValueError(f"{option}: the severity of {kind!r} must be a whole number 1-5 (e.g. '{kind}:3'), "
+                             f"got {sev!r}")
+
+
 def _unknown(name: str) -> ValueError:
     return ValueError(
         f"unknown source {name!r}. Built-in offline sources: {sorted(SOURCES)}; also a Hub dataset id "
