@@ -24,9 +24,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..options import at_least, in_range, number_list, one_of, positive, validate
 from ..models.basis import BasisCombinedModel, resnet_groups
 from ..models.cond_norm_resnet import CondNormResNetConfig, CondNormResNetForImageClassification
+from ..options import at_least, in_range, number_list, one_of, positive, validate
 from .base import GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 
 ANCHOR = "anchor"

@@ -29,9 +29,9 @@ from typing import ClassVar
 
 import torch
 
-from ..options import at_least, non_negative, number_list, one_of, positive, validate
 from ..models.cond_norm_resnet import EMBEDDING_KEY, CondNorm, CondNormResNetConfig, \
     CondNormResNetForImageClassification
+from ..options import at_least, non_negative, number_list, one_of, positive, validate
 from .base import GLOBAL, MODEL, OPTIM, PRIVATE, Algorithm, Update, register
 from .fedprox import proximal_term
 

@@ -28,8 +28,7 @@ from . import checkpoint as ckpt
 from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
 from .distributed import Ownership, all_gather, barrier, broadcast_from_main, evaluate_sharded, gather_to_main
 from .protocol import (FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, HParams, MethodContext, NonFiniteError,
-                       ServerHParams, Update, WeightedSums, all_finite, get_algorithm,
-                       step_size_hint)
+                       ServerHParams, Update, WeightedSums, all_finite, get_algorithm, step_size_hint)
 from .state import ClientStateStore, snapshot
 
 logger = logging.getLogger("hfpfl")
