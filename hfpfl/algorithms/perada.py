@@ -60,6 +60,14 @@ class PerAdaConfig(KDConfig):
     #: the options that set the step size of what this method trains (named when training diverges; --lr always is)
     STEP_SIZES: ClassVar[dict[str, str]] = {"lam": "lower", "kd_lr": "lower"}
 
+    def __post_init__(self):
+        if self.eval_corrupted is not None:   # the declared check's rule, with parse_corruption's exact reason
+            try:
+                parse_corruption(self.eval_corrupted)
+            except ValueError as e:
+                raise ValueError(f"--eval_corrupted: {e}") from None
+        super().__post_init__()
+
 
 def _is_corruption(spec) -> bool:
     try:
