@@ -24,8 +24,8 @@ def _degradations_ok(value) -> bool:
     return True
 
 
-_ALPHA = Check(lambda v: positive().ok(v),
-               "a finite number > 0 (small = skewed labels, large = near-IID; for IID clients use --partition iid)")
+_ALPHA = positive()._replace(
+    allowed="a finite number > 0 (small = skewed labels, large = near-IID; for IID clients use --partition iid)")
 _DEGRADATIONS = Check(_degradations_ok, f"comma-separated degradations, each one of {', '.join(DEGRADATIONS)} with "
                                         f"an optional ':severity' 1-5 (e.g. 'noise,rotation:5')")
 
