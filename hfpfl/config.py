@@ -17,9 +17,34 @@ from pathlib import Path
 import yaml
 
 from .launch import DEFAULT_NUM_PROCESSES, ENV_NUM_PROCESSES, env_num_processes
+from .options import Check, at_least, in_range, non_negative, one_of, positive, validate
 
 
 ADAPTERS = ("none", "lora", "residual", "parallel")
+REPORT_TO = ("none", "tensorboard", "all", "wandb", "mlflow", "comet_ml")
+
+
+def _says(check: Check, allowed: str) -> Check:
+    """``check`` with its own words for what is allowed (the fix the error line says)."""
+    return check._replace(allowed=allowed)
+
+
+def _or_none(check: Check) -> Check:
+    return _says(check, f"{check.allowed} (or None)")
+
+
+def _eval_clients_ok(v) -> bool:
+    return _finite(v) and v > 0 and (v < 1 or float(v).is_integer())
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_SEED = Check(lambda v: _finite(v) and 0 <= v < 2**32, "in [0, 2**32)")
+_EVAL_CLIENTS = Check(_eval_clients_ok, "a whole number >= 1 or a fraction in (0, 1) (or None = all)")
+_NUM_PROCESSES = Check(lambda v: v == "auto" or (str(v).isdigit() and int(v) >= 1), "auto or a whole number >= 1")
+_REPORT_TO = Check(lambda v: v in REPORT_TO, "none, tensorboard or all")
 
 
 @dataclass
@@ -27,43 +52,43 @@ class RunArguments:
     method: str = field(default="fedavg", metadata={"help": "Method or baseline to run (see `hfpfl methods`)."})
     model: str = field(default="tiny-resnet", metadata={
         "help": "Model: a built-in tiny config (tiny-resnet, tiny-vit), a Hub repo id (microsoft/resnet-18) or a local path."})
-    adapter: str = field(default="none", metadata={
+    adapter: str = field(default="none", metadata={"check": one_of(*ADAPTERS),
         "help": "Parameter-efficient tuning of a frozen backbone: none | lora (peft LoRA on attention / convs) | "
                 "residual (PerAda residual adapters, ResNet) | parallel (parallel 1x1 adapters, ResNet). Only adapters, "
                 "their BatchNorms and the head train and travel."})
-    lora_r: int = field(default=4, metadata={"help": "LoRA rank when --adapter lora."})
+    lora_r: int = field(default=4, metadata={"check": at_least(1), "help": "LoRA rank when --adapter lora."})
     output_dir: str | None = field(default=None, metadata={
         "help": "Where config, checkpoints, results.json and plots go (default: outputs/<recipe>-<timestamp>)."})
     overwrite_output_dir: bool = field(default=False, metadata={"help": "Allow reusing an output_dir that holds a finished run."})
-    seed: int = field(default=0, metadata={"help": "Seed for model init, data partition, client sampling and local training."})
-    num_rounds: int = field(default=10, metadata={"help": "Communication rounds."})
-    clients_per_round: int | None = field(default=None, metadata={"help": "Clients sampled per round (overrides client_fraction)."})
-    client_fraction: float = field(default=1.0, metadata={"help": "Fraction of clients sampled per round."})
-    local_epochs: int = field(default=1, metadata={"help": "Local epochs per round."})
-    local_steps: int | None = field(default=None, metadata={"help": "Exact local steps per round (overrides local_epochs)."})
-    batch_size: int = field(default=32, metadata={"help": "Local training batch size."})
-    lr: float = field(default=0.05, metadata={"help": "Local learning rate."})
-    optimizer: str = field(default="sgd", metadata={"help": "Local optimizer: sgd | adam | adamw."})
-    momentum: float = field(default=0.9, metadata={"help": "SGD momentum (fresh optimizer every round)."})
-    weight_decay: float = field(default=0.0, metadata={"help": "Weight decay."})
-    dropout: float | None = field(default=None, metadata={
+    seed: int = field(default=0, metadata={"check": _SEED, "help": "Seed for model init, data partition, client sampling and local training."})
+    num_rounds: int = field(default=10, metadata={"check": at_least(1), "help": "Communication rounds."})
+    clients_per_round: int | None = field(default=None, metadata={"check": _or_none(at_least(1)), "help": "Clients sampled per round (overrides client_fraction)."})
+    client_fraction: float = field(default=1.0, metadata={"check": in_range(0, 1, low_open=True), "help": "Fraction of clients sampled per round."})
+    local_epochs: int = field(default=1, metadata={"check": at_least(1), "help": "Local epochs per round."})
+    local_steps: int | None = field(default=None, metadata={"check": _or_none(at_least(1)), "help": "Exact local steps per round (overrides local_epochs)."})
+    batch_size: int = field(default=32, metadata={"check": at_least(1), "help": "Local training batch size."})
+    lr: float = field(default=0.05, metadata={"check": positive(), "help": "Local learning rate."})
+    optimizer: str = field(default="sgd", metadata={"check": one_of("sgd", "adam", "adamw"), "help": "Local optimizer: sgd | adam | adamw."})
+    momentum: float = field(default=0.9, metadata={"check": in_range(0, 1, high_open=True), "help": "SGD momentum (fresh optimizer every round)."})
+    weight_decay: float = field(default=0.0, metadata={"check": non_negative(), "help": "Weight decay."})
+    dropout: float | None = field(default=None, metadata={"check": _or_none(in_range(0, 1, high_open=True)),
         "help": "Dropout rate for every nn.Dropout during local training (default: the model's own)."})
-    server_lr: float = field(default=1.0, metadata={
+    server_lr: float = field(default=1.0, metadata={"check": positive(),
         "help": "Server optimizer (FedOpt) learning rate on the pseudo-gradient x - mean(uploads); 1 with "
                 "server_momentum 0 is FedAvg."})
-    server_momentum: float = field(default=0.0, metadata={"help": "Server optimizer momentum (FedAvgM)."})
-    server_lr_decay: float = field(default=1.0, metadata={"help": "Server lr multiplied by this every round."})
-    eval_every: int = field(default=1, metadata={"help": "Evaluate every N rounds (and always after the last)."})
-    eval_clients: float | None = field(default=None, metadata={
+    server_momentum: float = field(default=0.0, metadata={"check": in_range(0, 1, high_open=True), "help": "Server optimizer momentum (FedAvgM)."})
+    server_lr_decay: float = field(default=1.0, metadata={"check": in_range(0, 1, low_open=True), "help": "Server lr multiplied by this every round."})
+    eval_every: int = field(default=1, metadata={"check": at_least(1), "help": "Evaluate every N rounds (and always after the last)."})
+    eval_clients: float | None = field(default=None, metadata={"check": _EVAL_CLIENTS,
         "help": "Clients evaluated at the evaluations before the last: N (>= 1) clients or a fraction in (0, 1), "
                 "drawn per round from the seed; default all. The final evaluation always scores every client."})
-    eval_batch_size: int = field(default=256, metadata={"help": "Evaluation batch size."})
+    eval_batch_size: int = field(default=256, metadata={"check": at_least(1), "help": "Evaluation batch size."})
     vectorize: str = field(default="auto", metadata={
         "help": "Train the sampled clients of a round together in batched (torch.func.vmap) calls: auto (when the "
                 "method's local update can be vectorized and the model is small enough to be overhead-bound) | on "
                 "(whenever the method can be vectorized) | off. Same numbers either way (float tolerance).",
         "choices": ["auto", "on", "off"]})
-    vector_chunk_mb: float | None = field(default=None, metadata={
+    vector_chunk_mb: float | None = field(default=None, metadata={"check": _says(positive(), "> 0 (or left unset: 64 on the CPU, 256 on an accelerator)"),
         "help": "Most MiB of stacked client state (parameters, gradients, optimizer state) per vectorized chunk: "
                 "fewer clients per batched call, lower peak memory (the chunk is most of a vectorized round's peak). "
                 "Default: 64 on the CPU, 256 on an accelerator (more clients per call keep a GPU busy). Same "
@@ -75,24 +100,24 @@ class RunArguments:
                 "ResNet the published tables were run with, keep the contiguous format and reproduce them bit for "
                 "bit) | on | off. Results differ from off in their last float bits.",
         "choices": ["auto", "on", "off"]})
-    max_state_mb: float = field(default=2048.0, metadata={
+    max_state_mb: float = field(default=2048.0, metadata={"check": _says(non_negative(), ">= 0 (0 = no cap)"),
         "help": "Most MiB of client private state (adapters, heads, optimizer state) kept in memory; the least "
                 "recently used clients' states beyond it are written to <output_dir>/client_states/*.safetensors "
                 "and read back when needed (0 = no cap, everything in memory)."})
-    data_cache_mb: float = field(default=1024.0, metadata={
+    data_cache_mb: float = field(default=1024.0, metadata={"check": _says(non_negative(), ">= 0 (0 = no cap)"),
         "help": "Most MiB of client tensors kept in memory (images as uint8), one copy per split (clients that share "
                 "a Dataset share it); the least recently used splits are converted again when needed (0 = no cap)."})
-    new_client_epochs: int = field(default=3, metadata={"help": "Fine-tuning epochs for held-out new clients."})
-    checkpoint_every: int = field(default=1, metadata={"help": "Checkpoint every N rounds (0 = never)."})
-    keep_checkpoints: int = field(default=2, metadata={"help": "How many round checkpoints to keep."})
+    new_client_epochs: int = field(default=3, metadata={"check": at_least(0), "help": "Fine-tuning epochs for held-out new clients."})
+    checkpoint_every: int = field(default=1, metadata={"check": _says(at_least(0), ">= 0 (0 = never)"), "help": "Checkpoint every N rounds (0 = never)."})
+    keep_checkpoints: int = field(default=2, metadata={"check": at_least(1), "help": "How many round checkpoints to keep."})
     resume_from_checkpoint: str | None = field(default=None, metadata={
         "help": "Resume: 'latest' or a path to a round checkpoint directory."})
-    num_threads: int = field(default=1, metadata={"help": "torch intra-op threads per process (1 is fastest on small boxes)."})
+    num_threads: int = field(default=1, metadata={"check": at_least(1), "help": "torch intra-op threads per process (1 is fastest on small boxes)."})
     deterministic: bool = field(default=True, metadata={
         "help": "On a CUDA device: deterministic cuDNN/cuBLAS kernels and no TF32, so that the same seed gives the same "
                 "numbers (and the vectorized and sequential paths agree to float32 precision). False = cuDNN autotuning "
                 "and TF32 (faster; results then vary in their last bits). No effect on the CPU."})
-    num_processes: str = field(default=DEFAULT_NUM_PROCESSES, metadata={
+    num_processes: str = field(default=DEFAULT_NUM_PROCESSES, metadata={"check": _NUM_PROCESSES,
         "help": "Processes to shard the clients over when the recipe is started with plain python: N, or auto (where "
                 "it pays: one per GPU, or on the CPU one per idle core, at most one per client per round, and one "
                 "process for runs under 20 client updates, rounds x clients per round; the choice is printed in one "
@@ -100,52 +125,14 @@ class RunArguments:
                 "same numbers as one process (the upload sums are exact in practice). Default: the environment variable "
                 f"{ENV_NUM_PROCESSES} if set, else {DEFAULT_NUM_PROCESSES}. Under accelerate launch the launcher's "
                 "--num_processes wins."})
-    report_to: str = field(default="none", metadata={"help": "Accelerate trackers: none | tensorboard | all."})
+    report_to: str = field(default="none", metadata={"check": _REPORT_TO, "help": "Accelerate trackers: none | tensorboard | all."})
     progress: bool = field(default=True, metadata={"help": "Show tqdm progress bars (only when stderr is a terminal; "
                                                            "the plain per-round lines are always printed)."})
     random_backbone_ok: bool = field(default=False, metadata={
         "help": "Silence the warning for --adapter on a randomly initialised (not pretrained) frozen backbone."})
 
     def __post_init__(self):
-        check_options(self, [
-            ("num_rounds", self.num_rounds >= 1, ">= 1"),
-            ("seed", 0 <= self.seed < 2**32, "in [0, 2**32)"),
-            ("client_fraction", 0 < self.client_fraction <= 1, "in (0, 1]"),
-            ("clients_per_round", self.clients_per_round is None or self.clients_per_round >= 1, ">= 1 (or None)"),
-            ("local_epochs", self.local_epochs >= 1, ">= 1"),
-            ("local_steps", self.local_steps is None or self.local_steps >= 1, ">= 1 (or None)"),
-            ("batch_size", self.batch_size >= 1, ">= 1"),
-            ("lr", self.lr > 0 and math.isfinite(self.lr), "> 0 and finite"),
-            ("momentum", 0 <= self.momentum < 1, "in [0, 1)"),
-            ("weight_decay", self.weight_decay >= 0, ">= 0"),
-            ("eval_every", self.eval_every >= 1, ">= 1"),
-            ("eval_batch_size", self.eval_batch_size >= 1, ">= 1"),
-            ("eval_clients", self.eval_clients is None or (self.eval_clients > 0 and (self.eval_clients < 1 or
-                                                                                      float(self.eval_clients).is_integer())),
-             "a whole number >= 1 or a fraction in (0, 1) (or None = all)"),
-            ("vectorize", self.vectorize in ("auto", "on", "off"), "one of auto, on, off"),
-            ("vector_chunk_mb", self.vector_chunk_mb is None or self.vector_chunk_mb > 0,
-             "> 0 (or left unset: 64 on the CPU, 256 on an accelerator)"),
-            ("channels_last", self.channels_last in ("auto", "on", "off"), "one of auto, on, off"),
-            ("data_cache_mb", self.data_cache_mb >= 0, ">= 0 (0 = no cap)"),
-            ("max_state_mb", self.max_state_mb >= 0, ">= 0 (0 = no cap)"),
-            ("new_client_epochs", self.new_client_epochs >= 0, ">= 0"),
-            ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)"),
-            ("keep_checkpoints", self.keep_checkpoints >= 1, ">= 1"),
-            ("num_threads", self.num_threads >= 1, ">= 1"),
-            ("num_processes", self.num_processes == "auto" or (str(self.num_processes).isdigit()
-                                                              and int(self.num_processes) >= 1),
-             "auto or a whole number >= 1"),
-            ("adapter", self.adapter in ADAPTERS, f"one of {', '.join(ADAPTERS)}"),
-            ("lora_r", self.lora_r >= 1, ">= 1"),
-            ("optimizer", self.optimizer in ("sgd", "adam", "adamw"), "one of sgd, adam, adamw"),
-            ("report_to", self.report_to in ("none", "tensorboard", "all", "wandb", "mlflow", "comet_ml"),
-             "none, tensorboard or all"),
-            ("dropout", self.dropout is None or 0 <= self.dropout < 1, "in [0, 1) (or None)"),
-            ("server_lr", self.server_lr > 0 and math.isfinite(self.server_lr), "> 0 and finite"),
-            ("server_momentum", 0 <= self.server_momentum < 1, "in [0, 1)"),
-            ("server_lr_decay", 0 < self.server_lr_decay <= 1, "in (0, 1]"),
-        ])
+        validate(self)   # the checks each field declares (hfpfl.options); no option here depends on another
 
 
 #: text options whose values include the words on / off (``vectorize: off`` in a YAML file arrives as False)

@@ -23,7 +23,7 @@ RECIPE_DEFAULTS = {"model": "tiny-mlp", "dataset": "usps", "partition": "dirichl
 
 
 def main(argv=None):
-    from transformers import HfArgumentParser
+    from hfpfl.config import _OptionParser as HfArgumentParser  # leaves the declared checks out of argparse
 
     from hfpfl.algorithms import get_algorithm
     from hfpfl.config import RunArguments, load_config_file

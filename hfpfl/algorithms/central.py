@@ -4,17 +4,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..options import at_least, validate
 from ..training import TensorData
 from .base import MODEL, Algorithm, Update, register
 
 
 @dataclass
 class CentralConfig:
-    epochs: int = field(default=50, metadata={"help": "Epochs over the union of the clients' train splits."})
+    epochs: int = field(default=50, metadata={"help": "Epochs over the union of the clients' train splits.",
+                                              "check": at_least(1)})
 
     def __post_init__(self):
-        if self.epochs < 1:
-            raise ValueError("epochs must be >= 1")
+        validate(self)
 
 
 @register

@@ -21,14 +21,25 @@ import logging
 import math
 import tempfile
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ..federated.state import load_into, snapshot
+from ..options import Check, at_least, in_range, positive, validate
 from ..training import TensorData, evaluate, train_local
 
 logger = logging.getLogger("hfpfl")
+
+
+def _is_repo_id(value) -> bool:
+    from ..hub import validate_repo_id
+    try:
+        validate_repo_id(value)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -36,45 +47,40 @@ class KDConfig:
     use_kd: bool = field(default=True, metadata={
         "help": "Refine the averaged global model by ensemble distillation on the unlabelled pool (--kd_pool) "
                 "(False = plain averaging, e.g. 'PerAda w/o KD')."})
-    kd_steps: int = field(default=50, metadata={"help": "Server distillation steps R per round (paper: 500/100/50)."})
-    kd_lr: float = field(default=1e-3, metadata={"help": "Server Adam learning rate (cosine-annealed to 0 over R)."})
-    kd_batch_size: int = field(default=128, metadata={"help": "Distillation batch size."})
+    kd_steps: int = field(default=50, metadata={"help": "Server distillation steps R per round (paper: 500/100/50).",
+                                                "check": at_least(0)})
+    kd_lr: float = field(default=1e-3, metadata={"help": "Server Adam learning rate (cosine-annealed to 0 over R).",
+                                                 "check": positive()})
+    kd_batch_size: int = field(default=128, metadata={"help": "Distillation batch size.", "check": at_least(2)})
     kd_temperature: float = field(default=1.0, metadata={
-        "help": "Softmax temperature T of the KL loss (PerAda code default 1; no T^2 factor)."})
+        "help": "Softmax temperature T of the KL loss (PerAda code default 1; no T^2 factor).", "check": positive()})
     kd_rounds: int | None = field(default=None, metadata={
-        "help": "Distil only in rounds 1..kd_rounds (PerAda code: kd_max_round=30 of 200); None = every round."})
+        "help": "Distil only in rounds 1..kd_rounds (PerAda code: kd_max_round=30 of 200); None = every round.",
+        "check": at_least(0)})
     kd_pool: str = field(default="ood", metadata={
         "help": "Unlabelled distillation data: 'ood' (default: hfpfl.data.ood split 'kd' -- letters, symbols, "
                 "shapes, textures, photo crops; no client class or image, the CIFAR-100-for-CIFAR-10 analogue of "
                 "the paper) or 'public' (the dataset's own held-out public split: in-domain, paper Fig. 4's "
                 "'CIFAR-10 val' ablation).", "choices": ["ood", "public"]})
-    kd_pool_size: int = field(default=2000, metadata={"help": "Samples of the 'ood' distillation pool."})
+    kd_pool_size: int = field(default=2000, metadata={"help": "Samples of the 'ood' distillation pool.",
+                                                      "check": at_least(2)})
     kd_public_fraction: float = field(default=1.0, metadata={
-        "help": "Fraction of the distillation pool used (paper Fig. 4 ablation)."})
+        "help": "Fraction of the distillation pool used (paper Fig. 4 ablation).",
+        "check": in_range(0, 1, low_open=True)})
     kd_val_fraction: float = field(default=0.0, metadata={
         "help": "Hold out this labelled fraction of the public pool for KD checkpoint selection (PerAda code); "
-                "0 = off (pure unlabeled KD as the paper describes)."})
-    kd_eval_every: int = field(default=5, metadata={"help": "With kd_val_fraction > 0: score the student every N steps."})
+                "0 = off (pure unlabeled KD as the paper describes).", "check": in_range(0, 1, high_open=True)})
+    kd_eval_every: int = field(default=5, metadata={"help": "With kd_val_fraction > 0: score the student every N steps.",
+                                                    "check": at_least(1)})
     push_adapters_to_hub_cache: str | None = field(default=None, metadata={
         "help": "Local Hub repo id: push the global adapter after every round as revision 'round-N' (and 'main'); "
-                "load with PeftModel.from_pretrained(base, repo_id, revision='round-N'). Adapter models only."})
+                "load with PeftModel.from_pretrained(base, repo_id, revision='round-N'). Adapter models only.",
+        "check": Check(_is_repo_id, "a Hub repo id 'org/name' of letters, digits, '.', '_', '-' (max 96 chars)")})
+    #: the options that set the step size of what this method trains (named when training diverges; --lr always is)
+    STEP_SIZES: ClassVar[dict[str, str]] = {"kd_lr": "lower"}
 
     def __post_init__(self):
-        checks = [(self.kd_steps >= 0, "kd_steps must be >= 0"), (self.kd_lr > 0, "kd_lr must be > 0"),
-                  (self.kd_batch_size >= 2, "kd_batch_size must be >= 2"),
-                  (self.kd_temperature > 0, "kd_temperature must be > 0"),
-                  (self.kd_rounds is None or self.kd_rounds >= 0, "kd_rounds must be >= 0"),
-                  (0 < self.kd_public_fraction <= 1, "kd_public_fraction must be in (0, 1]"),
-                  (self.kd_pool in ("ood", "public"), f"kd_pool must be 'ood' or 'public', got {self.kd_pool!r}"),
-                  (self.kd_pool_size >= 2, "kd_pool_size must be >= 2"),
-                  (0 <= self.kd_val_fraction < 1, "kd_val_fraction must be in [0, 1)"),
-                  (self.kd_eval_every >= 1, "kd_eval_every must be >= 1")]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
-        if self.push_adapters_to_hub_cache is not None:
-            from ..hub import validate_repo_id
-            validate_repo_id(self.push_adapters_to_hub_cache)
+        validate(self)
 
     def kd_active(self, round_idx: int) -> bool:
         return self.use_kd and self.kd_steps > 0 and (self.kd_rounds is None or round_idx <= self.kd_rounds)

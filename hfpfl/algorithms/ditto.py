@@ -2,6 +2,9 @@
 lambda/2 ||v_i - w||^2 toward the global model received this round. v_i (the private part ``"personal"``) never
 leaves the client; the client's private model keys (e.g. its BatchNorm statistics) are swapped in by the engine."""
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ..options import at_least, non_negative, validate
 
 from .base import MODEL, Algorithm, Update, register
 from .fedprox import proximal_term
@@ -11,12 +14,15 @@ PERSONAL = "personal"
 
 @dataclass
 class DittoConfig:
-    lam: float = field(default=0.1, metadata={"help": "Ditto's lambda: pull of the personal model toward the global one."})
-    personal_epochs: int = field(default=1, metadata={"help": "Local epochs for the personal model per round."})
+    lam: float = field(default=0.1, metadata={"help": "Ditto's lambda: pull of the personal model toward the global one.",
+                                              "check": non_negative()})
+    personal_epochs: int = field(default=1, metadata={"help": "Local epochs for the personal model per round.",
+                                                      "check": at_least(1)})
+    #: the options that set the step size of what this method trains (named when training diverges; --lr always is)
+    STEP_SIZES: ClassVar[dict[str, str]] = {"lam": "lower"}
 
     def __post_init__(self):
-        if self.lam < 0:
-            raise ValueError(f"lam must be >= 0, got {self.lam}")
+        validate(self)
 
 
 @register

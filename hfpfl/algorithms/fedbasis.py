@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from ..models.basis import BasisCombinedModel, resnet_groups
 from ..models.cond_norm_resnet import CondNormResNetConfig, CondNormResNetForImageClassification
+from ..options import at_least, in_range, number_list, one_of, positive, validate
 from .base import GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 
 ANCHOR = "anchor"
@@ -32,28 +34,41 @@ ANCHOR = "anchor"
 
 @dataclass
 class FedBasisConfig:
-    num_bases: int = field(default=3, metadata={"help": "K non-major bases (paper: 4 PACS/Office-Home, 8 GLD)."})
-    temperature: float = field(default=0.1, metadata={"help": "Sharpening temperature tau of step 3."})
-    warm_fraction: float = field(default=0.3, metadata={"help": "Fraction of rounds of FedAvg warm start."})
-    training: str = field(default="improved", metadata={"help": "improved (B2.4) or naive (B2.3 collapse study)."})
-    alpha_epochs: int = field(default=1, metadata={"help": "Local epochs of the coefficient step (paper: 5)."})
-    basis_epochs: int = field(default=1, metadata={"help": "Local epochs of the basis step (paper: 5)."})
-    lr_coef: float = field(default=0.1, metadata={"help": "Learning rate of the coefficients psi."})
-    widths: str = field(default="8,16,32,64", metadata={"help": "ResNet stage widths of each basis."})
-    depths: str = field(default="1,1,1,1", metadata={"help": "BasicBlocks per stage."})
-    new_client_steps: int = field(default=50, metadata={"help": "Coefficient steps for a held-out new client."})
+    num_bases: int = field(default=3, metadata={"help": "K non-major bases (paper: 4 PACS/Office-Home, 8 GLD).",
+                                                "check": at_least(1)})
+    temperature: float = field(default=0.1, metadata={
+        "help": "Sharpening temperature tau of step 3 (> 0; smaller = sharper coefficients).", "check": positive()})
+    warm_fraction: float = field(default=0.3, metadata={"help": "Fraction of rounds of FedAvg warm start.",
+                                                        "check": in_range(0, 1)})
+    training: str = field(default="improved", metadata={"help": "improved (B2.4) or naive (B2.3 collapse study).",
+                                                        "check": one_of("improved", "naive")})
+    alpha_epochs: int = field(default=1, metadata={"help": "Local epochs of the coefficient step (paper: 5).",
+                                                   "check": at_least(1)})
+    basis_epochs: int = field(default=1, metadata={"help": "Local epochs of the basis step (paper: 5).",
+                                                   "check": at_least(1)})
+    lr_coef: float = field(default=0.1, metadata={"help": "Learning rate of the coefficients psi.", "check": positive()})
+    widths: str = field(default="8,16,32,64", metadata={"help": "ResNet stage widths of each basis.",
+                                                        "check": number_list(integer=True, low=1)})
+    depths: str = field(default="1,1,1,1", metadata={"help": "BasicBlocks per stage (one per --widths entry).",
+                                                     "check": number_list(integer=True, low=1)})
+    new_client_steps: int = field(default=50, metadata={
+        "help": "Coefficient steps for a held-out new client (0 = no adaptation).", "check": at_least(0)})
     new_client_mode: str = field(default="coef", metadata={
         "help": "What a new client tunes: coef (Algorithm 2: coefficients only), head (coefficients + the major "
-                "basis' classifier, the paper's experiments) or full (everything: the full fine-tuning reference)."})
-    lr_full: float = field(default=0.01, metadata={"help": "Learning rate of the bases when new_client_mode=full."})
+                "basis' classifier, the paper's experiments) or full (everything: the full fine-tuning reference).",
+        "check": one_of("coef", "head", "full")})
+    lr_full: float = field(default=0.01, metadata={"help": "Learning rate of the bases when new_client_mode=full.",
+                                                   "check": positive()})
+    #: the options that set the step size of what this method trains, and which way makes a step smaller (named
+    #: when training diverges; --lr always is): a small temperature sharpens the softmax over the coefficients
+    STEP_SIZES: ClassVar[dict[str, str]] = {"lr_coef": "lower", "lr_full": "lower", "temperature": "raise"}
 
     def __post_init__(self):
-        if self.training not in ("improved", "naive"):
-            raise ValueError(f"training must be 'improved' or 'naive', got {self.training!r}")
-        if self.new_client_mode not in ("coef", "head", "full"):
-            raise ValueError(f"new_client_mode must be coef, head or full, got {self.new_client_mode!r}")
-        if self.num_bases < 1:
-            raise ValueError("num_bases must be >= 1")
+        validate(self)
+        if len(_ints(self.widths)) != len(_ints(self.depths)):
+            raise ValueError(f"--widths and --depths must give the same number of ResNet stages, got "
+                             f"{len(_ints(self.widths))} widths ({self.widths}) and {len(_ints(self.depths))} depths "
+                             f"({self.depths}); give one --depths entry per --widths entry")
 
 
 def _ints(s):

@@ -51,10 +51,12 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from ..options import Check, at_least, non_negative, one_of, positive, validate
 from ..training import TensorData
 from .base import MODEL, Algorithm, Update, register
 
@@ -75,6 +77,29 @@ NOISE_TIMESTEPS = ("resolution_matched", "sampler_start", "max")
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
+def _template_ok(template) -> bool:
+    from pipelines.pipeline_fedbip import expand_template
+    try:
+        expand_template(str(template), 1, 1)
+    except ValueError:
+        return False
+    return True
+
+
+def _sampler_ok(name) -> bool:
+    from pipelines.pipeline_fedbip import SAMPLERS
+    return str(name).lower() in SAMPLERS
+
+
+_TEMPLATE = Check(_template_ok, "a prompt with exactly one domain placeholder ([S] or [STY]) and one class "
+                                "placeholder ([V] or [CLS]), e.g. 'A [S] style of a [V]'")
+_SAMPLER = Check(_sampler_ok, "one of pndm, ddim, ddpm")
+_NOISE_TIMESTEP = Check(lambda v: v in NOISE_TIMESTEPS or str(v).isdigit(),
+                        f"one of {', '.join(NOISE_TIMESTEPS)} or a whole number >= 0")
+_WORDS = Check(lambda v: all(w.strip() for w in str(v).split(",")),
+               "comma-separated words, none of them empty (e.g. 'usps,mnist')")
+
+
 @dataclass
 class FedBiPConfig:
     ldm: str = field(default="hfpfl/tiny-ldm-digits-broad", metadata={
@@ -83,35 +108,41 @@ class FedBiPConfig:
                 "pretrained on a broad public digit-style pool (hfpfl.fedbip.pool); it ships with hfpfl and is "
                 "published to the local Hub cache on first use."})
     multiplier: int = field(default=2, metadata={
-        "help": "Synthetic images per real client image: 2 / 5 / 10 = FedBiP-S / -M / -L ([D] §5.1)."})
+        "help": "Synthetic images per real client image: 2 / 5 / 10 = FedBiP-S / -M / -L ([D] §5.1).",
+        "check": at_least(1)._replace(allowed=">= 1 (2/5/10 = FedBiP-S/M/L)")})
     personalization: str = field(default="full", metadata={
         "help": "full (FedBiP: instance + concept level) | instance (latents + real-word prompt) | concept (learned "
                 "S and V, random latents) | domain (learned S only) | class (learned V only) | none (prompt only "
-                "with real words, random latents) ([D] Table 3)."})
-    n_s: int = field(default=1, metadata={"help": "Domain-concept tokens n_s ([D] Table 5: 1 for style datasets)."})
-    n_v: int = field(default=1, metadata={"help": "Tokens per class concept n_v (n_c in [D] Table 5)."})
+                "with real words, random latents) ([D] Table 3).", "check": one_of(*PERSONALIZATION_LEVELS)})
+    n_s: int = field(default=1, metadata={"help": "Domain-concept tokens n_s ([D] Table 5: 1 for style datasets).",
+                                          "check": at_least(1)})
+    n_v: int = field(default=1, metadata={"help": "Tokens per class concept n_v (n_c in [D] Table 5).",
+                                          "check": at_least(1)})
     concept_epochs: int = field(default=50, metadata={
-        "help": "Concept-training epochs over the client's data ([D] §5.1: 50; App. A: 30)."})
+        "help": "Concept-training epochs over the client's data ([D] §5.1: 50; App. A: 30).", "check": at_least(1)})
     concept_steps: int | None = field(default=None, metadata={
-        "help": "Exact concept-training steps (overrides concept_epochs)."})
-    concept_lr: float = field(default=0.1, metadata={"help": "Adam learning rate of the concepts ([D] App. A: 0.1)."})
-    concept_batch_size: int = field(default=8, metadata={"help": "Concept-training batch size ([C]: 8)."})
+        "help": "Exact concept-training steps (overrides concept_epochs).", "check": at_least(1)})
+    concept_lr: float = field(default=0.1, metadata={"help": "Adam learning rate of the concepts ([D] App. A: 0.1).",
+                                                     "check": positive()})
+    concept_batch_size: int = field(default=8, metadata={"help": "Concept-training batch size ([C]: 8).",
+                                                         "check": at_least(1)})
     concept_init: str = field(default="random", metadata={
         "help": "random ([D]: N(0, s^2) at the scale of the token embeddings) | words (from the real domain/class "
-                "words, as the authors' code)."})
+                "words, as the authors' code).", "check": one_of("random", "words")})
     concept_space: str = field(default="input", metadata={
         "help": "input: concepts replace token embeddings ([D], textual inversion) | output: replace the text "
-                "encoder's output states ([C])."})
+                "encoder's output states ([C]).", "check": one_of("input", "output")})
     prompt_template: str = field(default="A [S] style of a [V]", metadata={
         "help": "Prompt with one domain placeholder ([S] or [STY]) and one class placeholder ([V] or [CLS]) "
-                "([D] Algorithm 1)."})
+                "([D] Algorithm 1).", "check": _TEMPLATE})
     concept_noise_sigma: float = field(default=0.1, metadata={
         "help": "Std of the perturbation eta of the domain concept, S^ = S + eta, per image ([D] App. A: 0.1); in "
-                "output-space units when concept_scale=auto."})
+                "output-space units when concept_scale=auto.", "check": non_negative()})
     concept_scale: str = field(default="auto", metadata={
         "help": "auto: concept_lr and concept_noise_sigma are the authors' output-space settings ([C]) and are "
                 "multiplied by std(token embeddings)/std(encoder outputs) when the concepts live in the input space "
-                "(1.0 in output space) | none: use them literally in whatever space the concepts live."})
+                "(1.0 in output space) | none: use them literally in whatever space the concepts live.",
+        "check": one_of("auto", "none")})
     noise_timestep: str = field(default="sampler_start", metadata={
         "help": "Timestep clients noise their latents to: sampler_start (the server sampler's first timestep, so the "
                 "instance signal enters at the SNR the sampler assumes; 901 for PNDM with 10 leading steps) | "
@@ -123,14 +154,18 @@ class FedBiPConfig:
                 "(num_train_timesteps-1 = 999, [D]'s literal T; with leading spacing the sampler then starts at a "
                 "lower timestep than the noise level) | an integer (the first sampler timestep at or above it: clients noise "
                 "there and the sampler starts there; scripts/fedbip_noise_sweep.py measures style against closeness per "
-                "timestep, docs/fedbip.md)."})
+                "timestep, docs/fedbip.md).", "check": _NOISE_TIMESTEP})
     timestep_spacing: str | None = field(default=None, metadata={
         "help": "Sampler timestep spacing override: leading (the SD-v1 config) | trailing (the first step is T=999, "
-                "so sampler_start and max coincide) | linspace; default: the LDM's scheduler config."})
-    sampler: str = field(default="pndm", metadata={"help": "Server sampler: pndm ([D] App. A) | ddim | ddpm."})
-    num_inference_steps: int = field(default=50, metadata={"help": "Reverse-diffusion steps (not stated in [D])."})
+                "so sampler_start and max coincide) | linspace; default: the LDM's scheduler config.",
+        "check": one_of("leading", "trailing", "linspace")})
+    sampler: str = field(default="pndm", metadata={"help": "Server sampler: pndm ([D] App. A) | ddim | ddpm.",
+                                                   "check": _SAMPLER})
+    num_inference_steps: int = field(default=50, metadata={"help": "Reverse-diffusion steps (not stated in [D]).",
+                                                           "check": at_least(1)})
     guidance_scale: float = field(default=1.0, metadata={
-        "help": "Classifier-free guidance scale; 1.0 = the pure conditional Eq. 5 (not stated in [D])."})
+        "help": "Classifier-free guidance scale; 1.0 = the pure conditional Eq. 5 (not stated in [D]).",
+        "check": at_least(1)._replace(allowed=">= 1 (1 = no guidance)")})
     class_average: bool = field(default=False, metadata={
         "help": "Instance level from class-average latents (categorical prototypes, [D] §5.6 stricter privacy) "
                 "instead of pairwise interpolation."})
@@ -138,65 +173,36 @@ class FedBiPConfig:
         "help": "A class with one image on a client has no same-class partner for Eq. 3: error (default: the paper "
                 "requires i' != i) | self (spec B7.8 fallback i' = i: that latent is not interpolated, only noised; "
                 "logged) | drop (no latent for it; its concepts are still trained). Label-skew (Dirichlet) splits "
-                "need self or drop, or class_average."})
+                "need self or drop, or class_average.", "check": one_of("error", "self", "drop")})
     gamma_std: float = field(default=0.1, metadata={
-        "help": "Std of the interpolation weight gamma ~ N(0.5, std^2) clipped to [0, 1] ([D] Eq. 3: 0.1)."})
+        "help": "Std of the interpolation weight gamma ~ N(0.5, std^2) clipped to [0, 1] ([D] Eq. 3: 0.1).",
+        "check": non_negative()})
     classifier_epochs: int = field(default=50, metadata={
         "help": "Server classifier epochs on the synthetic set ([D] App. A: 50); optimizer, lr, momentum and batch "
-                "size come from --optimizer/--lr/--momentum/--batch_size."})
-    synthesis_batch_size: int = field(default=64, metadata={"help": "Latents denoised together on the server."})
+                "size come from --optimizer/--lr/--momentum/--batch_size.", "check": at_least(1)})
+    synthesis_batch_size: int = field(default=64, metadata={"help": "Latents denoised together on the server.",
+                                                            "check": at_least(1)})
     domain_words: str | None = field(default=None, metadata={
         "help": "Comma-separated real domain word per client for the real-word prompts (default: each client's "
-                "domain name, e.g. usps; 'image' when a client holds several domains)."})
+                "domain name, e.g. usps; 'image' when a client holds several domains).", "check": _WORDS})
     class_words: str | None = field(default=None, metadata={
-        "help": "Comma-separated real class words (default: digit names for digit labels, else the label names)."})
+        "help": "Comma-separated real class words (default: digit names for digit labels, else the label names).",
+        "check": _WORDS})
     save_grid: bool = field(default=True, metadata={
         "help": "Write synthetic_grid.png (real vs synthetic images per client and class) to --output_dir."})
-    grid_per_class: int = field(default=3, metadata={"help": "Images per class and client in the grid."})
+    grid_per_class: int = field(default=3, metadata={"help": "Images per class and client in the grid.",
+                                                     "check": at_least(1)})
     privacy_metrics: bool = field(default=True, metadata={
         "help": "Report membership-inference gaps and synthetic-to-real nearest-neighbour distances."})
     reuse_concepts: bool = field(default=True, metadata={
         "help": "Memoise identical concept trainings within the process (same LDM, client data, seed, settings)."})
 
-    def __post_init__(self):
-        from pipelines.pipeline_fedbip import SAMPLERS, expand_template
+    #: the options that set the step size of what this method trains (named when training diverges; --lr, which
+    #: trains the server classifier, always is)
+    STEP_SIZES: ClassVar[dict[str, str]] = {"concept_lr": "lower"}
 
-        if self.personalization not in PERSONALIZATION_LEVELS:
-            raise ValueError(f"personalization must be one of {PERSONALIZATION_LEVELS}, got {self.personalization!r}")
-        if self.multiplier < 1:
-            raise ValueError(f"multiplier must be >= 1 (2/5/10 = FedBiP-S/M/L), got {self.multiplier}")
-        if self.n_s < 1 or self.n_v < 1:
-            raise ValueError(f"n_s and n_v must be >= 1, got n_s={self.n_s}, n_v={self.n_v}")
-        expand_template(self.prompt_template, self.n_s, self.n_v)  # ValueError for a template without placeholders
-        if self.sampler.lower() not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, got {self.sampler!r}")
-        if self.singleton_classes not in ("error", "self", "drop"):
-            raise ValueError(f"singleton_classes must be error, self or drop, got {self.singleton_classes!r}")
-        if self.concept_init not in ("random", "words"):
-            raise ValueError(f"concept_init must be random or words, got {self.concept_init!r}")
-        if self.concept_space not in ("input", "output"):
-            raise ValueError(f"concept_space must be input or output, got {self.concept_space!r}")
-        if self.concept_scale not in ("auto", "none"):
-            raise ValueError(f"concept_scale must be auto or none, got {self.concept_scale!r}")
-        if self.noise_timestep not in NOISE_TIMESTEPS and not str(self.noise_timestep).isdigit():
-            raise ValueError(f"noise_timestep must be one of {NOISE_TIMESTEPS} or an integer, got "
-                             f"{self.noise_timestep!r}")
-        if self.timestep_spacing not in (None, "leading", "trailing", "linspace"):
-            raise ValueError(f"timestep_spacing must be leading, trailing or linspace, got {self.timestep_spacing!r}")
-        checks = [(self.concept_epochs >= 1, "concept_epochs must be >= 1"),
-                  (self.concept_steps is None or self.concept_steps >= 1, "concept_steps must be >= 1"),
-                  (self.concept_lr > 0, "concept_lr must be > 0"),
-                  (self.concept_batch_size >= 1, "concept_batch_size must be >= 1"),
-                  (self.concept_noise_sigma >= 0, "concept_noise_sigma must be >= 0"),
-                  (self.num_inference_steps >= 1, "num_inference_steps must be >= 1"),
-                  (self.guidance_scale >= 1.0, "guidance_scale must be >= 1 (1 = no guidance)"),
-                  (self.gamma_std >= 0, "gamma_std must be >= 0"),
-                  (self.classifier_epochs >= 1, "classifier_epochs must be >= 1"),
-                  (self.synthesis_batch_size >= 1, "synthesis_batch_size must be >= 1"),
-                  (self.grid_per_class >= 1, "grid_per_class must be >= 1")]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+    def __post_init__(self):
+        validate(self)
 
     @property
     def upload_keys(self) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ import torch
 from torch.nn import functional as F
 
 from ..models.vqa import MODES, PEFT_KINDS, AnswerAccuracy, build_vqa_peft_model, kd_loss, kd_ramp
+from ..options import at_least, in_range, one_of, positive, validate
 from ..training import batch_bounds, model_inputs
 from .base import FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 
@@ -54,25 +55,25 @@ def warmup_linear(total: int, warmup: float = 0.1):
 
 @dataclass
 class VQAPeftConfig:
-    peft: str = field(default="adapter", metadata={"help": f"PEFT module: {' | '.join(PEFT_KINDS)} (head = clf-L)."})
+    peft: str = field(default="adapter", metadata={"help": f"PEFT module: {' | '.join(PEFT_KINDS)} (head = clf-L).",
+                                                   "check": one_of(*PEFT_KINDS)})
     local_only: bool = field(default=False, metadata={"help": "Train locally only, nothing travels (Adapter-L, ...)."})
     weighting: str = field(default="uniform", metadata={
-        "help": "Server mean: uniform (1/K, Alg. 1 and [C]) | samples (N_k, Eq. 3)."})
-    reduction: int = field(default=16, metadata={"help": "Adapter reduction factor (r = d / reduction)."})
-    adapter_init: str = field(default="normal", metadata={"help": "normal (N(0,0.02), [C]) | zero (W_up = 0)."})
+        "help": "Server mean: uniform (1/K, Alg. 1 and [C]) | samples (N_k, Eq. 3).",
+        "check": one_of("uniform", "samples")})
+    reduction: int = field(default=16, metadata={"help": "Adapter reduction factor (r = d / reduction).",
+                                                 "check": at_least(1)})
+    adapter_init: str = field(default="normal", metadata={"help": "normal (N(0,0.02), [C]) | zero (W_up = 0).",
+                                                          "check": one_of("normal", "zero")})
     head_init: str = field(default="random", metadata={
-        "help": "ViLT client head: random (spec 2.5 init_head) | pretrained (the foundation model's pool head)."})
-    warmup: float = field(default=0.1, metadata={"help": "LR warm-up fraction of each round's local steps."})
+        "help": "ViLT client head: random (spec 2.5 init_head) | pretrained (the foundation model's pool head).",
+        "check": one_of("random", "pretrained")})
+    warmup: float = field(default=0.1, metadata={
+        "help": "LR warm-up fraction of each round's local steps.",
+        "check": in_range(0, 1)._replace(allowed="a fraction in [0, 1] of each round's local steps (e.g. 0.1)")})
 
     def __post_init__(self):
-        if self.peft not in PEFT_KINDS:
-            raise ValueError(f"--peft must be one of {', '.join(PEFT_KINDS)}, got {self.peft!r}")
-        if self.weighting not in ("uniform", "samples"):
-            raise ValueError(f"--weighting must be uniform or samples, got {self.weighting!r}")
-        if self.adapter_init not in ("normal", "zero"):
-            raise ValueError(f"--adapter_init must be normal or zero, got {self.adapter_init!r}")
-        if self.head_init not in ("random", "pretrained"):
-            raise ValueError(f"--head_init must be random or pretrained, got {self.head_init!r}")
+        validate(self)
 
 
 @register
@@ -182,27 +183,23 @@ class VQAAdapterLocal(VQAAdapter):
 
 @dataclass
 class FedDATConfig(VQAPeftConfig):
-    temperature: float = field(default=3.0, metadata={"help": "KD temperature T ([C]: 3; the paper gives none)."})
+    temperature: float = field(default=3.0, metadata={"help": "KD temperature T ([C]: 3; the paper gives none).",
+                                                      "check": positive()})
     kd_schedule: str = field(default="ramp", metadata={
         "help": "alpha = beta: ramp (exp(-5(1-t/T0)), t over all rounds, [D]) | round (t restarts each round) | "
-                "constant ([C]: (CE + KD) / 2)."})
+                "constant ([C]: (CE + KD) / 2).", "check": one_of(*KD_SCHEDULES)})
     mutual: bool = field(default=True, metadata={
         "help": "Mutual KD; false = the 'w/o MKD' ablation (only DAT -> A_s, no A_s -> DAT term)."})
     teacher: str = field(default="dat", metadata={
-        "help": "Teacher path: dat (1/2 Â_s + 1/2 A_c) | local ('w/o Â_s': A_c only) | frozen ('w/o A_c': Â_s only)."})
+        "help": "Teacher path: dat (1/2 Â_s + 1/2 A_c) | local ('w/o Â_s': A_c only) | frozen ('w/o A_c': Â_s only).",
+        "check": one_of("dat", "local", "frozen")})
     eval_variants: bool = field(default=True, metadata={
         "help": "At the last round also score the DAT and A_c inference paths (Table 4) besides A_s."})
 
     def __post_init__(self):
         super().__post_init__()
         if self.peft != "adapter":
-            raise ValueError("feddat is built on adapters: --peft must be adapter")
-        if self.kd_schedule not in KD_SCHEDULES:
-            raise ValueError(f"--kd_schedule must be one of {', '.join(KD_SCHEDULES)}, got {self.kd_schedule!r}")
-        if self.teacher not in ("dat", "local", "frozen"):
-            raise ValueError(f"--teacher must be dat, local or frozen, got {self.teacher!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"--temperature must be > 0, got {self.temperature}")
+            raise ValueError(f"--peft must be adapter for feddat (it is built on adapters), got {self.peft!r}")
 
 
 @register

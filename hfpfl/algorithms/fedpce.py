@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from ..models.cond_norm_resnet import EMBEDDING_KEY, CondNorm, CondNormResNetConfig, \
     CondNormResNetForImageClassification
+from ..options import at_least, non_negative, number_list, one_of, positive, validate
 from .base import GLOBAL, MODEL, OPTIM, PRIVATE, Algorithm, Update, register
 from .fedprox import proximal_term
 
@@ -37,27 +39,45 @@ from .fedprox import proximal_term
 @dataclass
 class FedPCEConfig:
     widths: str = field(default="16,32,64,128", metadata={
-        "help": "ResNet stage widths (paper: 64,128,256,512; FedPCE(62): 62,124,248,496)."})
-    depths: str = field(default="2,2,2,2", metadata={"help": "BasicBlocks per stage (ResNet-18: 2,2,2,2)."})
-    embedding_dim: int = field(default=32, metadata={"help": "Client embedding size E."})
-    mlp_hidden: int = field(default=64, metadata={"help": "Hidden width of each norm layer's MLP."})
-    lr_mlp: float = field(default=1e-2, metadata={"help": "Learning rate of the MLPs (the base lr is --lr)."})
-    lr_embedding: float = field(default=0.1, metadata={"help": "Learning rate of the client embedding."})
-    lr_embedding_new: float = field(default=1e-2, metadata={"help": "Embedding lr when adapting a new client."})
-    min_lr: float = field(default=1e-6, metadata={"help": "Cosine floor of the base and MLP learning rates."})
-    min_lr_embedding: float = field(default=1e-4, metadata={"help": "Cosine floor of the embedding lr."})
+        "help": "ResNet stage widths (paper: 64,128,256,512; FedPCE(62): 62,124,248,496).",
+        "check": number_list(integer=True, low=1)})
+    depths: str = field(default="2,2,2,2", metadata={
+        "help": "BasicBlocks per stage, one per --widths entry (ResNet-18: 2,2,2,2).",
+        "check": number_list(integer=True, low=1)})
+    embedding_dim: int = field(default=32, metadata={"help": "Client embedding size E.", "check": at_least(1)})
+    mlp_hidden: int = field(default=64, metadata={"help": "Hidden width of each norm layer's MLP.",
+                                                  "check": at_least(1)})
+    lr_mlp: float = field(default=1e-2, metadata={"help": "Learning rate of the MLPs (the base lr is --lr).",
+                                                  "check": positive()})
+    lr_embedding: float = field(default=0.1, metadata={"help": "Learning rate of the client embedding.",
+                                                       "check": positive()})
+    lr_embedding_new: float = field(default=1e-2, metadata={"help": "Embedding lr when adapting a new client.",
+                                                            "check": positive()})
+    min_lr: float = field(default=1e-6, metadata={"help": "Cosine floor of the base and MLP learning rates.",
+                                                  "check": non_negative()})
+    min_lr_embedding: float = field(default=1e-4, metadata={"help": "Cosine floor of the embedding lr.",
+                                                            "check": non_negative()})
     cosine: bool = field(default=True, metadata={"help": "Cosine decay of the learning rates over the rounds."})
-    betas: str = field(default="0.5,0.9", metadata={"help": "Adam betas (paper: 0.5,0.9)."})
+    betas: str = field(default="0.5,0.9", metadata={"help": "Adam betas beta1,beta2 (paper: 0.5,0.9).",
+                                                    "check": number_list(2, low=0, high=1, high_open=True)})
     new_client_steps: int = field(default=100, metadata={
-        "help": "Local steps when adapting a held-out new client (paper: 10,000)."})
+        "help": "Local steps when adapting a held-out new client (paper: 10,000; 0 = no adaptation).",
+        "check": at_least(0)})
     new_client_init: str = field(default="zero", metadata={
         "help": "Start of a new client's local state: zero (v = 0; FedBN gamma=1, beta=0; initial head) or mean "
-                "(mean of this process's clients' local states)."})
-    mu: float = field(default=0.01, metadata={"help": "FedProx proximal coefficient (pce_fedprox only)."})
+                "(mean of this process's clients' local states).", "check": one_of("zero", "mean")})
+    mu: float = field(default=0.01, metadata={"help": "FedProx proximal coefficient (pce_fedprox only).",
+                                              "check": non_negative()})
+    #: the options that set the step size of what this method trains (named when training diverges; --lr always is)
+    STEP_SIZES: ClassVar[dict[str, str]] = {"lr_mlp": "lower", "lr_embedding": "lower", "lr_embedding_new": "lower",
+                                            "mu": "lower"}
 
     def __post_init__(self):
-        if self.new_client_init not in ("zero", "mean"):
-            raise ValueError(f"new_client_init must be 'zero' or 'mean', got {self.new_client_init!r}")
+        validate(self)
+        if len(_ints(self.widths)) != len(_ints(self.depths)):
+            raise ValueError(f"--widths and --depths must give the same number of ResNet stages, got "
+                             f"{len(_ints(self.widths))} widths ({self.widths}) and {len(_ints(self.depths))} depths "
+                             f"({self.depths}); give one --depths entry per --widths entry")
 
 
 def _ints(s: str) -> list[int]:

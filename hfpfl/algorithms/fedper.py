@@ -2,6 +2,8 @@
 the body is shared. FedPer trains both jointly; FedRep trains the head first (body frozen), then the body."""
 from dataclasses import dataclass, field
 
+from ..options import at_least, validate
+
 from .base import GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 
 HEAD_PREFIXES = ("classifier.", "head.", "fc.")
@@ -22,8 +24,13 @@ class FedPer(Algorithm):
 
 @dataclass
 class FedRepConfig:
-    head_epochs: int = field(default=2, metadata={"help": "FedRep: local epochs on the head with the body frozen."})
-    body_epochs: int = field(default=1, metadata={"help": "FedRep: local epochs on the body with the head frozen."})
+    head_epochs: int = field(default=2, metadata={"help": "FedRep: local epochs on the head with the body frozen.",
+                                                  "check": at_least(1)})
+    body_epochs: int = field(default=1, metadata={"help": "FedRep: local epochs on the body with the head frozen.",
+                                                  "check": at_least(1)})
+
+    def __post_init__(self):
+        validate(self)
 
 
 @register

@@ -1,18 +1,22 @@
 """FedProx (Li et al. 2020): local objective + mu/2 ||w - w_global||^2. mu = 0 is exactly FedAvg."""
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from ..options import non_negative, validate
 from .base import MODEL, Algorithm, register
 
 
 @dataclass
 class FedProxConfig:
-    mu: float = field(default=0.01, metadata={"help": "FedProx proximal coefficient mu (0 = FedAvg)."})
+    mu: float = field(default=0.01, metadata={"help": "FedProx proximal coefficient mu (0 = FedAvg).",
+                                              "check": non_negative()})
+    #: the options that set the step size of what this method trains (named when training diverges; --lr always is)
+    STEP_SIZES: ClassVar[dict[str, str]] = {"mu": "lower"}
 
     def __post_init__(self):
-        if self.mu < 0:
-            raise ValueError(f"mu must be >= 0, got {self.mu}")
+        validate(self)
 
 
 def proximal_term(model, anchor: dict, coef: float):

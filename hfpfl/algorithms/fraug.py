@@ -30,29 +30,40 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch.nn import functional as F
 
 from ..models.fraug import FRAugModel, entropy, mmd
+from ..options import at_least, in_range, non_negative, positive, validate
 from .base import FROZEN, GLOBAL, MODEL, OPTIM, PRIVATE, Algorithm, Update, register
 
 
 @dataclass
 class FRAugConfig:
     d_z: int = field(default=32, metadata={"help": "Noise dimension d_z (also the RTNet's hidden width); paper 128/256, "
-                                                   "spec CPU scale 32."})
-    syn_batch_size: int = field(default=32, metadata={"help": "B_syn: class-balanced synthetic batch for u_hat_c."})
-    gen_lr: float = field(default=0.005, metadata={"help": "eta_g, generator SGD learning rate (paper Digits 0.005)."})
-    rtnet_lr: float = field(default=0.005, metadata={"help": "eta_m, RTNet SGD learning rate (paper Digits 0.005)."})
-    aux_momentum: float = field(default=0.5, metadata={"help": "SGD momentum of the generator and RTNet optimizers."})
-    mmd_alpha: float = field(default=1.0, metadata={"help": "alpha: weight of -MMD(v_hat, u) in L_gen (paper Digits 1)."})
-    mmd_beta: float = field(default=1.5, metadata={"help": "beta: weight of the MMD terms in L_rt (paper Digits 1.5)."})
-    lambda_0: float = field(default=0.3, metadata={"help": "EMA momentum lambda_0 after the ramp-up."})
-    ramp_fraction: float = field(default=0.05, metadata={"help": "r_0 = ramp_fraction * R: lambda_c ramp-up length."})
-    syn_gamma: float = field(default=0.01, metadata={"help": "lambda_syn = exp(syn_gamma * (r - R))."})
+                                                   "spec CPU scale 32.", "check": at_least(1)})
+    syn_batch_size: int = field(default=32, metadata={"help": "B_syn: class-balanced synthetic batch for u_hat_c.",
+                                                      "check": at_least(2)._replace(allowed=">= 2 (BatchNorm)")})
+    gen_lr: float = field(default=0.005, metadata={"help": "eta_g, generator SGD learning rate (paper Digits 0.005).",
+                                                   "check": positive()})
+    rtnet_lr: float = field(default=0.005, metadata={"help": "eta_m, RTNet SGD learning rate (paper Digits 0.005).",
+                                                     "check": positive()})
+    aux_momentum: float = field(default=0.5, metadata={"help": "SGD momentum of the generator and RTNet optimizers.",
+                                                       "check": in_range(0, 1, high_open=True)})
+    mmd_alpha: float = field(default=1.0, metadata={"help": "alpha: weight of -MMD(v_hat, u) in L_gen (paper Digits 1).",
+                                                    "check": non_negative()})
+    mmd_beta: float = field(default=1.5, metadata={"help": "beta: weight of the MMD terms in L_rt (paper Digits 1.5).",
+                                                   "check": non_negative()})
+    lambda_0: float = field(default=0.3, metadata={"help": "EMA momentum lambda_0 after the ramp-up.",
+                                                   "check": in_range(0, 1)})
+    ramp_fraction: float = field(default=0.05, metadata={"help": "r_0 = ramp_fraction * R: lambda_c ramp-up length.",
+                                                         "check": in_range(0, 1)})
+    syn_gamma: float = field(default=0.01, metadata={"help": "lambda_syn = exp(syn_gamma * (r - R)).",
+                                                     "check": non_negative()})
     schedule_rounds: int | None = field(default=None, metadata={
-        "help": "R in the schedules (default: --num_rounds)."})
+        "help": "R in the schedules (default: --num_rounds).", "check": at_least(1)})
     use_generator: bool = field(default=True, metadata={"help": "Ablation: the shared generator G (v_hat)."})
     use_rtnet: bool = field(default=True, metadata={"help": "Ablation: the local RTNet (u_hat)."})
     use_ema: bool = field(default=True, metadata={"help": "Ablation: the EMA-prototype path (u_hat_c)."})
@@ -67,11 +78,14 @@ class FRAugConfig:
     plot_embeddings: bool = field(default=True, metadata={
         "help": "At the end, write fraug_embeddings.png (2-D PCA of real vs generated embeddings per client)."})
 
+    #: the options that set the step size of what this method trains (named when training diverges; --lr always is)
+    STEP_SIZES: ClassVar[dict[str, str]] = {"gen_lr": "lower", "rtnet_lr": "lower"}
+
     def __post_init__(self):
+        validate(self)
         if not (self.use_generator or self.use_rtnet):
-            raise ValueError("fraug needs the generator or the RTNet (--use_generator / --use_rtnet)")
-        if self.d_z <= 0 or self.syn_batch_size < 2:
-            raise ValueError("d_z must be > 0 and syn_batch_size >= 2 (BatchNorm)")
+            raise ValueError("--use_generator and --use_rtnet cannot both be false: fraug needs the generator or the "
+                             "RTNet; set one of them to true")
 
 
 # ------------------------------------------------------------------------------------------------ schedules

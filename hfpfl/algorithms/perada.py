@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from ..federated.distributed import all_gather
+from ..options import Check, at_least, non_negative, one_of
 from ..training import TensorData, evaluate
 from .base import FROZEN, MODEL, PRIVATE, Algorithm, Update, register, weighted_average
 from .distill import KDConfig, ensemble_distill, push_global_adapter
@@ -39,30 +41,40 @@ GLOBAL_SLOT, PERSONAL_SLOT = "default", "personal"
 class PerAdaConfig(KDConfig):
     lam: float = field(default=1.0, metadata={
         "help": "Proximal strength lambda pulling the personal adapter v_i toward the received global adapter w "
-                "(paper grid {0.1, 1}; 0 = v_i trained independently of w)."})
+                "(paper grid {0.1, 1}; 0 = v_i trained independently of w).", "check": non_negative()})
     prox_half: bool = field(default=True, metadata={
         "help": "True: (lambda/2)||v - w||^2 (paper, Ditto form); False: lambda * ||v - w||^2 (PerAda code)."})
     personal_epochs: int | None = field(default=None, metadata={
         "help": "Local epochs for the personal adapter per round (None = the same schedule as the local adapter: "
-                "--local_epochs / --local_steps)."})
+                "--local_epochs / --local_steps).", "check": at_least(1)})
     weighting: str = field(default="uniform", metadata={
-        "help": "Server averaging of the local adapters: uniform (1/K, PerAda code) or samples (n_i-weighted)."})
+        "help": "Server averaging of the local adapters: uniform (1/K, PerAda code) or samples (n_i-weighted).",
+        "check": one_of("uniform", "samples")})
     eval_corrupted: str | None = field(default=None, metadata={
         "help": "Also report personal_accuracy_corrupted: personal models on a corrupted copy of each client's test "
                 "set, '<kind>:<severity>' with kind in noise|color|rotation (hfpfl.data.degrade) and severity 1..5 "
                 "or 'client' (client-dependent severity 1 + id mod 5: PerAda's OOD protocol, recipe default "
-                "'noise:client')."})
+                "'noise:client').",
+        "check": Check(lambda v: _is_corruption(v), "'<kind>:<severity>' with kind noise, color or rotation and "
+                                                    "severity 1..5 or 'client' (e.g. 'noise:3')")})
+    #: the options that set the step size of what this method trains (named when training diverges; --lr always is)
+    STEP_SIZES: ClassVar[dict[str, str]] = {"lam": "lower", "kd_lr": "lower"}
 
     def __post_init__(self):
+        if self.eval_corrupted is not None:   # the declared check's rule, with parse_corruption's exact reason
+            try:
+                parse_corruption(self.eval_corrupted)
+            except ValueError as e:
+                raise ValueError(f"--eval_corrupted: {e}") from None
         super().__post_init__()
-        if not (self.lam >= 0 and np.isfinite(self.lam)):
-            raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
-        if self.personal_epochs is not None and self.personal_epochs < 1:
-            raise ValueError("personal_epochs must be >= 1")
-        if self.weighting not in ("uniform", "samples"):
-            raise ValueError(f"weighting must be uniform or samples, got {self.weighting!r}")
-        if self.eval_corrupted is not None:
-            parse_corruption(self.eval_corrupted)
+
+
+def _is_corruption(spec) -> bool:
+    try:
+        parse_corruption(spec)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def parse_corruption(spec: str) -> tuple[str, int | None]:

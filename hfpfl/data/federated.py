@@ -10,14 +10,34 @@ import numpy as np
 import datasets
 from datasets import Dataset
 
-from .partition import partition_dataset
-from .sources import load_source
+from ..options import Check, at_least, in_range, one_of, positive, validate
+from .partition import PARTITIONS, partition_dataset
+from .sources import check_degradations, check_source_name, load_source
 from .transforms import DEGRADATIONS, to_model_inputs
+
+
+def _degradations_ok(value) -> bool:
+    for tok in str(value).split(","):
+        kind, colon, sev = tok.strip().partition(":")
+        if tok.strip() and (kind not in DEGRADATIONS or (colon and not (sev.isdigit() and 1 <= int(sev) <= 5))):
+            return False
+    return True
+
+
+_ALPHA = positive()._replace(
+    allowed="a finite number > 0 (small = skewed labels, large = near-IID; for IID clients use --partition iid)")
+_DEGRADATIONS = Check(_degradations_ok, f"comma-separated degradations, each one of {', '.join(DEGRADATIONS)} with "
+                                        f"an optional ':severity' 1-5 (e.g. 'noise,rotation:5')")
+
+
+def _says(check: Check, allowed: str) -> Check:
+    return check._replace(allowed=allowed)
 
 
 @dataclass
 class DataArguments:
-    """Data flags (``transformers.HfArgumentParser``-compatible: every field has help text)."""
+    """Data flags (``transformers.HfArgumentParser``-compatible: every field has help text, every number a declared
+    check (:mod:`hfpfl.options`))."""
 
     dataset: str = field(
         default="digits",
@@ -28,18 +48,25 @@ class DataArguments:
     partition: str = field(
         default="feature_shift",
         metadata={"help": "Partition scheme: iid, dirichlet, pathological, shards, quantity, feature_shift, "
-                          "concept_drift, natural_id."},
+                          "concept_drift, natural_id.", "check": one_of(*PARTITIONS)},
     )
-    num_clients: int = field(default=8, metadata={"help": "Number of training clients."})
-    alpha: float = field(default=0.5, metadata={"help": "Dirichlet concentration (dirichlet; quantity sizes)."})
-    min_partition_size: int = field(default=10, metadata={"help": "Minimum samples per client (dirichlet, quantity)."})
-    classes_per_client: int = field(default=2, metadata={"help": "Classes per client (pathological)."})
-    num_shards_per_client: int = field(default=2, metadata={"help": "Label-sorted shards per client (shards)."})
+    num_clients: int = field(default=8, metadata={"help": "Number of training clients.", "check": at_least(1)})
+    alpha: float = field(default=0.5, metadata={"help": "Dirichlet concentration (dirichlet; quantity sizes).",
+                                                "check": _ALPHA})
+    min_partition_size: int = field(default=10, metadata={"help": "Minimum samples per client (dirichlet, quantity).",
+                                                          "check": at_least(0)})
+    classes_per_client: int = field(default=2, metadata={"help": "Classes per client (pathological).",
+                                                         "check": at_least(1)})
+    num_shards_per_client: int = field(default=2, metadata={"help": "Label-sorted shards per client (shards).",
+                                                            "check": at_least(1)})
     quantity_mode: str = field(
-        default="dirichlet", metadata={"help": "quantity skew: dirichlet (uses alpha), linear or exponential."}
+        default="dirichlet", metadata={"help": "quantity skew: dirichlet (uses alpha), linear or exponential.",
+                                       "check": _says(one_of("dirichlet", "linear", "exponential"),
+                                                      "dirichlet, linear or exponential")}
     )
     num_concepts: int = field(
-        default=2, metadata={"help": "concept_drift: client groups, each with its own label permutation."}
+        default=2, metadata={"help": "concept_drift: client groups, each with its own label permutation.",
+                             "check": at_least(1)}
     )
     partition_column: str = field(
         default="domain", metadata={"help": "Column for feature_shift / natural_id partitioning."}
@@ -47,68 +74,45 @@ class DataArguments:
     max_per_domain: int | None = field(
         default=600,
         metadata={"help": "Cap on samples per domain over train/test/public (split 70/15/15) for fast CPU runs; "
-                          "None = all."},
+                          "None = all.", "check": _says(at_least(1), ">= 1 (or None = all)")},
     )
     samples_per_client: int | None = field(
-        default=None, metadata={"help": "Optional cap on each client's partition (before its train/test split)."}
+        default=None, metadata={"help": "Optional cap on each client's partition (before its train/test split).",
+                                "check": _says(at_least(2), ">= 2 (or None = no cap): each client needs a train "
+                                                            "and a test sample")}
     )
-    test_fraction: float = field(default=0.2, metadata={"help": "Per-client test fraction (stratified if possible)."})
-    val_fraction: float = field(default=0.0, metadata={"help": "Per-client validation fraction (0 = no val split)."})
+    test_fraction: float = field(default=0.2, metadata={
+        "help": "Per-client test fraction (stratified if possible).",
+        "check": _says(in_range(0, 1, low_open=True, high_open=True),
+                       "in (0, 1): every client needs a test split for its personal accuracy")})
+    val_fraction: float = field(default=0.0, metadata={"help": "Per-client validation fraction (0 = no val split).",
+                                                       "check": in_range(0, 1, high_open=True)})
     num_new_clients: int = field(
-        default=0, metadata={"help": "Held-out clients never seen in training (new-client personalization)."}
+        default=0, metadata={"help": "Held-out clients never seen in training (new-client personalization).",
+                             "check": at_least(0)}
     )
-    image_size: int = field(default=28, metadata={"help": "Model input image size (square)."})
-    num_channels: int = field(default=3, metadata={"help": "Model input channels (1 or 3)."})
+    image_size: int = field(default=28, metadata={"help": "Model input image size (square).",
+                                                  "check": _says(at_least(4), ">= 4 (pixels per side)")})
+    num_channels: int = field(default=3, metadata={"help": "Model input channels (1 or 3).",
+                                                   "check": _says(one_of(1, 3), "1 (grey) or 3 (RGB)")})
     degradations: str | None = field(
         default=None,
         metadata={"help": "Comma-separated degradations added as extra domains, e.g. 'noise,rotation' or "
-                          "'noise:5'; same as appending '+noise+rotation' to --dataset."},
+                          "'noise:5'; same as appending '+noise+rotation' to --dataset.", "check": _DEGRADATIONS},
     )
 
     def __post_init__(self):
-        import math
-
-        from .partition import PARTITIONS
-
-        def fail(name, allowed, fix=""):
-            raise ValueError(f"--{name} must be {allowed}, got {getattr(self, name)!r}{fix}")
-
-        if self.partition not in PARTITIONS:
+        if self.partition not in PARTITIONS:   # before the declared checks: the same rule with a did-you-mean
             import difflib
             close = difflib.get_close_matches(str(self.partition), PARTITIONS, n=1)
-            fail("partition", f"one of {', '.join(PARTITIONS)}", f" (did you mean {close[0]!r}?)" if close else "")
-        if self.num_clients < 1:
-            fail("num_clients", ">= 1")
-        if self.num_new_clients < 0:
-            fail("num_new_clients", ">= 0")
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            fail("alpha", "a finite number > 0 (small = skewed labels, large = near-IID)",
-                 "; for IID clients use --partition iid" if self.alpha == math.inf else "")
-        if self.min_partition_size < 0:
-            fail("min_partition_size", ">= 0")
-        if self.classes_per_client < 1:
-            fail("classes_per_client", ">= 1")
-        if self.num_shards_per_client < 1:
-            fail("num_shards_per_client", ">= 1")
-        if self.quantity_mode not in ("dirichlet", "linear", "exponential"):
-            fail("quantity_mode", "dirichlet, linear or exponential")
-        if self.num_concepts < 1:
-            fail("num_concepts", ">= 1")
-        if self.max_per_domain is not None and self.max_per_domain < 1:
-            fail("max_per_domain", ">= 1 (or None = all)")
-        if self.samples_per_client is not None and self.samples_per_client < 2:
-            fail("samples_per_client", ">= 2 (or None = no cap): each client needs a train and a test sample")
-        if not 0 < self.test_fraction < 1:
-            fail("test_fraction", "in (0, 1): every client needs a test split for its personal accuracy")
-        if not 0 <= self.val_fraction < 1:
-            fail("val_fraction", "in [0, 1)")
+            raise ValueError(f"--partition must be one of {', '.join(PARTITIONS)}, got {self.partition!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else ""))
+        check_source_name(self.dataset)   # a misspelt '+degradation' is blamed, not the source
+        check_degradations(self.degradations)   # the same rule as the declared check, with a did-you-mean
+        validate(self)
         if self.test_fraction + self.val_fraction >= 1:
             raise ValueError(f"--test_fraction + --val_fraction must be < 1 (no training data left), got "
-                             f"{self.test_fraction} + {self.val_fraction}")
-        if self.image_size < 4:
-            fail("image_size", ">= 4 (pixels per side)")
-        if self.num_channels not in (1, 3):
-            fail("num_channels", "1 (grey) or 3 (RGB)")
+                             f"{self.test_fraction} + {self.val_fraction}; lower one of them")
 
     def source_name(self) -> str:
         """The effective ``load_source`` name (dataset plus degradations)."""

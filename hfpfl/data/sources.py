@@ -519,6 +519,64 @@ def _parse_name(name: str) -> tuple[str, list[tuple[str, int]]]:
     return base, degs
 
 
+_SUFFIX = re.compile(r"\+([A-Za-z_]+)(?::([^+:]*))?$")   # a trailing '+kind[:severity]' of a source name
+
+
+def _names_a_source(head: str) -> bool:
+    """``head`` (what precedes a '+suffix') is a source name as written: a built-in one (with degradations already
+    peeled), or a Hub id (Hub ids cannot hold '+', so the suffix is meant as a degradation)."""
+    base, _ = _parse_name(head)
+    return base in SOURCES or re.fullmatch(r"[\w.-]+/[\w.-]+", base) is not None
+
+
+def check_source_name(name: str, option: str = "--dataset") -> None:
+    """The '+kind[:severity]' suffixes of a source name: a misspelt kind (``usps+rotaton:3``) or a severity outside
+    1..5 is one ValueError line that blames the suffix, with a did-you-mean; the source itself is checked when it is
+    loaded (a Hub id or a folder cannot be checked by name). A '+word' that is not near any degradation and follows
+    a folder or file that exists (``imagefolder:/data/a+b``) is part of that path, not a suffix."""
+    import difflib
+
+    from .transforms import DEGRADATIONS
+
+    if not isinstance(name, str):
+        return
+    base = name
+    while (m := _SUFFIX.search(base)) is not None:
+        kind, sev, head = m.group(1), m.group(2), base[: m.start()]
+        if kind not in DEGRADATIONS:
+            close = difflib.get_close_matches(kind, DEGRADATIONS, n=1, cutoff=0.6)
+            path = base.split(":", 1)[1] if base.startswith(("imagefolder:", "parquet:")) else None
+            if not close and (path is not None and os.path.exists(path) or not _names_a_source(head)):
+                return   # part of a path or an unknown source: the loader says which
+            hint = f" (did you mean '+{close[0]}'?)" if close else ""
+            raise ValueError(f"{option} {name!r}: unknown degradation '+{kind}'; expected one of "
+                             f"{', '.join('+' + d for d in DEGRADATIONS)}, optionally ':severity' 1-5{hint}")
+        if sev is not None and not (sev.isdigit() and 1 <= int(sev) <= 5):
+            raise ValueError(f"{option} {name!r}: the severity of '+{kind}' must be a whole number 1-5 "
+                             f"(e.g. '+{kind}:3'), got {sev!r}")
+        base = head
+
+
+def check_degradations(value: str | None, option: str = "--degradations") -> None:
+    """A comma-separated list of ``kind[:severity]``: an unknown kind (with a did-you-mean) or a severity outside 1..5
+    is one ValueError line naming ``option``."""
+    import difflib
+
+    from .transforms import DEGRADATIONS
+
+    for tok in str(value or "").split(","):
+        kind, colon, sev = tok.strip().partition(":")
+        if not tok.strip():
+            continue
+        if kind not in DEGRADATIONS:
+            close = difflib.get_close_matches(kind, DEGRADATIONS, n=1, cutoff=0.6)
+            raise ValueError(f"{option}: unknown degradation {kind!r}; expected some of {', '.join(DEGRADATIONS)}, "
+                             f"each optionally ':severity' 1-5" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if colon and not (sev.isdigit() and 1 <= int(sev) <= 5):
+            raise ValueError(f"{option}: the severity of {kind!r} must be a whole number 1-5 (e.g. '{kind}:3'), "
+                             f"got {sev!r}")
+
+
 def _unknown(name: str) -> ValueError:
     return ValueError(
         f"unknown source {name!r}. Built-in offline sources: {sorted(SOURCES)}; also a Hub dataset id "
@@ -573,4 +631,5 @@ def load_source(name: str, split: str = "train", seed: int = 0, max_per_domain: 
         raise _unknown(str(name))
     if max_per_domain is not None and max_per_domain < 1:
         raise ValueError(f"max_per_domain must be >= 1 or None, got {max_per_domain}")
+    check_source_name(name, option="source")
     return _load_source_cached(name, split, int(seed), max_per_domain)

@@ -108,7 +108,7 @@ def few_shot(fed, shots: int | None, seed: int):
 
 
 def parse(argv=None):
-    from transformers import HfArgumentParser
+    from hfpfl.config import _OptionParser as HfArgumentParser  # leaves the declared checks out of argparse
 
     from hfpfl.algorithms.fedbip import FedBiPConfig
     from hfpfl.config import RunArguments, load_config_file

@@ -28,7 +28,7 @@ from . import checkpoint as ckpt
 from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
 from .distributed import Ownership, all_gather, barrier, broadcast_from_main, evaluate_sharded, gather_to_main
 from .protocol import (FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, HParams, MethodContext, NonFiniteError,
-                       ServerHParams, Update, WeightedSums, all_finite, get_algorithm)
+                       ServerHParams, Update, WeightedSums, all_finite, get_algorithm, step_size_hint)
 from .state import ClientStateStore, snapshot
 
 logger = logging.getLogger("hfpfl")
@@ -388,8 +388,9 @@ class Simulation:
                if torch.is_floating_point(v) and not all_finite(v)]
         if bad or (loss is not None and not np.isfinite(loss)):
             what = f"upload {bad[0]!r}" if bad else f"train loss {loss}"
+            hint = step_size_hint(self.args, self.algorithm.config, lr=self.client_hparams(upd.client_id).lr)
             raise NonFiniteError(f"training diverged in round {round_idx} on client {upd.client_id}: non-finite "
-                                 f"{what}; lower --lr (now {self.client_hparams(upd.client_id).lr}) or check the data")
+                                 f"{what}; {hint}; or check the data")
 
     def run_round(self, round_idx: int, server_state: dict) -> tuple[dict, dict]:
         algo, acc = self.algorithm, self.accelerator
@@ -461,7 +462,8 @@ class Simulation:
             for k, v in d.items():
                 if torch.is_floating_point(v) and not all_finite(v):
                     raise NonFiniteError(f"training diverged in round {round_idx}: the server state {p}/{k!r} is "
-                                         "non-finite after aggregation; lower --lr or --server_lr")
+                                         f"non-finite after aggregation; "
+                                         f"{step_size_hint(self.args, self.algorithm.config, server=True)}")
 
     # ------------------------------------------------------------------ evaluation
     def _eval(self, model, data, where: str = "", shared: bool = False) -> dict:
@@ -474,7 +476,7 @@ class Simulation:
             res = self.ctx.evaluate(model, data)
         if "loss" in res and not np.isfinite(res["loss"]):  # finite weights can still overflow the logits
             raise NonFiniteError(f"training diverged by round {self.round}: {where} has a non-finite evaluation loss; "
-                                 f"lower --lr (now {self.args.lr}) or --server_lr")
+                                 f"{step_size_hint(self.args, self.algorithm.config, server=True)}")
         return res
 
     def eval_client_ids(self, round_idx: int, final: bool = False) -> list[int]:

@@ -54,6 +54,23 @@ class NonFiniteError(ValueError):
     """Training diverged: weights or losses became NaN/inf."""
 
 
+def step_size_hint(args, config, lr=None, server: bool = False) -> str:
+    """What a divergence message tells the user to change: every option that sets a step size of what was trained,
+    with its value -- ``--lr`` (``lr``: the client's own where it differs), the options the method config declares
+    in ``STEP_SIZES`` (``{"option": "lower" | "raise"}``: e.g. fedbasis' ``--lr_coef`` and ``--temperature``) and,
+    for the server's state, ``--server_lr``."""
+    lower = [f"--lr (now {args.lr if lr is None else lr})"]
+    higher = []
+    for name, way in (getattr(config, "STEP_SIZES", None) or {}).items():
+        (higher if way == "raise" else lower).append(f"--{name} (now {getattr(config, name)})")
+    if server:
+        lower.append(f"--server_lr (now {args.server_lr})")
+
+    def either(items):
+        return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+    return "lower " + either(lower) + (", or raise " + either(higher) if higher else "")
+
+
 def _sum_dtype(t: torch.Tensor):
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
 

@@ -833,9 +833,10 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
                 else:
                     res = m.compute()
                 if "loss" in res and not math.isfinite(res["loss"]):
-                    from .protocol import NonFiniteError
+                    from .protocol import NonFiniteError, step_size_hint
                     raise NonFiniteError(f"training diverged by round {sim.round}: client {c}'s model has a "
-                                         f"non-finite evaluation loss; lower --lr (now {sim.args.lr}) or --server_lr")
+                                         f"non-finite evaluation loss; "
+                                         f"{step_size_hint(sim.args, sim.algorithm.config, server=True)}")
                 rows.append((c, res["accuracy"], res["num_samples"]))
     finally:
         model.train(was_training)
