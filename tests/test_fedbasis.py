@@ -1,6 +1,9 @@
 """FedBasis (spec adapters_fedbasis.md PART B): the per-group combination by hand, inference as one network,
 payloads (coefficients never travel; warm start sends only the major basis), k-means warm start, and new clients
 training exactly the coefficients with every basis bitwise unchanged."""
+import math
+
+import pytest
 import torch
 
 from hfpfl.algorithms import get_algorithm
@@ -96,3 +99,85 @@ def test_resume_after_interruption_equals_straight_run(run_sim):
                          **kw)
     for key in ("final", "per_client_accuracy", "new_client_accuracy", "communication"):
         assert resumed[key] == straight[key], key
+
+
+def _round_with_spy(run_sim, training="improved", lr_coef=0.5):
+    """One FedBasis round (round 2 of 2; round 1 is the warm start) of client 0 on a 2-basis toy with known weights:
+    v_1 = v' + 0.1 n_1, v_2 = v' - 0.1 n_2 (seeded), the client's stored psi = (3, -3) in every group. The engine's
+    loop is wrapped to record, for each training call, what trains, at which lr, and the model's state before/after."""
+    cfg = get_algorithm("fedbasis").Config(num_bases=2, widths="4,4,8,8", warm_fraction=0.5, lr_coef=lr_coef,
+                                           temperature=0.1, training=training)
+    sim = run_sim("fedbasis", method_config=cfg, run=False, num_rounds=2, lr=0.01, local_steps=2, output_dir="fb1")[0]
+    algo, m = sim.algorithm, sim.model
+    g = torch.Generator().manual_seed(4)
+    server = algo.init_server_state()[MODEL]
+    down = {}
+    for k, v in server.items():
+        if k.startswith("bases.0."):
+            down[k] = v
+            n1, n2 = torch.randn(v.shape, generator=g), torch.randn(v.shape, generator=g)
+            down[k.replace("bases.0.", "bases.1.", 1)] = v + 0.1 * n1
+            down[k.replace("bases.0.", "bases.2.", 1)] = v - 0.1 * n2
+    private = {MODEL: {k: torch.tensor([3.0, -3.0]) for k in sim.keys_by_role[PRIVATE]}}
+    calls, orig = [], sim.ctx.train
+
+    def state():
+        return {k: v.detach().clone() for k, v in m.named_parameters()}
+
+    def spy(*a, **kw):
+        rec = {"tag": kw["tag"], "lr": kw["params"][0]["lr"], "before": state(), "temperature": m.temperature,
+               "trains": {k for k, p in m.named_parameters() if p.requires_grad},
+               "alpha": None if m.fixed_alpha is None else {k: v.clone() for k, v in m.fixed_alpha.items()},
+               "combined": {k: v.detach().clone() for k, v in m.combined_params().items()}}
+        out = orig(*a, **kw)
+        rec["after"] = state()
+        calls.append(rec)
+        return out
+
+    sim.ctx.train = spy
+    upd = algo.client_update(0, {MODEL: down}, private, 2)
+    return sim, m, down, calls, upd
+
+
+def test_improved_round_resets_psi_then_alternates_coefficients_and_sharpened_bases(run_sim):
+    """B2.4, one client round: psi <- 0 (the stored (3, -3) is ignored); step 2 trains exactly the coefficients
+    (lr_coef, temperature 1; every basis bitwise unchanged); step 3 freezes alpha = softmax(psi / 0.1) of the psi
+    step 2 produced (by hand with math.exp) and the forward uses it: theta = 1/2 v' + 1/2 (a_1 v_1 + a_2 v_2);
+    step 4 trains exactly the bases at the run's lr (psi unchanged); the upload is the new bases, the private state
+    is step 2's psi."""
+    sim, m, down, calls, upd = _round_with_spy(run_sim)
+    coef = {k for k in upd.private[MODEL]}
+    bases = {k for k in down}
+    assert [c["tag"] for c in calls] == ["alpha", "bases"]
+    a, b = calls
+    # step 2
+    assert all(torch.equal(a["before"][k], torch.zeros(2)) for k in coef)          # reset, not (3, -3)
+    assert a["trains"] == coef and a["lr"] == 0.5 and a["temperature"] == 1.0 and a["alpha"] is None
+    assert all(torch.equal(a["before"][k], a["after"][k]) for k in bases)
+    assert all(not torch.equal(a["after"][k], torch.zeros(2)) for k in coef)
+    # step 3: sharpened alpha by hand from step 2's psi
+    psi = {k.split(".", 1)[1]: a["after"][k].tolist() for k in coef}
+    hand = {grp: [math.exp(p / 0.1) / sum(math.exp(q / 0.1) for q in ps) for p in ps] for grp, ps in psi.items()}
+    assert set(b["alpha"]) == set(hand)
+    for grp, al in hand.items():
+        assert b["alpha"][grp].tolist() == pytest.approx(al, rel=1e-5)
+    al = hand["fc"]
+    theta = 0.5 * down["bases.0.classifier__bias"] + 0.5 * (al[0] * down["bases.1.classifier__bias"]
+                                                            + al[1] * down["bases.2.classifier__bias"])
+    assert torch.allclose(b["combined"]["classifier.bias"], theta, atol=1e-6)
+    # step 4
+    assert b["trains"] == bases and b["lr"] == 0.01
+    assert all(torch.equal(b["before"][k], b["after"][k]) for k in coef)
+    assert any(not torch.equal(b["before"][k], b["after"][k]) for k in bases)
+    assert m.fixed_alpha is None
+    assert all(torch.equal(upd.upload[MODEL][k], b["after"][k]) for k in bases) and set(upd.upload[MODEL]) == bases
+    assert all(torch.equal(upd.private[MODEL][k], a["after"][k]) for k in coef)
+
+
+def test_naive_round_trains_coefficients_and_bases_jointly_at_temperature_one(run_sim):
+    """B2.3 (Eq. 7, the collapse diagnostic): one joint call on every parameter, temperature 1, no fixed alpha."""
+    _, m, down, calls, upd = _round_with_spy(run_sim, training="naive")
+    assert [c["tag"] for c in calls] == ["joint"]
+    (c,) = calls
+    assert c["trains"] == set(down) | set(upd.private[MODEL]) and c["temperature"] == 1.0 and c["alpha"] is None
+    assert all(torch.equal(c["before"][k], torch.zeros(2)) for k in upd.private[MODEL])   # psi reset here too

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from conftest import CPU_ONLY, CPU_PROCESSES, LAUNCH_TWO
 
 from hfpfl.algorithms.base import MODEL, PRIVATE
-from hfpfl.algorithms.fraug import (FRAugConfig, FRAugStages, balanced_labels, ema_update, lambda_c, lambda_syn)
+from hfpfl.algorithms.fraug import FRAugConfig, FRAugStages, ema_update, lambda_c, lambda_syn
 from hfpfl.models import build_classifier
 from hfpfl.models.fraug import (DigitsCNN, EmbeddingGenerator, FRAugModel, RTNet, entropy, generator_num_parameters,
                                 mmd, rtnet_num_parameters)
@@ -98,6 +98,78 @@ def _grads(params):
 def _zero(model):
     for p in model.parameters():
         p.grad = None
+
+
+# ------------------------------------------------------------------------------------------------ stage 1 by hand
+def _mlp_by_hand(layers, v):
+    """Linear / BatchNorm1d (batch statistics, biased variance, eps 1e-5) / ReLU, written out."""
+    for layer in layers:
+        if isinstance(layer, nn.Linear):
+            v = v @ layer.weight.T + layer.bias
+        elif isinstance(layer, nn.BatchNorm1d):
+            v = (v - v.mean(0)) / torch.sqrt(v.var(0, unbiased=False) + 1e-5) * layer.weight + layer.bias
+        else:
+            v = v.clamp_min(0)
+    return v
+
+
+def _ce_by_hand(logits, y):
+    return float(-(logits - logits.logsumexp(-1, keepdim=True))[torch.arange(len(y)), y].mean())
+
+
+@pytest.mark.parametrize("use_ema", [True, False])
+def test_stage1_loss_by_hand(use_ema):
+    """Eq. 1-4 on a tiny model: L_cls = CE(h(u), y) + CE(h(u_hat), y) + CE(h(u_hat_c), c) with
+    u_hat = u + lambda_syn m(g(z, y)), u_hat_c = proto_c + lambda_syn m(g(z', c)), the prototypes first moved by
+    the EMA of this batch (lambda_c), z and z' the stage's noise draws in order. g, m and h are recomputed here from
+    their weights; lambda_syn = 0.8, lambda_c = 0.3. ``--use_ema false`` drops the prototype path and the EMA."""
+    import copy
+
+    model, st, batch = _setup(use_ema=use_ema)
+    with torch.no_grad():                          # an RTNet residual of order 1 (known output BN affine)
+        model.rtnet.net[-1].weight.fill_(2.0)
+        model.rtnet.net[-1].bias.copy_(torch.linspace(-1, 1, model.d_u))
+    ref = copy.deepcopy(model)
+    x, y = batch["pixel_values"], batch["labels"]
+    lin = ref.net.classifier[-1]
+    with torch.no_grad():
+        u = ref.embed(x)                           # f in train mode, as the stage runs it
+
+        def head(v):
+            return v @ lin.weight.T + lin.bias
+
+        proto = ref.prototypes.clone()
+        if use_ema:
+            for c in range(10):
+                proto[c] = 0.7 * proto[c] + 0.3 * u[y == c].mean(0)
+        noise = torch.Generator().manual_seed(1)
+        z, z2 = torch.randn(20, 16, generator=noise), torch.randn(20, 16, generator=noise)
+        c = torch.arange(20) % 10
+
+        def g(zz, labels):
+            return _mlp_by_hand(ref.generator.net, torch.cat([zz, F.one_hot(labels, 10).float()], 1))
+
+        u_hat = u + 0.8 * _mlp_by_hand(ref.rtnet.net, g(z, y))
+        uc_hat = proto[c] + 0.8 * _mlp_by_hand(ref.rtnet.net, g(z2, c))
+        real = _ce_by_hand(head(u), y)
+        syn = _ce_by_hand(head(u_hat), y) + (_ce_by_hand(head(uc_hat), c) if use_ema else 0.0)
+        without_residual_weight = _ce_by_hand(head(u + _mlp_by_hand(ref.rtnet.net, g(z, y))), y)
+    loss = st.loss_cls(model, batch)
+    assert float(loss) == pytest.approx(real + syn, rel=1e-5)
+    assert st.log["loss_real"][-1] == pytest.approx(real, rel=1e-5)
+    assert st.log["loss_syn"][-1] == pytest.approx(syn, rel=1e-5)
+    assert torch.allclose(model.prototypes, proto, atol=1e-6)
+    assert abs(without_residual_weight - _ce_by_hand(head(u_hat), y)) > 1e-3    # lambda_syn is visible
+
+
+def test_each_round_builds_its_stages_with_that_rounds_schedules(run_sim):
+    """App. A.2 through the algorithm: R = 40, r_0 = 0.05 R = 2. Round 1: lambda_syn = e^{0.01 (1 - 40)},
+    lambda_c = 0.3 e^{-5 (1 - 1/2)}; round 30: lambda_syn = e^{-0.1}, lambda_c = 0.3."""
+    sim, _ = run_sim("fraug", run=False, num_rounds=40, method_config=FRAugConfig(d_z=16, plot_embeddings=False))
+    st = sim.algorithm.stages_for(0, 1)
+    assert st.lam_syn == pytest.approx(math.exp(-0.39)) and st.lam_c == pytest.approx(0.3 * math.exp(-2.5))
+    st = sim.algorithm.stages_for(0, 30)
+    assert st.lam_syn == pytest.approx(math.exp(-0.1)) and st.lam_c == pytest.approx(0.3)
 
 
 # ------------------------------------------------------------------------------------------------ 5. gradient isolation

@@ -45,8 +45,12 @@ def test_upload_is_exactly_the_adapter_and_personal_never_travels(perada):
     assert counts["trained"] == 2 * counts["communicated"]
     params = dict(sim.model.named_parameters())
     assert counts["communicated"] == sum(v.numel() for k, v in up.items() if k in params)
-    assert counts["communicated"] < 0.2 * res["parameters"]["total"]
-    assert 0 <= res["final"]["global_accuracy"] <= 1 and 0 <= res["final"]["personal_accuracy"] <= 1
+    # the adapter by hand (PerAda's trained set on a basic-block ResNet): per block conv unit of width h a 1x1
+    # adapter conv (h^2) + its BN (2h) + the trainable copy of the unit's BN (2h); the stem BN copy; the head
+    cfg = sim.model.config
+    units = sum(2 * d * (h * h + 4 * h) for d, h in zip(cfg.depths, cfg.hidden_sizes))
+    head = cfg.hidden_sizes[-1] * 10 + 10
+    assert counts["communicated"] == units + 2 * cfg.embedding_size + head
 
 
 def _personal_after_one_update(sim, down, lam):
@@ -138,8 +142,17 @@ def test_unsampled_client_keeps_its_personal_adapter(perada):
 
 
 def test_corrupted_test_metric(perada):
+    """personal_accuracy_corrupted = the mean over clients of each personal model's accuracy on its corrupted test
+    set, recounted here (argmax == label) from the final server state and the stored personal adapters."""
     sim, res = perada(PerAdaConfig(kd_steps=2, eval_corrupted="noise:5"))
-    assert 0 <= res["final"]["personal_accuracy_corrupted"] <= 1
+    accs = []
+    for cid in range(sim.num_clients):
+        model = sim.algorithm.load_personal(cid, sim.server_state, sim.store.get(cid), 1).eval()
+        bad = corrupted_test_data(sim, cid, "noise", 5)
+        with torch.no_grad():
+            pred = model(pixel_values=bad.pixel_values.to(sim.device)).logits.argmax(-1).cpu()
+        accs.append(int((pred == bad.labels).sum()) / len(bad.labels))
+    assert res["final"]["personal_accuracy_corrupted"] == pytest.approx(sum(accs) / len(accs), abs=1e-9)
     clean, bad = sim.test_data(0), corrupted_test_data(sim, 0, "noise", 5)
     assert torch.equal(clean.labels, bad.labels) and not torch.allclose(clean.pixel_values, bad.pixel_values)
     assert "personal_accuracy_corrupted" in sim.history[-1]

@@ -3,10 +3,20 @@
 Student = the averaged global state; teacher = the *uniform mean of the logits* of the participating clients'
 uploaded states on an unlabelled pool (labels never read): by default the out-of-domain pool of
 :mod:`hfpfl.data.ood` (``kd_pool='ood'``, the paper's CIFAR-100-for-CIFAR-10), or the dataset's in-domain public
-split (``kd_pool='public'``). Loss = KL(softmax(teacher/T) || softmax(student/T)),
-``batchmean``, no T^2 factor and no CE term (PerAda code, spec 2.3/6.6); Adam(kd_lr) cosine-annealed to 0 over
-``kd_steps`` (spec 6.7). Everything runs through the engine's one model instance: each teacher state is loaded in
-turn (teachers in eval mode, spec 6.10 default), so teacher logits are computed once per round over the pool.
+split (``kd_pool='public'``). Loss = KL(softmax(teacher/T) || softmax(student/T)) (PerAda Sec. 4, the KD loss of
+Line 21: teacher first, Hinton et al.), ``batchmean``, no T^2 factor and no CE term (the PerAda and FedDF code's
+``divergence``); Adam(kd_lr) cosine-annealed to 0 over ``kd_steps``. Everything runs through the engine's one model
+instance: each teacher state is loaded in turn (teachers in eval mode), so teacher logits are computed once per
+round over the pool.
+
+BatchNorm during distillation: Line 21 updates the adapter's *parameters* w by gradient steps on the KL loss; the
+student's BatchNorms run in eval mode (``kd_student_bn='eval'``, default), so they normalise with the averaged
+running statistics the global model is evaluated with, and those statistics come back unchanged. The PerAda and
+FedDF code train the whole student in train mode, so the distillation pool's batch statistics overwrite the
+running statistics of every trainable BN and are returned as global state; both codes then keep the distilled
+model only if it beats the plain average on a labelled validation split, which hides the damage. Without that
+selection (our default, the paper's text) and with an out-of-domain pool whose statistics differ from the clients'
+data, the returned statistics are the pool's, not the clients'. ``kd_student_bn='train'`` reproduces the code.
 
 Optional checkpoint selection (PerAda code, spec 2.6 detail 2, off by default): ``kd_val_fraction`` > 0 holds out a
 labelled part of the public pool; the student is scored every ``kd_eval_every`` steps, the best is kept, and the
@@ -27,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..federated.state import load_into, snapshot
-from ..options import Check, at_least, in_range, positive, validate
+from ..options import Check, at_least, in_range, one_of, positive, validate
 from ..training import TensorData, evaluate, train_local
 
 logger = logging.getLogger("hfpfl")
@@ -72,6 +82,10 @@ class KDConfig:
                 "0 = off (pure unlabeled KD as the paper describes).", "check": in_range(0, 1, high_open=True)})
     kd_eval_every: int = field(default=5, metadata={"help": "With kd_val_fraction > 0: score the student every N steps.",
                                                     "check": at_least(1)})
+    kd_student_bn: str = field(default="eval", metadata={
+        "help": "BatchNorm mode of the student during distillation: eval (running statistics used and left "
+                "unchanged: only parameters are distilled) | train (batch statistics; the pool's statistics "
+                "overwrite the running ones, as the PerAda/FedDF code).", "check": one_of("eval", "train")})
     push_adapters_to_hub_cache: str | None = field(default=None, metadata={
         "help": "Local Hub repo id: push the global adapter after every round as revision 'round-N' (and 'main'); "
                 "load with PeftModel.from_pretrained(base, repo_id, revision='round-N'). Adapter models only.",
@@ -170,14 +184,18 @@ def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig
                 best.update(state=snapshot(sim.model_state, keys), acc=acc)
 
     losses = []
+    norms = [mod for mod in model.modules() if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm)]
 
     def loss_fn(m, batch):
+        if config.kd_student_bn == "eval":  # every step: the loop (and the selection's evaluation) calls train()
+            for mod in norms:
+                mod.eval()
         loss = kd_loss(m(pixel_values=batch["pixel_values"]).logits, batch["teacher_logits"], config.kd_temperature)
         losses.append(float(loss.detach()))
         return loss
 
-    # the student trains in train mode (PerAda code) through the engine's one loop; the public pool is unlabeled:
-    # its batches carry the teachers' mean logits instead of labels
+    # the student trains through the engine's one loop (dropout active; BatchNorm per kd_student_bn); the public
+    # pool is unlabeled: its batches carry the teachers' mean logits instead of labels
     pool = TensorData(pixels, torch.full((len(pixels),), -1), extras={"teacher_logits": teacher_logits})
     train_local(model, pool, opt, batch_size=min(config.kd_batch_size, len(pixels)), max_steps=config.kd_steps,
                 generator=sim.generator(round_idx, -1, "kd"), device=dev, loss_fn=loss_fn,

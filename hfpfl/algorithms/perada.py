@@ -15,8 +15,10 @@ Choices where spec and paper differ (paper wins where it says something):
   code form lambda * ||v - w||^2 (spec 6.1).
 * KD every round unless ``kd_rounds`` is set (paper; the code's kd_max_round cutoff is the flag); teachers in eval
   mode; no validation-based KD checkpoint selection unless ``kd_val_fraction`` > 0 (spec 6.9/6.10 defaults).
-* Frozen BatchNorms stay in eval mode (adapters' ``frozen_norms_eval``, spec 6.12); the trainable BN copies and
-  their running statistics travel with the adapter and are averaged.
+* Frozen BatchNorms stay in eval mode (adapters' ``frozen_norms_eval``); the trainable BN copies and
+  their running statistics travel with the adapter and are averaged. Server distillation trains the adapter's
+  parameters only: the student's BNs run in eval mode, so the averaged running statistics come back unchanged
+  (``kd_student_bn``; the PerAda code distils in train mode, see :mod:`.distill`).
 """
 from __future__ import annotations
 
