@@ -242,6 +242,8 @@ def load_ldm(ldm: str, device=None):
     if key not in _PIPES:
         from pipelines.pipeline_fedbip import FedBiPPipeline
 
+        from ..cli import quiet_library_progress_bars
+        quiet_library_progress_bars(diffusers=True)  # off a terminal: no "Loading pipeline components" redraws
         pipe = FedBiPPipeline.from_pretrained(path)
         for m in (pipe.unet, pipe.vae, pipe.text_encoder):
             m.eval().requires_grad_(False)
