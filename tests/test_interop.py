@@ -182,3 +182,122 @@ def test_fedbip_pipeline_loads_through_diffusers_custom_pipeline_without_hfpfl(t
     readme = " ".join(README.read_text().split())
     assert ('DiffusionPipeline.from_pretrained("hfpfl/tiny-ldm-digits-broad", '
             'custom_pipeline="pipelines/pipeline_fedbip.py", trust_remote_code=True)') in readme
+
+
+# ------------------------------------------------------------------------------------------ FedDAT's shared adapter
+SHARED_ADAPTER_LOADER = textwrap.dedent("""
+    import sys
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForVisualQuestionAnswering
+
+    folder, repo, revision, data_file, out_file = sys.argv[1:6]
+    batch = load_file(data_file)
+    logits = {}
+    for name, source, kw in (("folder", folder, {}), ("repo", repo, {"revision": revision})):
+        model = AutoModelForVisualQuestionAnswering.from_pretrained(source, trust_remote_code=True, **kw)  # README
+        assert type(model).__name__ == "ViltWithSharedAdapter" and not model.training
+        with torch.no_grad():
+            logits[name] = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 pixel_values=batch["pixel_values"]).logits.contiguous()
+    save_file(logits, out_file)
+""") + NO_HFPFL
+
+
+def _ramp_(tensor: torch.Tensor, scale: float) -> None:
+    with torch.no_grad():
+        tensor.copy_(scale * torch.linspace(-1, 1, tensor.numel()).reshape(tensor.shape))
+
+
+def test_feddat_shared_adapter_loads_with_one_transformers_call_without_hfpfl(tmp_path):
+    """FedDAT's shared adapter A_s, saved by ``save_shared_adapter`` (folder) and published (repo id + revision),
+    loads with ``AutoModelForVisualQuestionAnswering.from_pretrained(..., trust_remote_code=True)`` in a process
+    that never imports hfpfl, and gives hfpfl's VQAModel's logits on the inference path (mode "shared") for a fixed
+    batch. The adapters hold known, distinct values: A_s (what travels) must be what loads -- not A_c, the private
+    adapter, and not nothing (the backbone alone gives other logits)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import ViltForQuestionAnswering
+
+    from hfpfl import hub
+    from hfpfl.models.builders import build_vqa_model, tiny_vqa_vocab
+    from hfpfl.models.vqa import VQAModel
+    from hfpfl.models.vqa_hub import save_shared_adapter
+
+    cache, vocab = tmp_path / "hub", len(tiny_vqa_vocab())
+    torch.manual_seed(0)
+    build_vqa_model("tiny-vilt", 7, image_size=32, vocab_size=vocab).save_pretrained(tmp_path / "backbone")
+    hub.push_folder_to_cache(tmp_path / "backbone", "org/tiny-vilt-vqa", cache_dir=cache)
+    with hub.use_hub_cache(cache):
+        model = VQAModel(ViltForQuestionAnswering.from_pretrained("org/tiny-vilt-vqa"), peft="adapter",
+                         head_init="pretrained").eval()
+        for i, slot in enumerate(model.adapters):
+            for j, p in enumerate(slot.shared.parameters()):
+                _ramp_(p, 0.3 + 0.1 * i + 0.05 * j)
+            for p in slot.local.parameters():
+                _ramp_(p, -0.7)
+        folder = save_shared_adapter(model, tmp_path / "shared_adapter")
+        hub.push_folder_to_cache(folder, "me/feddat-shared", revision="round-2")
+    config = json.loads((Path(folder) / "config.json").read_text())["shared_adapter"]
+    assert config["base_model_name_or_path"] == "org/tiny-vilt-vqa"
+    assert config["base_revision"] == Path(hub.require_cached("org/tiny-vilt-vqa", cache_dir=cache)).name
+    assert config["sites"] == [f"vilt.encoder.layer.{i}.output" for i in range(len(model.adapters))]
+
+    n, length = 3, 6
+    input_ids = (torch.arange(n * length).reshape(n, length) * 7) % vocab
+    pixels = (torch.arange(n * 3 * 32 * 32).reshape(n, 3, 32, 32) * 5 % 256).to(torch.uint8)
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "pixels": pixels}
+    with torch.no_grad():
+        model.mode = "shared"
+        ref = model(**batch).logits
+        model.mode = "none"
+        without = model(**batch).logits
+    save_file({"input_ids": input_ids, "attention_mask": batch["attention_mask"],
+               "pixel_values": pixels.float() / 127.5 - 1.0}, str(tmp_path / "batch.safetensors"))
+    run_without_hfpfl(SHARED_ADAPTER_LOADER, [folder, "me/feddat-shared", "round-2", str(tmp_path / "batch.safetensors"),
+                                              str(tmp_path / "out.safetensors")], cache, tmp_path)
+    got = load_file(str(tmp_path / "out.safetensors"))
+    assert not torch.allclose(ref, without, atol=1e-3)  # the adapter changes the answer scores
+    for source in ("folder", "repo"):
+        torch.testing.assert_close(got[source], ref, rtol=0, atol=1e-6)
+    readme = " ".join(README.read_text().split())
+    assert "AutoModelForVisualQuestionAnswering.from_pretrained(folder_or_repo_id, trust_remote_code=True)" in readme
+
+
+def test_feddat_run_saves_the_final_global_shared_adapter(tmp_path):
+    """A FedDAT run on a backbone checkpoint leaves ``shared_adapter/`` in its output folder holding the server's
+    final global A_s (what travels), named by the checkpoint's commit; a run on a backbone built from a config
+    (nothing to name) saves none and still finishes."""
+    from safetensors.torch import load_file
+
+    from hfpfl import hub
+    from hfpfl.algorithms import get_algorithm
+    from hfpfl.config import RunArguments
+    from hfpfl.data.vqa import vqa_benchmark, vqa_words
+    from hfpfl.federated.engine import Simulation
+    from hfpfl.models.builders import build_vqa_model, tiny_vqa_vocab
+
+    fed = vqa_benchmark("domain", seed=0, train_per_client=8, test_per_client=8)
+    cache = tmp_path / "hub"
+    vocab = len(tiny_vqa_vocab(vqa_words()))  # the data's tokenizer (as the engine's tiny-vilt has it)
+    build_vqa_model("tiny-vilt", len(fed.label_names), vocab_size=vocab).save_pretrained(tmp_path / "backbone")
+    hub.push_folder_to_cache(tmp_path / "backbone", "org/tiny-vilt-vqa", cache_dir=cache)
+    for model in ("org/tiny-vilt-vqa", "tiny-vilt"):
+        out = tmp_path / model.replace("/", "-")
+        run = RunArguments(method="feddat", model=model, random_backbone_ok=True, num_rounds=1, batch_size=8,
+                           lr=1e-2, optimizer="adamw", output_dir=str(out), progress=False, checkpoint_every=0,
+                           eval_batch_size=64)
+        with hub.use_hub_cache(cache):
+            sim = Simulation(run, None, get_algorithm("feddat").Config(eval_variants=False), fed_data=fed)
+            sim.run()
+        if model == "tiny-vilt":
+            assert not (out / "shared_adapter").exists() and (out / "results.json").exists()
+            continue
+        saved = load_file(str(out / "shared_adapter" / "shared_adapter.safetensors"))
+        server = sim.server_state["model"]
+        shared = {k: v for k, v in server.items() if k.startswith("adapters.") and ".shared." in k}
+        assert len(saved) == len(shared) > 0
+        for key, value in shared.items():
+            i, rest = key[len("adapters."):].split(".shared.")
+            assert torch.equal(saved[f"{i}.{rest}"], value), key
+        spec = json.loads((out / "shared_adapter" / "config.json").read_text())["shared_adapter"]
+        assert spec["base_revision"] == Path(hub.require_cached("org/tiny-vilt-vqa", cache_dir=cache)).name
