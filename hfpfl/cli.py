@@ -19,14 +19,17 @@ class _NoTorchvisionFallbackNotice(logging.Filter):
 
 
 _FALLBACK_FILTER = _NoTorchvisionFallbackNotice()
+_REDIRECTED_LOG = False  # set by _setup_logging: an hfpfl program whose stderr is not a terminal
 
 
 def quiet_library_progress_bars(diffusers: bool = False) -> bool:
-    """Off a terminal (stderr redirected), turn off the progress bars of huggingface_hub, transformers, datasets and
-    -- when ``diffusers`` or when it is already imported -- diffusers, through their public switches, so that a
-    redirected log holds plain lines, not bar redraws. Returns whether it did (False on a terminal). diffusers is
-    imported only when asked: it costs about a second, which runs that never use it should not pay."""
-    if sys.stderr.isatty():
+    """In an hfpfl program whose log is redirected (:func:`_setup_logging` ran and stderr is not a terminal), turn
+    off the progress bars of huggingface_hub, transformers, datasets and -- when ``diffusers`` or when it is already
+    imported -- diffusers, through their public switches, so that the log holds plain lines, not bar redraws.
+    Returns whether it did. Library use (hfpfl imported in a notebook, whose stderr is no terminal either) keeps the
+    user's bars. diffusers is imported only when asked: it costs about a second, which runs that never use it
+    should not pay."""
+    if not _REDIRECTED_LOG:
         return False
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by huggingface_hub and transformers at import
     import datasets
@@ -53,6 +56,8 @@ def _setup_logging(diffusers: bool = False) -> None:
     fallback_logger = logging.getLogger("transformers.utils.import_utils")
     if _FALLBACK_FILTER not in fallback_logger.filters:
         fallback_logger.addFilter(_FALLBACK_FILTER)
+    global _REDIRECTED_LOG
+    _REDIRECTED_LOG = not sys.stderr.isatty()
     quiet_library_progress_bars(diffusers=diffusers)
 
 

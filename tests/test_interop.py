@@ -85,12 +85,6 @@ def test_published_lora_adapter_loads_with_auto_peft_model_in_one_call(pretraine
     repo = "me/lora-on-tiny-resnet-ood"
     snapshot = publish_adapter(model, repo, ["round-3", "main"])
 
-    config = json.loads((Path(snapshot) / "adapter_config.json").read_text())
-    base_snapshot = hub.require_cached(repo, revision=BASE_REVISION)
-    assert config["base_model_name_or_path"] == repo and config["revision"] == Path(base_snapshot).name
-    assert config["auto_mapping"]["base_model_class"] == "ResNetForImageClassification"
-    assert json.loads((Path(base_snapshot) / "config.json").read_text())["id2label"].keys() == {str(i) for i in
-                                                                                                 range(10)}
     save_file({"x": x}, str(tmp_path / "x.safetensors"))
     run_without_hfpfl(AUTO_PEFT_LOADER, [repo, "round-3", snapshot, str(tmp_path / "x.safetensors"),
                                          str(tmp_path / "out.safetensors")], Path(hub.hub_cache_dir()), tmp_path)
@@ -99,6 +93,12 @@ def test_published_lora_adapter_loads_with_auto_peft_model_in_one_call(pretraine
         assert got[source].shape == (3, 10)
         torch.testing.assert_close(got[source], ref, rtol=0, atol=1e-6)
         assert torch.equal(got[source].argmax(-1), ref.argmax(-1))
+    config = json.loads((Path(snapshot) / "adapter_config.json").read_text())
+    base_snapshot = hub.require_cached(repo, revision=BASE_REVISION)
+    assert config["base_model_name_or_path"] == repo and config["revision"] == Path(base_snapshot).name
+    assert config["auto_mapping"]["base_model_class"] == "ResNetForImageClassification"
+    assert json.loads((Path(base_snapshot) / "config.json").read_text())["id2label"].keys() == {str(i) for i in
+                                                                                                 range(10)}
     assert "AutoPeftModel.from_pretrained(repo_id, revision=\"round-3\")" in " ".join(README.read_text().split())
 
 
@@ -265,7 +265,8 @@ def test_feddat_shared_adapter_loads_with_one_transformers_call_without_hfpfl(tm
 
 def test_feddat_run_saves_the_final_global_shared_adapter(tmp_path):
     """A FedDAT run on a backbone checkpoint leaves ``shared_adapter/`` in its output folder holding the server's
-    final global A_s (what travels), named by the checkpoint's commit; a run on a backbone built from a config
+    final global A_s (what travels; saved from the server state, not from whatever the model holds), named by the
+    checkpoint's commit; a run on a backbone built from a config
     (nothing to name) saves none and still finishes."""
     from safetensors.torch import load_file
 
@@ -299,5 +300,12 @@ def test_feddat_run_saves_the_final_global_shared_adapter(tmp_path):
         for key, value in shared.items():
             i, rest = key[len("adapters."):].split(".shared.")
             assert torch.equal(saved[f"{i}.{rest}"], value), key
+        with torch.no_grad():  # what the model holds does not matter: the server's global part is what is saved
+            for slot in sim.algorithm.model.adapters:
+                for p in slot.shared.parameters():
+                    p.zero_()
+        sim.algorithm.save_shared_adapter(sim.server_state)
+        saved = load_file(str(out / "shared_adapter" / "shared_adapter.safetensors"))
+        assert all(torch.equal(saved[f"{k[len('adapters.'):].replace('.shared.', '.')}"], v) for k, v in shared.items())
         spec = json.loads((out / "shared_adapter" / "config.json").read_text())["shared_adapter"]
         assert spec["base_revision"] == Path(hub.require_cached("org/tiny-vilt-vqa", cache_dir=cache)).name

@@ -89,3 +89,25 @@ def test_redirected_fedbip_recipe_log_is_plain_lines(tiny_ldm_dir, tmp_path):
     for noise in NOISE:
         assert noise not in log, (noise, log[-2000:])
     assert "round 1/1 |" in log and "prompt-only" in log and "wall time" in log
+
+
+def test_library_use_keeps_the_users_progress_bars(monkeypatch):
+    """hfpfl imported as a library (a notebook: stderr is no terminal there either, and hfpfl's command-line set-up
+    never ran) leaves the libraries' progress bars on where the user has them on."""
+    import datasets
+    import transformers.utils.logging
+
+    from hfpfl import cli
+
+    monkeypatch.setattr(cli, "_REDIRECTED_LOG", False)
+    saved = (transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())
+    transformers.utils.logging.enable_progress_bar()
+    datasets.enable_progress_bars()
+    try:
+        assert cli.quiet_library_progress_bars(diffusers=False) is False
+        assert transformers.utils.logging.is_progress_bar_enabled() and datasets.is_progress_bar_enabled()
+    finally:  # leave the process as it was
+        if not saved[0]:
+            transformers.utils.logging.disable_progress_bar()
+        if not saved[1]:
+            datasets.disable_progress_bars()
