@@ -304,7 +304,8 @@ def test_feddat_run_saves_the_final_global_shared_adapter(tmp_path):
             for slot in sim.algorithm.model.adapters:
                 for p in slot.shared.parameters():
                     p.zero_()
-        sim.algorithm.save_shared_adapter(sim.server_state)
+        with hub.use_hub_cache(cache):
+            sim.algorithm.save_shared_adapter(sim.server_state)
         saved = load_file(str(out / "shared_adapter" / "shared_adapter.safetensors"))
         assert all(torch.equal(saved[f"{k[len('adapters.'):].replace('.shared.', '.')}"], v) for k, v in shared.items())
         spec = json.loads((out / "shared_adapter" / "config.json").read_text())["shared_adapter"]
