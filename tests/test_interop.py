@@ -54,6 +54,7 @@ AUTO_PEFT_LOADER = textwrap.dedent("""
 """) + NO_HFPFL
 
 
+@pytest.mark.slow  # a subprocess that imports torch, transformers and peft/diffusers
 def test_published_lora_adapter_loads_with_auto_peft_model_in_one_call(pretrained_backbone, tmp_path):
     """The README's plain-peft line for a LoRA adapter on ``hfpfl/tiny-resnet-ood`` (a 93-class pretraining head;
     the adapter's head has 10): ``AutoPeftModel.from_pretrained(repo_id, revision=...)`` -- by repo id and by the
@@ -142,6 +143,7 @@ CUSTOM_PIPELINE_LOADER = textwrap.dedent("""
 """) + NO_HFPFL
 
 
+@pytest.mark.slow  # a subprocess that imports torch, transformers and peft/diffusers
 def test_fedbip_pipeline_loads_through_diffusers_custom_pipeline_without_hfpfl(tmp_path):
     """The README's FedBiP snippet: ``DiffusionPipeline.from_pretrained("hfpfl/tiny-ldm-digits-broad",
     custom_pipeline="pipelines/pipeline_fedbip.py", trust_remote_code=True)`` on the shipped LDM, published into a temporary Hub cache,
@@ -209,6 +211,7 @@ def _ramp_(tensor: torch.Tensor, scale: float) -> None:
         tensor.copy_(scale * torch.linspace(-1, 1, tensor.numel()).reshape(tensor.shape))
 
 
+@pytest.mark.slow  # a subprocess that imports torch, transformers and peft/diffusers
 def test_feddat_shared_adapter_loads_with_one_transformers_call_without_hfpfl(tmp_path):
     """FedDAT's shared adapter A_s, saved by ``save_shared_adapter`` (folder) and published (repo id + revision),
     loads with ``AutoModelForVisualQuestionAnswering.from_pretrained(..., trust_remote_code=True)`` in a process
@@ -263,6 +266,7 @@ def test_feddat_shared_adapter_loads_with_one_transformers_call_without_hfpfl(tm
     assert "AutoModelForVisualQuestionAnswering.from_pretrained(folder_or_repo_id, trust_remote_code=True)" in readme
 
 
+@pytest.mark.slow  # a subprocess that imports torch, transformers and peft/diffusers
 def test_feddat_run_saves_the_final_global_shared_adapter(tmp_path):
     """A FedDAT run on a backbone checkpoint leaves ``shared_adapter/`` in its output folder holding the server's
     final global A_s (what travels; saved from the server state, not from whatever the model holds), named by the

@@ -61,6 +61,7 @@ def tiny_ldm_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow  # a subprocess that imports torch, transformers and peft/diffusers
 def test_redirected_loading_paths_carry_no_library_noise(tiny_ldm_dir, tmp_path):
     """The loading paths of a FedBiP run (LDM pipeline, diffusers' Stable Diffusion import, a datasets map, a
     save_pretrained), redirected to a file: without hfpfl's set-up the log has every kind of noise (so the check can
