@@ -266,7 +266,7 @@ def test_feddat_shared_adapter_loads_with_one_transformers_call_without_hfpfl(tm
     assert "AutoModelForVisualQuestionAnswering.from_pretrained(folder_or_repo_id, trust_remote_code=True)" in readme
 
 
-@pytest.mark.slow  # a subprocess that imports torch, transformers and peft/diffusers
+@pytest.mark.slow  # two short FedDAT runs
 def test_feddat_run_saves_the_final_global_shared_adapter(tmp_path):
     """A FedDAT run on a backbone checkpoint leaves ``shared_adapter/`` in its output folder holding the server's
     final global A_s (what travels; saved from the server state, not from whatever the model holds), named by the
