@@ -28,7 +28,7 @@ CONFIG_NAME = "config.yaml"
 CONFIG_MARKER = "# hfpfl resolved config"
 # files (and folders) a run writes into its output_dir; --overwrite_output_dir removes exactly these
 RUN_FILES = ("results.json", "metrics.jsonl", "accuracy_curve.png", "client_accuracy.png", CONFIG_NAME)
-RUN_DIRS = ("checkpoints",)
+RUN_DIRS = ("checkpoints", "shared_adapter")  # shared_adapter: FedDAT's final global A_s
 
 
 # ------------------------------------------------------------------------------------------------ output folders

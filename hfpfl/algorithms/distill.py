@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -212,10 +211,11 @@ def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig
 def push_global_adapter(algo, state: dict, round_idx: int, repo_id: str) -> str:
     """Save the global adapter in ``state`` (adapter slot ``default``) with the model's ``save_pretrained`` and publish
     it as revision ``round-<round_idx>`` (and ``main``) of ``repo_id`` in the local Hub cache. Main process only.
-    LoRA: a plain peft folder (``PeftModel.from_pretrained(base, repo_id, revision=...)``); residual/parallel:
+    LoRA: a plain peft folder whose config names the frozen base with this run's head shape
+    (``AutoPeftModel.from_pretrained(repo_id, revision=...)``); residual/parallel:
     ``ConvAdapterModel.from_pretrained(base, repo_id, revision=...)``."""
-    from .. import hub
     from ..models.adapters import is_adapter_model
+    from ..models.adapters.io import publish_adapter
 
     sim = algo.sim
     if not is_adapter_model(sim.model):
@@ -223,8 +223,4 @@ def push_global_adapter(algo, state: dict, round_idx: int, repo_id: str) -> str:
     if not sim.accelerator.is_main_process:
         return ""
     load_into(sim.model_state, state)
-    with tempfile.TemporaryDirectory() as tmp:
-        sim.model.save_pretrained(tmp, selected_adapters=["default"])
-        snap = hub.push_folder_to_cache(tmp, repo_id, revision=f"round-{round_idx}")
-        hub.push_folder_to_cache(tmp, repo_id, revision="main")
-    return snap
+    return publish_adapter(sim.model, repo_id, [f"round-{round_idx}", "main"])

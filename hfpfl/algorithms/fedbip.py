@@ -248,6 +248,8 @@ def load_ldm(ldm: str, device=None):
     if key not in _PIPES:
         from pipelines.pipeline_fedbip import FedBiPPipeline
 
+        from ..cli import quiet_library_progress_bars
+        quiet_library_progress_bars(diffusers=True)  # a redirected hfpfl log: no "Loading pipeline components" bars
         pipe = FedBiPPipeline.from_pretrained(path)
         for m in (pipe.unet, pipe.vae, pipe.text_encoder):
             m.eval().requires_grad_(False)

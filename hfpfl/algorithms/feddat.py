@@ -290,9 +290,27 @@ class FedDAT(VQAAdapter):
                                                                                                  "local")}
 
     def extra_metrics(self, round_idx, server_state):
-        if not self.config.eval_variants or round_idx < self.ctx.args.num_rounds:
+        if round_idx < self.ctx.args.num_rounds:
             return {}
-        return self.inference_variants(server_state)
+        if self.ctx.is_main_process:
+            self.save_shared_adapter(server_state)
+        return self.inference_variants(server_state) if self.config.eval_variants else {}
+
+    def save_shared_adapter(self, server_state) -> str | None:
+        """``<output_dir>/shared_adapter``: the final global A_s, which loads without hfpfl in one call,
+        ``AutoModelForVisualQuestionAnswering.from_pretrained(folder, trust_remote_code=True)``
+        (:mod:`hfpfl.models.vqa_hub`). Skipped, with a log line, for a backbone built from a config (no checkpoint
+        to name)."""
+        import logging
+        import os
+
+        from ..models.vqa_hub import save_shared_adapter
+
+        if not getattr(self.model.backbone, "name_or_path", ""):
+            logging.getLogger(__name__).info("FedDAT: the backbone has no checkpoint to name; shared adapter not saved")
+            return None
+        return save_shared_adapter(self.model, os.path.join(self.ctx.output_dir, "shared_adapter"),
+                                   shared_state=server_state[MODEL])
 
 
 __all__ = ["FedDAT", "VQAAdapter", "VQAAdapterLocal", "VQAPeft", "steps_per_epoch", "MODES"]

@@ -414,7 +414,7 @@ def main(argv=None):
     from hfpfl.cli import USER_ERRORS, _setup_logging
     from hfpfl.runtime import Interrupted, interruptible
 
-    _setup_logging()
+    _setup_logging(diffusers=True)  # loads LDM pipelines: their loading bars off a terminal too
     from hfpfl.cli import worker_exits
 
     started: dict = {}  # output_dir once resolved, and whether it existed before this run

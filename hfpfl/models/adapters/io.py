@@ -8,7 +8,9 @@ Saved folder of a residual/parallel adapter (``ConvAdapterModel.save_pretrained`
     README.md                          how to load it
 
 Loading needs hfpfl (the layers are hfpfl's): ``ConvAdapterModel.from_pretrained(base, repo_id, revision=...)``.
-LoRA adapters are saved by peft itself and load with plain peft.
+LoRA adapters are saved by peft itself and load with plain peft; :func:`publish_adapter` also publishes the frozen
+base with the adapter's head shape beside them, so peft's ``AutoPeftModel.from_pretrained(repo_id, revision=...)``
+loads one in one call (:func:`plain_base_model`).
 """
 from __future__ import annotations
 
@@ -232,3 +234,75 @@ def load_adapter(base_model: nn.Module, path: str, adapter_name: str = "default"
         if "size mismatch" in str(e):
             raise ValueError(f"adapter at {path} does not fit this base model: {e}") from e
         raise
+
+
+# ---------------------------------------------------------------------------------------------------- publishing
+#: the branch of an adapter repo that holds the frozen base the repo's peft adapters were trained on
+BASE_REVISION = "base"
+
+
+def plain_base_model(peft_model):
+    """The frozen base of a peft model as the plain transformers model it was before the adapters: LoRA-wrapped
+    layers unwrapped (``.base_layer``), ``modules_to_save`` wrappers replaced by their original module (the head as
+    it was before training: the adapter carries its trained copy) -- with the head shape the adapter was trained on,
+    which the checkpoint the base came from may not have (the stand-ins' 93-class pretraining head). Built without
+    drawing from the random streams (a publication mid-run must not shift the run), loaded strictly."""
+    import copy
+
+    base = peft_model.get_base_model()
+    state = {}
+    for key, value in base.state_dict().items():
+        parts = key.split(".")
+        if any(p.startswith("lora_") for p in parts) or "modules_to_save" in parts:
+            continue
+        state[".".join(p for p in parts if p not in ("base_layer", "original_module"))] = value.detach().cpu()
+    with torch.random.fork_rng(devices=[]):
+        plain = type(base)(copy.deepcopy(base.config))
+    plain.load_state_dict(state, strict=True)
+    return plain.eval()
+
+
+def publish_adapter(model, repo_id: str, revisions, adapter_name: str = "default", cache_dir=None) -> str:
+    """Save adapter ``adapter_name`` of ``model`` and publish it as each of ``revisions`` of ``repo_id`` in the local
+    Hub cache; returns the snapshot of the first revision.
+
+    A peft (LoRA) adapter is made loadable with peft's one generic call, no hfpfl import::
+
+        AutoPeftModel.from_pretrained(repo_id, revision="round-3")
+
+    ``AutoPeftModel`` builds the base from the adapter config's ``base_model_name_or_path`` at its ``revision`` with
+    the class in ``auto_mapping`` (peft writes it: e.g. ``ResNetForImageClassification`` of ``transformers``). The
+    backbone's own checkpoint has its pretraining head (the stand-ins: 93 classes), so the config points instead at
+    :func:`plain_base_model` -- the same frozen backbone with the head shape the adapter was trained on -- published
+    on this repo's ``base`` branch and referenced by its commit (content addressed: a later base published to the
+    branch never changes what an earlier revision loads). peft's model card keeps the backbone's id
+    (``base_model:``). A residual/parallel adapter (hfpfl's layers) is saved as it is:
+    ``ConvAdapterModel.from_pretrained(base, repo_id, revision=...)``."""
+    import json
+    import tempfile
+
+    from ... import hub
+
+    revisions = [revisions] if isinstance(revisions, str) else list(revisions)
+    if not revisions:
+        raise ValueError("publish_adapter needs at least one revision")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = os.path.join(tmp, "adapter")
+        model.save_pretrained(folder, selected_adapters=[adapter_name])
+        if _is_peft(model):
+            if adapter_name != "default":  # peft saves a named adapter in a subfolder of that name
+                folder = os.path.join(folder, adapter_name)
+            base_dir = os.path.join(tmp, "base")
+            plain_base_model(model).save_pretrained(base_dir)
+            base_snapshot = hub.push_folder_to_cache(base_dir, repo_id, BASE_REVISION, cache_dir=cache_dir)
+            config_file = os.path.join(folder, "adapter_config.json")
+            with open(config_file) as f:
+                config = json.load(f)
+            if not config.get("auto_mapping") or config.get("task_type") is not None:
+                raise ValueError(f"adapter {adapter_name!r} has no peft auto_mapping (task_type "
+                                 f"{config.get('task_type')!r}); AutoPeftModel could not build its base")
+            config.update(base_model_name_or_path=repo_id, revision=os.path.basename(base_snapshot))
+            with open(config_file, "w") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+        snapshots = [hub.push_folder_to_cache(folder, repo_id, r, cache_dir=cache_dir) for r in revisions]
+    return snapshots[0]
