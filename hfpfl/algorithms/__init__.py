@@ -13,6 +13,7 @@ from .base import (FROZEN, GLOBAL, MODEL, OPTIM, PRIVATE, REGISTRY, Algorithm, H
 from . import ditto, fedavg, fedavg_ft, fedbn, fedper, fedprox, local, scaffold  # noqa: F401  (registration)
 from . import feddf, fednova, perada  # noqa: F401  (registration)
 from . import central, fedbip  # noqa: F401  (registration)
+from . import fedbabu, fedproto  # noqa: F401  (registration)
 from .fedavg import FedAvg
 
 # registered name -> module, for the methods imported on first use
