@@ -1,0 +1,261 @@
+"""FedProto (Tan et al., AAAI 2022) and FedBABU (Oh et al., ICLR 2022): each defining step against hand values on a
+two-layer linear model with known weights (body f = W x, head z = V f + b), plus a short run of each on Digits."""
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers.modeling_outputs import ImageClassifierOutput
+
+from hfpfl.algorithms import register
+from hfpfl.algorithms.base import Update
+from hfpfl.algorithms.fedbabu import FedBABU, FedBABUConfig
+from hfpfl.algorithms.fedper import is_head
+from hfpfl.algorithms.fedproto import FedProto, FedProtoConfig, NearestPrototype, proto_table
+from hfpfl.federated.comm import tensor_bytes
+from hfpfl.training import TensorData
+
+W0 = [[1.0, 2.0], [0.0, 1.0]]               # body: f = W x
+V0 = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]   # head: z = V f + b, 3 classes
+B0 = [0.0, 0.5, -0.5]
+
+
+class TinyNet(nn.Module):
+    """body (Linear 2->2, no bias) then classifier (Linear 2->3), weights W0, V0, B0."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(2, 2, bias=False)
+        self.classifier = nn.Linear(2, 3)
+        with torch.no_grad():
+            self.body.weight.copy_(torch.tensor(W0))
+            self.classifier.weight.copy_(torch.tensor(V0))
+            self.classifier.bias.copy_(torch.tensor(B0))
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.classifier(self.body(pixel_values))
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return ImageClassifierOutput(loss=loss, logits=logits)
+
+
+@register
+class TinyFedProto(FedProto):
+    name = "tiny_fedproto"
+
+    def build_model(self):
+        return TinyNet()
+
+
+@register
+class TinyFedBABU(FedBABU):
+    name = "tiny_fedbabu"
+
+    def build_model(self):
+        return TinyNet()
+
+
+def data(xs, ys):
+    return TensorData(torch.tensor(xs, dtype=torch.float32), torch.tensor(ys))
+
+
+def with_data(sim, per_client: dict):
+    """The clients' training data replaced by hand-made tensors."""
+    sim.train_data = lambda cid: per_client[cid]
+    return sim
+
+
+# ------------------------------------------------------------------------------------------------ FedProto
+def test_fedproto_local_prototypes_are_class_means_of_the_embedding(run_sim):
+    """Eq. 3 by hand: f = W0 x; x = (1,0),(0,1),(1,1),(2,0) -> f = (1,0),(2,1),(3,1),(2,0); labels 0,0,1,0:
+    C^(0) = ((1,0)+(2,1)+(2,0))/3 = (5/3, 1/3), C^(1) = (3,1); counts 3 and 1. Batches of 3 (two batches)."""
+    sim, _ = run_sim("tiny_fedproto", run=False, eval_batch_size=3)
+    protos, counts = sim.algorithm.local_prototypes(data([[1, 0], [0, 1], [1, 1], [2, 0]], [0, 0, 1, 0]))
+    assert set(protos) == {"0", "1"}
+    assert torch.allclose(protos["0"], torch.tensor([5 / 3, 1 / 3]))
+    assert torch.allclose(protos["1"], torch.tensor([3.0, 1.0]))
+    assert {c: int(n) for c, n in counts.items()} == {"0": 3, "1": 1}
+
+
+def _proto_updates():
+    """A: C0 = (1,0) x3, C1 = (0,2) x1; B: C0 = (4,2) x1; C: C1 = (2,2) x3, C2 = (5,5) x2."""
+    t = torch.tensor
+    return [Update(0, {"protos": {"0": t([1.0, 0.0]), "1": t([0.0, 2.0])}, "counts": {"0": t(3), "1": t(1)}}, 4),
+            Update(1, {"protos": {"0": t([4.0, 2.0])}, "counts": {"0": t(1)}}, 1),
+            Update(2, {"protos": {"1": t([2.0, 2.0]), "2": t([5.0, 5.0])}, "counts": {"1": t(3), "2": t(2)}}, 5)]
+
+
+def test_fedproto_server_takes_the_class_count_weighted_mean(run_sim):
+    """Eq. 6 with weights |D_i,j| / N_j: C0 = (3 (1,0) + 1 (4,2)) / 4 = (1.75, 0.5); C1 = (1 (0,2) + 3 (2,2)) / 4 =
+    (1.5, 2); C2 = (5,5); class 3, uploaded by nobody this round, keeps its earlier prototype."""
+    sim, _ = run_sim("tiny_fedproto", run=False)
+    state = {"protos": {"3": torch.tensor([9.0, 9.0])}}
+    out = sim.algorithm.aggregate(state, _proto_updates(), 1)["protos"]
+    assert set(out) == {"0", "1", "2", "3"}
+    assert torch.allclose(out["0"], torch.tensor([1.75, 0.5]))
+    assert torch.allclose(out["1"], torch.tensor([1.5, 2.0]))
+    assert torch.equal(out["2"], torch.tensor([5.0, 5.0])) and torch.equal(out["3"], torch.tensor([9.0, 9.0]))
+
+
+def test_fedproto_uniform_weights_are_the_plain_mean_over_holders(run_sim):
+    """--proto_weights uniform (authors' code): C0 = ((1,0) + (4,2)) / 2 = (2.5, 1); C1 = ((0,2) + (2,2)) / 2 = (1, 2)."""
+    sim, _ = run_sim("tiny_fedproto", method_config=FedProtoConfig(proto_weights="uniform"), run=False)
+    ups = _proto_updates()
+    for u in ups:
+        del u.upload["counts"]  # uniform weights need no counts: none travel
+    out = sim.algorithm.aggregate({"protos": {}}, ups, 1)["protos"]
+    assert torch.allclose(out["0"], torch.tensor([2.5, 1.0]))
+    assert torch.allclose(out["1"], torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("distance,scale", [("sq_l2", 1.0), ("mse", 0.5)])
+def test_fedproto_local_loss_by_hand(run_sim, distance, scale):
+    """x = (1,0), (0,1); y = 0, 2 -> f = (1,0), (2,1); z = V0 f + B0 = (1, 0.5, 0.5), (2, 1.5, 2.5).
+    CE = mean(-z_y + logsumexp z). Global prototypes C0 = (0,0), C2 = (2,3): ||f - C_y||^2 = 1 and 4, batch mean 2.5
+    (divided by d = 2 for 'mse'); lambda = 0.5. Without C2 the second sample adds 0 (mean 0.5); without any
+    prototype (round 1) the loss is CE alone."""
+    sim, _ = run_sim("tiny_fedproto", method_config=FedProtoConfig(proto_lambda=0.5, proto_distance=distance),
+                     run=False)
+    algo = sim.algorithm
+    batch = {"pixel_values": torch.tensor([[1.0, 0.0], [0.0, 1.0]]), "labels": torch.tensor([0, 2])}
+    lse = lambda z: math.log(sum(math.exp(v) for v in z))  # noqa: E731
+    ce = ((-1 + lse([1, 0.5, 0.5])) + (-2.5 + lse([2, 1.5, 2.5]))) / 2
+    t = torch.tensor
+    both = algo.loss_fn({"0": t([0.0, 0.0]), "2": t([2.0, 3.0])})(sim.model, batch).item()
+    assert both == pytest.approx(ce + 0.5 * 2.5 * scale, rel=1e-6)
+    only0 = algo.loss_fn({"0": t([0.0, 0.0])})(sim.model, batch).item()
+    assert only0 == pytest.approx(ce + 0.5 * 0.5 * scale, rel=1e-6)
+    assert algo.loss_fn({})(sim.model, batch).item() == pytest.approx(ce, rel=1e-6)
+
+
+def test_fedproto_nearest_prototype_prediction_by_hand(run_sim):
+    """f = (1,0), (2,1), (3,1); C0 = (0,0), C1 = (3,1), C2 = (2, 0.5), no C3. Squared distances: (1, 5, 1.25),
+    (5, 1, 0.25), (10, 0, 1.25) -> classes 0, 2, 1; logits are minus these, class 3 is -inf. The model's own head
+    predicts 0, 2, 2 (accuracy 2/3 on labels 0, 2, 1): the personal model scores 1.0 only through the prototypes."""
+    sim, _ = run_sim("tiny_fedproto", run=False)
+    algo = sim.algorithm
+    t = torch.tensor
+    state = {"protos": {"0": t([0.0, 0.0]), "1": t([3.0, 1.0]), "2": t([2.0, 0.5])}}
+    x = t([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    model = NearestPrototype(sim.model, proto_table(state["protos"], 4))
+    logits = model(pixel_values=x).logits
+    assert torch.allclose(logits[:, :3], -t([[1.0, 5.0, 1.25], [5.0, 1.0, 0.25], [10.0, 0.0, 1.25]]))
+    assert torch.isinf(logits[:, 3]).all() and (logits[:, 3] < 0).all()
+    test = data(x.tolist(), [0, 2, 1])
+    assert sim.ctx.evaluate(sim.model, test)["accuracy"] == pytest.approx(2 / 3)
+    personal = algo.load_personal(0, state, None, 1)
+    assert sim.ctx.evaluate(personal, test)["accuracy"] == 1.0
+
+
+def test_fedproto_only_prototypes_and_counts_travel(run_sim):
+    """One client update on hand data: the upload is exactly {protos, counts} for the classes the client holds, the
+    prototypes are Eq. 3 under the weights it trained to (recomputed here from its private W), and the bytes are
+    2 classes x 2 floats x 4 B + 2 counts x 8 B = 32. The first download holds no prototypes (0 bytes)."""
+    sim, _ = run_sim("tiny_fedproto", run=False, momentum=0.0, lr=0.1, batch_size=16)
+    d = data([[1, 0], [0, 1], [1, 1]], [0, 0, 1])
+    algo = with_data(sim, {0: d}).algorithm
+    down = algo.download(algo.init_server_state(), 0)
+    assert down == {"protos": {}} and tensor_bytes(down) == 0
+    up = algo.client_update(0, down, algo.init_private_state(0), 1)
+    assert set(up.upload) == {"protos", "counts"} and set(up.upload["protos"]) == {"0", "1"}
+    assert {c: int(n) for c, n in up.upload["counts"].items()} == {"0": 2, "1": 1}
+    W = up.private["model"]["body.weight"]
+    assert not torch.equal(W, torch.tensor(W0))  # it trained
+    f = d.pixel_values @ W.T
+    assert torch.allclose(up.upload["protos"]["0"], (f[0] + f[1]) / 2, atol=1e-6)
+    assert torch.allclose(up.upload["protos"]["1"], f[2], atol=1e-6)
+    assert tensor_bytes(up.upload) == 2 * 2 * 4 + 2 * 8
+    assert set(up.private["model"]) == {"body.weight", "classifier.weight", "classifier.bias"}
+
+
+def test_fedproto_runs_end_to_end_sending_no_weights(run_sim):
+    """Two rounds on Digits with the tiny ResNet: no model part ever travels; every round's upload per client is its
+    classes' prototypes (4 B per float) and counts (8 B each); round 1 downloads nothing, round 2 every class."""
+    sim, res = run_sim("fedproto")
+    by_part = sim.ledger.totals()["by_part"]
+    assert set(by_part) == {"protos", "counts"}
+    d = next(iter(sim.server_state["protos"].values())).numel()
+    for u in sim.last_updates:
+        assert set(u.upload) == {"protos", "counts"}
+        k = len(u.upload["protos"])
+        assert tensor_bytes(u.upload) == k * d * 4 + k * 8
+    k_all = len(sim.server_state["protos"])
+    assert by_part["protos"]["bytes_down"] == sim.num_clients * k_all * d * 4  # round 2 only
+    assert "global_accuracy" not in res["final"] and 0 <= res["final"]["personal_accuracy"] <= 1
+    assert not torch.equal(sim.store.get(0)["model"][next(iter(sim.initial_private))],
+                           sim.store.get(1)["model"][next(iter(sim.initial_private))])
+
+
+# ------------------------------------------------------------------------------------------------ FedBABU
+def test_fedbabu_body_is_the_sample_weighted_mean(run_sim):
+    """Clients with 1 and 3 samples upload body W = 0 and W = 4: the server body is (1*0 + 3*4) / 4 = 3."""
+    sim, _ = run_sim("tiny_fedbabu", run=False)
+    algo = with_data(sim, {0: data([[1, 0]], [0]), 1: data([[1, 0]] * 3, [0] * 3)}).algorithm
+    assert algo.global_keys == ["body.weight"]
+    ups = [Update(0, {"model": {"body.weight": torch.zeros(2, 2)}}, 1),
+           Update(1, {"model": {"body.weight": torch.full((2, 2), 4.0)}}, 3)]
+    out = algo.aggregate(algo.init_server_state(), ups, 1)["model"]
+    assert set(out) == {"body.weight"}
+    assert torch.equal(out["body.weight"], torch.full((2, 2), 3.0))
+
+
+def test_fedbabu_client_trains_the_body_only(run_sim):
+    """One local step: the head keeps V0, B0 exactly and is not uploaded; the body moved."""
+    sim, _ = run_sim("tiny_fedbabu", run=False, momentum=0.0, lr=0.1)
+    algo = with_data(sim, {0: data([[1, 0], [0, 1]], [0, 2])}).algorithm
+    up = algo.client_update(0, algo.download(algo.init_server_state(), 0), algo.init_private_state(0), 1)
+    assert set(up.upload["model"]) == {"body.weight"}
+    assert not torch.equal(up.upload["model"]["body.weight"], torch.tensor(W0))
+    assert torch.equal(up.private["model"]["classifier.weight"], torch.tensor(V0))
+    assert torch.equal(up.private["model"]["classifier.bias"], torch.tensor(B0))
+
+
+def _one_sgd_step(x, y, lr):
+    """One SGD step on mean CE of z = V0 W0 x + B0, gradients written out: dz = (softmax z - onehot) / n,
+    dV = dz^T f, db = sum dz, dW = (dz V0)^T x."""
+    W, V, b = torch.tensor(W0, dtype=torch.float64), torch.tensor(V0, dtype=torch.float64), torch.tensor(B0, dtype=torch.float64)
+    x = torch.tensor(x, dtype=torch.float64)
+    f = x @ W.T
+    z = f @ V.T + b
+    p = torch.exp(z - z.max(1, keepdim=True).values)
+    p = p / p.sum(1, keepdim=True)
+    dz = (p - torch.eye(3, dtype=torch.float64)[y]) / len(y)
+    return W - lr * (dz @ V).T @ x, V - lr * dz.T @ f, b - lr * dz.sum(0)
+
+
+@pytest.mark.parametrize("part", ["full", "head"])
+def test_fedbabu_finetuning_is_one_sgd_step_by_hand(run_sim, part):
+    """Personalization with tau = 1 epoch on one batch of 2 samples, lr 0.1 (the --finetune_lr), plain SGD: the
+    personal model is exactly one hand-computed SGD step from the received model (W0, V0, B0); 'head' leaves W."""
+    cfg = FedBABUConfig(finetune_epochs=1, finetune_part=part, finetune_lr=0.1)
+    sim, _ = run_sim("tiny_fedbabu", method_config=cfg, run=False, momentum=0.0, lr=0.7, batch_size=16)
+    algo = with_data(sim, {0: data([[1, 0], [0, 1]], [0, 2])}).algorithm
+    model = algo.load_personal(0, algo.init_server_state(), None, 1)
+    W, V, b = _one_sgd_step([[1.0, 0.0], [0.0, 1.0]], [0, 2], lr=0.1)
+    if part == "head":
+        W = torch.tensor(W0, dtype=torch.float64)
+    assert torch.allclose(model.body.weight.double(), W, atol=1e-6)
+    assert torch.allclose(model.classifier.weight.double(), V, atol=1e-6)
+    assert torch.allclose(model.classifier.bias.double(), b, atol=1e-6)
+    assert not torch.allclose(V, torch.tensor(V0, dtype=torch.float64))  # the step is not trivially zero
+
+
+def test_fedbabu_runs_end_to_end_head_fixed_and_never_sent(run_sim):
+    """Two rounds on Digits with the tiny ResNet (its evaluation fine-tunes every client's head): no head key is ever
+    uploaded, downloaded or in the server state; every client's head, after training and after the fine-tuned
+    evaluations, is still the one initial head; the body did train."""
+    sim, _ = run_sim("fedbabu", method_config=FedBABUConfig(finetune_epochs=1), run=False)
+    start = sim.algorithm.init_server_state()["model"]
+    res = sim.run()
+    head = [k for k in sim.model_state if is_head(k)]
+    assert head and sim.algorithm.private_keys == head
+    init_head = sim.initial_private
+    for u in sim.last_updates:
+        assert u.upload["model"] and not any(is_head(k) for k in u.upload["model"])
+    assert not any(is_head(k) for k in sim.server_state["model"])
+    assert not any(is_head(k) for k in sim.algorithm.download(sim.server_state, 0)["model"])
+    for cid in range(sim.num_clients):
+        for k in head:
+            assert torch.equal(sim.store.get(cid)["model"][k], init_head[k]), (cid, k)
+    assert any(not torch.equal(sim.server_state["model"][k], start[k]) for k in start)
+    assert set(sim.ledger.totals()["by_part"]) == {"model"}
+    assert {"global_accuracy", "personal_accuracy"} <= set(res["final"])
