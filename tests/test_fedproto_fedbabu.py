@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import ImageClassifierOutput
 
-from hfpfl.algorithms import register
+from hfpfl.algorithms import REGISTRY
 from hfpfl.algorithms.base import Update
 from hfpfl.algorithms.fedbabu import FedBABU, FedBABUConfig
 from hfpfl.algorithms.fedper import is_head
@@ -38,7 +38,6 @@ class TinyNet(nn.Module):
         return ImageClassifierOutput(loss=loss, logits=logits)
 
 
-@register
 class TinyFedProto(FedProto):
     name = "tiny_fedproto"
 
@@ -46,12 +45,20 @@ class TinyFedProto(FedProto):
         return TinyNet()
 
 
-@register
 class TinyFedBABU(FedBABU):
     name = "tiny_fedbabu"
 
     def build_model(self):
         return TinyNet()
+
+
+@pytest.fixture(autouse=True)
+def tiny_methods():
+    """The two test-only methods, registered for this module's tests alone (the method listings stay clean)."""
+    REGISTRY.update({c.name: c for c in (TinyFedProto, TinyFedBABU)})
+    yield
+    for c in (TinyFedProto, TinyFedBABU):
+        REGISTRY.pop(c.name, None)
 
 
 def data(xs, ys):

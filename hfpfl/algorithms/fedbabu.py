@@ -29,6 +29,7 @@ class FedBABUConfig:
 
 @register
 class FedBABU(Algorithm):
+    """FedBABU: the head stays at its random init (never trained or sent); the body is averaged; fine-tuned to evaluate."""
     name = "fedbabu"
     Config = FedBABUConfig
 

@@ -82,6 +82,7 @@ class NearestPrototype(nn.Module):
 
 @register
 class FedProto(Algorithm):
+    """FedProto: only class prototypes travel; local CE + prototype distance; nearest-prototype inference."""
     name = "fedproto"
     Config = FedProtoConfig
     has_global_model = False   # the global state is a set of prototypes, not a classifier
