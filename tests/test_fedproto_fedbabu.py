@@ -95,12 +95,16 @@ def test_fedproto_server_takes_the_class_count_weighted_mean(run_sim):
     """Eq. 6 with weights |D_i,j| / N_j: C0 = (3 (1,0) + 1 (4,2)) / 4 = (1.75, 0.5); C1 = (1 (0,2) + 3 (2,2)) / 4 =
     (1.5, 2); C2 = (5,5); class 3, uploaded by nobody this round, keeps its earlier prototype."""
     sim, _ = run_sim("tiny_fedproto", run=False)
-    state = {"protos": {"3": torch.tensor([9.0, 9.0])}}
-    out = sim.algorithm.aggregate(state, _proto_updates(), 1)["protos"]
-    assert set(out) == {"0", "1", "2", "3"}
-    assert torch.allclose(out["0"], torch.tensor([1.75, 0.5]))
-    assert torch.allclose(out["1"], torch.tensor([1.5, 2.0]))
-    assert torch.equal(out["2"], torch.tensor([5.0, 5.0])) and torch.equal(out["3"], torch.tensor([9.0, 9.0]))
+    state = sim.algorithm.init_server_state()
+    state["prototypes"]["table"][3], state["prototypes"]["known"][3] = torch.tensor([9.0, 9.0]), True
+    out = sim.algorithm.aggregate(state, _proto_updates(), 1)["prototypes"]
+    assert out["known"].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    table = out["table"]
+    assert torch.allclose(table[0], torch.tensor([1.75, 0.5]))
+    assert torch.allclose(table[1], torch.tensor([1.5, 2.0]))
+    assert torch.equal(table[2], torch.tensor([5.0, 5.0])) and torch.equal(table[3], torch.tensor([9.0, 9.0]))
+    down = sim.algorithm.download({"prototypes": out}, 0)["protos"]  # the known ones travel, under their class
+    assert set(down) == {"0", "1", "2", "3"} and torch.equal(down["1"], table[1])
 
 
 def test_fedproto_uniform_weights_are_the_plain_mean_over_holders(run_sim):
@@ -109,9 +113,9 @@ def test_fedproto_uniform_weights_are_the_plain_mean_over_holders(run_sim):
     ups = _proto_updates()
     for u in ups:
         del u.upload["counts"]  # uniform weights need no counts: none travel
-    out = sim.algorithm.aggregate({"protos": {}}, ups, 1)["protos"]
-    assert torch.allclose(out["0"], torch.tensor([2.5, 1.0]))
-    assert torch.allclose(out["1"], torch.tensor([1.0, 2.0]))
+    out = sim.algorithm.aggregate(sim.algorithm.init_server_state(), ups, 1)["prototypes"]["table"]
+    assert torch.allclose(out[0], torch.tensor([2.5, 1.0]))
+    assert torch.allclose(out[1], torch.tensor([1.0, 2.0]))
 
 
 @pytest.mark.parametrize("distance,scale", [("sq_l2", 1.0), ("mse", 0.5)])
@@ -141,14 +145,18 @@ def test_fedproto_nearest_prototype_prediction_by_hand(run_sim):
     sim, _ = run_sim("tiny_fedproto", run=False)
     algo = sim.algorithm
     t = torch.tensor
-    state = {"protos": {"0": t([0.0, 0.0]), "1": t([3.0, 1.0]), "2": t([2.0, 0.5])}}
+    protos = {"0": t([0.0, 0.0]), "1": t([3.0, 1.0]), "2": t([2.0, 0.5])}
     x = t([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-    model = NearestPrototype(sim.model, proto_table(state["protos"], 4))
+    model = NearestPrototype(sim.model, proto_table(protos, 4))
     logits = model(pixel_values=x).logits
     assert torch.allclose(logits[:, :3], -t([[1.0, 5.0, 1.25], [5.0, 1.0, 0.25], [10.0, 0.0, 1.25]]))
     assert torch.isinf(logits[:, 3]).all() and (logits[:, 3] < 0).all()
     test = data(x.tolist(), [0, 2, 1])
     assert sim.ctx.evaluate(sim.model, test)["accuracy"] == pytest.approx(2 / 3)
+    state = algo.init_server_state()
+    assert algo.load_personal(0, state, None, 1) is sim.model  # no prototype yet: the model's own head
+    for c, p in protos.items():
+        state["prototypes"]["table"][int(c)], state["prototypes"]["known"][int(c)] = p, True
     personal = algo.load_personal(0, state, None, 1)
     assert sim.ctx.evaluate(personal, test)["accuracy"] == 1.0
 
@@ -180,12 +188,12 @@ def test_fedproto_runs_end_to_end_sending_no_weights(run_sim):
     sim, res = run_sim("fedproto")
     by_part = sim.ledger.totals()["by_part"]
     assert set(by_part) == {"protos", "counts"}
-    d = next(iter(sim.server_state["protos"].values())).numel()
+    d = sim.server_state["prototypes"]["table"].shape[1]
     for u in sim.last_updates:
         assert set(u.upload) == {"protos", "counts"}
         k = len(u.upload["protos"])
         assert tensor_bytes(u.upload) == k * d * 4 + k * 8
-    k_all = len(sim.server_state["protos"])
+    k_all = int(sim.server_state["prototypes"]["known"].sum())
     assert by_part["protos"]["bytes_down"] == sim.num_clients * k_all * d * 4  # round 2 only
     assert "global_accuracy" not in res["final"] and 0 <= res["final"]["personal_accuracy"] <= 1
     assert not torch.equal(sim.store.get(0)["model"][next(iter(sim.initial_private))],
@@ -266,3 +274,17 @@ def test_fedbabu_runs_end_to_end_head_fixed_and_never_sent(run_sim):
     assert any(not torch.equal(sim.server_state["model"][k], start[k]) for k in start)
     assert set(sim.ledger.totals()["by_part"]) == {"model"}
     assert {"global_accuracy", "personal_accuracy"} <= set(res["final"])
+
+
+def test_fedproto_resume_after_round_one_equals_straight_run(run_sim):
+    """The global prototypes are server state (part "protos"): a run cut after round 1 (prototypes set) and resumed
+    from its checkpoint gives the same results as 2 rounds straight."""
+    kw = dict(num_rounds=2, checkpoint_every=1, eval_every=2)
+    straight_sim, straight = run_sim("fedproto", output_dir="straight", **kw)
+    cut, _ = run_sim("fedproto", output_dir="cut", run=False, **kw)
+    cut.step()
+    assert bool(cut.server_state["prototypes"]["known"].all())
+    _, resumed = run_sim("fedproto", output_dir="cut", resume_from_checkpoint="latest", overwrite_output_dir=False,
+                         **kw)
+    for key in ("final", "per_client_accuracy", "new_client_accuracy", "communication"):
+        assert resumed[key] == straight[key], key

@@ -19,7 +19,8 @@ from ..training import iterate_batches, model_inputs
 from .base import GLOBAL, PRIVATE, Algorithm, Update, register
 from .fedper import is_head
 
-PROTO, COUNT = "protos", "counts"          # parts: prototypes and class counts (keys: the class index as text)
+PROTO, COUNT = "protos", "counts"          # parts that travel: prototypes and class counts (keys: the class as text)
+SERVER = "prototypes"                      # server state: "table" [classes, d] and "known" [classes] (bool)
 PSUM, WSUM = "proto_sum", "proto_weight"  # server-side running sums (never travel)
 
 
@@ -91,10 +92,13 @@ class FedProto(Algorithm):
         return PRIVATE if default == GLOBAL else default   # whole model personal: no weights travel
 
     def init_server_state(self):
-        return {PROTO: {}}
+        # fixed keys from the start (checkpoints are checked against them): a class is "known" once uploaded
+        d, k = embedding_layer(self.model).in_features, self.ctx.num_labels
+        return {SERVER: {"table": torch.zeros(k, d), "known": torch.zeros(k, dtype=torch.bool)}}
 
     def download(self, server_state, client_id):
-        return {PROTO: dict(server_state[PROTO])}
+        s = server_state[SERVER]   # only the known global prototypes travel
+        return {PROTO: {str(c): s["table"][c] for c in s["known"].nonzero().flatten().tolist()}}
 
     def aggregation_weights(self, client_ids):
         return {c: 1.0 for c in client_ids}   # the weights are per class (accumulate)
@@ -151,19 +155,23 @@ class FedProto(Algorithm):
             return server_state
         f64 = {c: torch.zeros((), dtype=torch.float64) for c in sums.sums[PSUM]}
         num, den = sums.get(PSUM, f64), sums.get(WSUM, f64)
-        # classes nobody uploaded this round keep their last global prototype
-        return {**server_state, PROTO: {**server_state[PROTO], **{c: (num[c] / den[c]).float() for c in num}}}
+        table, known = server_state[SERVER]["table"].clone(), server_state[SERVER]["known"].clone()
+        for c in num:  # classes nobody uploaded this round keep their last global prototype
+            table[int(c)], known[int(c)] = (num[c] / den[c]).float(), True
+        return {**server_state, SERVER: {"table": table, "known": known}}
+
+    def predictor(self, model, server_state):
+        """Nearest global prototype; the model's own head before any prototype exists."""
+        s = server_state[SERVER]
+        return NearestPrototype(model, (s["table"], s["known"])) if bool(s["known"].any()) else model
 
     def load_personal(self, client_id, server_state, private, round_idx):
-        model = super().load_personal(client_id, server_state, private, round_idx)
-        table = proto_table(server_state[PROTO], self.ctx.num_labels)
-        return model if table is None else NearestPrototype(model, table)
+        return self.predictor(super().load_personal(client_id, server_state, private, round_idx), server_state)
 
     def personalize_new_client(self, client_id, server_state, data, round_idx):
         """Sec. "Model Inference": a new client fine-tunes its model on its own objective, global prototypes fixed."""
         self.load_client({}, self.init_private_state(client_id))
         if self.ctx.args.new_client_epochs > 0:
             self.local_train(client_id, round_idx, epochs=self.ctx.args.new_client_epochs, tag="new-client",
-                             data=data, loss_fn=self.loss_fn(server_state[PROTO]))
-        table = proto_table(server_state[PROTO], self.ctx.num_labels)
-        return self.model if table is None else NearestPrototype(self.model, table)
+                             data=data, loss_fn=self.loss_fn(self.download(server_state, client_id)[PROTO]))
+        return self.predictor(self.model, server_state)
