@@ -10,6 +10,7 @@ nearest global prototype in L2 (Sec. "Prototype-based model inference"). f = the
 """
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -35,6 +36,8 @@ class FedProtoConfig:
                                         "(authors' code, nn.MSELoss, the scale the paper's lambdas were tuned at) or "
                                         "'sq_l2' = ||f(x) - C_bar[y]||^2 (Appendix B).",
                                  check=one_of("mse", "sq_l2"))
+    #: the options that set the step size of what this method trains (named when training diverges; --lr always is)
+    STEP_SIZES: ClassVar[dict[str, str]] = {"proto_lambda": "lower"}
 
 
 def embedding_layer(model: nn.Module) -> nn.Linear:
