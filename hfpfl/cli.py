@@ -101,7 +101,7 @@ def fail(e: BaseException) -> None:
 def run_recipe(method: str | None = None, argv: list[str] | None = None, defaults: dict | None = None,
                name: str | None = None, data_fn=None, after=None, script: str | None = None,
                description: str | None = None, recipe_settings: dict | None = None,
-               top_level: bool | None = None) -> dict | None:
+               top_level: bool | None = None, recipe_options=None) -> dict | None:
     """Parse flags (+ --config YAML), run one simulation, print the result table. User errors exit with code 2 and
     one line; SIGINT/SIGTERM leave the last round checkpoint and print the command that resumes.
     ``defaults`` are the recipe's own option defaults (below YAML and flags); ``name`` names the default output
@@ -110,12 +110,16 @@ def run_recipe(method: str | None = None, argv: list[str] | None = None, default
     ``script`` names the recipe in messages when ``argv`` is given explicitly; ``recipe_settings`` are the recipe's own
     options that shape its data (checked on resume). ``top_level`` (default: ``argv is None``): this call is the
     program's entry point, so ``--num_processes`` may start more processes (hfpfl.launch); a call from other Python
-    code runs in its own process (``auto`` then means one)."""
+    code runs in its own process (``auto`` then means one).
+    ``recipe_options``: the dataclass of the recipe's own options (hfpfl.options checks in its fields), parsed by
+    the same parser as the run, data and method options (in --help, --config files and config.yaml); its values
+    are the ``recipe_settings`` (checked on resume) and reach ``data_fn(run, data, recipe)``; ``name`` may then be
+    a function of them."""
     workers = []  # the hfpfl.launch.Workers once this process forked
     top = argv is None if top_level is None else top_level
     with worker_exits(workers, close=top):
         return _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, description,
-                           recipe_settings, top)
+                           recipe_settings, top, recipe_options)
 
 
 def close_process_group() -> None:
@@ -192,7 +196,7 @@ def _exit_worker(e: BaseException | None) -> None:
 
 
 def _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, description, recipe_settings,
-                top_level) -> dict | None:
+                top_level, recipe_options=None) -> dict | None:
     import dataclasses
 
     from . import runtime
@@ -207,18 +211,22 @@ def _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, d
     try:
         with interruptible():
             try:
-                run, data, method_cfg = parse_run_args(
-                    args_list, method=method, prog=prog, defaults=defaults,
+                run, data, method_cfg, *recipe = parse_run_args(
+                    args_list, method=method, prog=prog, defaults=defaults, recipe_options=recipe_options,
                     description=description or f"hfpfl: federated simulation ({method or 'any method'})")
-                run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, name or run.method))
+                extra = tuple(recipe)  # the recipe's own options, when it has any
+                if extra:
+                    recipe_settings = {**dataclasses.asdict(extra[0]), **(recipe_settings or {})}
+                folder = name(*extra) if callable(name) else name
+                run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, folder or run.method))
                 start_processes(_processes_to_launch(run, data, top_level), workers, run.output_dir)
                 with cleanup_on_failure(run.output_dir):
                     from .federated.engine import Simulation
-                    sim = Simulation(run, data, method_cfg, fed_data=data_fn(run, data) if data_fn else None,
+                    sim = Simulation(run, data, method_cfg, fed_data=data_fn(run, data, *extra) if data_fn else None,
                                      recipe_settings=recipe_settings)
                     results = sim.run()
                     if after is not None and sim.accelerator.is_main_process:
-                        after(sim, results)
+                        _after_results(after, sim, results)
             except USER_ERRORS as e:
                 if runtime.last_signal is None:
                     fail(e)
@@ -236,13 +244,31 @@ def _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, d
             workers[0].wait(timeout=30)
         if not _worker():
             print(interrupted_message(args_list, run.output_dir if run else None,
-                                      script=script or (None if argv is None else "hfpfl run")), file=sys.stderr,
-                  flush=True)
+                                      script=_resume_script(script, argv)), file=sys.stderr, flush=True)
         raise SystemExit(code) from None
     if sim.accelerator.is_main_process:
         print(format_table(results))
         print(f"results: {os.path.join(run.output_dir, 'results.json')}")
     return results
+
+
+def _resume_script(script: str | None, argv) -> str | None:
+    """How the printed resume command starts: None (the program's own command line, python or accelerate launch)
+    when this is the program's entry point; else the recipe run with python, or ``hfpfl run``."""
+    if argv is None:
+        return None
+    if script and script.endswith(".py"):
+        return f"python {script}"
+    return script or "hfpfl run"
+
+
+def _after_results(after, sim, results) -> None:
+    """A recipe's extra plots, once results.json is written: a failing plot is a warning, never a failed run."""
+    try:
+        after(sim, results)
+    except Exception as e:  # noqa: BLE001 - the run's results are written; only the extra figure is lost
+        logging.getLogger("hfpfl").warning("the recipe's extra plot failed (%s: %s); results.json and the other "
+                                           "outputs are complete", type(e).__name__, e)
 
 
 def _processes_to_launch(run, data, top_level: bool = True) -> int:

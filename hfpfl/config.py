@@ -324,14 +324,18 @@ def check_model_name(model: str) -> None:
 
 
 def parse_run_args(argv: list[str] | None = None, method: str | None = None, prog: str | None = None,
-                   description: str | None = None, defaults: dict | None = None):
-    """Parse RunArguments, DataArguments and the chosen method's config. Returns (run, data, method_config).
+                   description: str | None = None, defaults: dict | None = None, recipe_options=None):
+    """Parse RunArguments, DataArguments and the chosen method's config. Returns (run, data, method_config), or
+    (run, data, method_config, recipe) when ``recipe_options`` (a recipe's own options dataclass: FedPCE's benchmark
+    settings, FedPop's tuner) is given: the same parser, the same ``--config`` file, the same checks.
 
     ``defaults``: a recipe's own defaults (e.g. ``{"adapter": "residual"}``); precedence: dataclass defaults <
-    recipe defaults < ``HFPFL_NUM_PROCESSES`` (num_processes only) < YAML file < command-line flags. Every user error is
+    recipe defaults (and those the recipe options derive, ``recipe.run_defaults()``: FedDAT's --backbone picks the
+    --model) < ``HFPFL_NUM_PROCESSES`` (num_processes only) < YAML file < command-line flags. Every user error is
     a one-line ValueError naming the option."""
     from .algorithms import get_algorithm
     from .data import DataArguments
+    from .options import validate
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
@@ -349,32 +353,48 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
     method_name = method_name or "fedavg"
     algo_cls = get_algorithm(method_name)
     types = [RunArguments, DataArguments, algo_cls.Config]
+    if recipe_options is not None:
+        clash = sorted(_fields(recipe_options) & (_fields(RunArguments) | _fields(DataArguments)
+                                                  | _fields(algo_cls.Config)))
+        if clash:
+            raise ValueError(f"--method {method_name} has an option --{clash[0]} that this recipe uses for its own "
+                             f"setting; choose another --method")
+        types.append(recipe_options)
     if known.config:
         file_values = load_config_file(known.config, types)
     parser = make_parser(types, prog=prog, description=description)
     parser.add_argument("--config", default=None, help="YAML/JSON file of options; command-line flags override it. "
                                                        "A run's saved config.yaml is one.")
-    # precedence: dataclass < recipe defaults < HFPFL_NUM_PROCESSES < --config file < command line
-    parser.set_defaults(**{**(defaults or {}), **env_num_processes(), **file_values, "method": method_name})
-    try:
-        run, data, method_cfg, _extra, remaining = parser.parse_args_into_dataclasses(
-            args=argv, return_remaining_strings=True)
-    except _UserError:
-        raise
-    except TypeError as e:  # a dataclass rejected a value of the wrong type
-        raise ValueError(f"invalid option value: {e}") from None
-    if remaining:
-        flags = [a for a in remaining if a.startswith("--")] or remaining
-        known_flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-        close = difflib.get_close_matches(flags[0].split("=")[0], known_flags, n=1)
-        hint = f" Did you mean {close[0]}?" if close else ""
-        raise ValueError(f"unknown option {flags[0]!r} for method {method_name!r}.{hint} "
-                         f"Run with --help (and --method {method_name}) to list every option.")
-    from .options import validate
-    for obj in (run, data, method_cfg):
-        validate(obj)   # every declared check (hfpfl.options), before anything is written
-    check_model_name(run.model)
-    return run, data, method_cfg
+
+    def parse(derived: dict):
+        # precedence: dataclass < recipe defaults < derived < HFPFL_NUM_PROCESSES < --config file < command line
+        parser.set_defaults(**{**(defaults or {}), **derived, **env_num_processes(), **file_values,
+                               "method": method_name})
+        try:
+            *objs, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        except _UserError:
+            raise
+        except TypeError as e:  # a dataclass rejected a value of the wrong type
+            raise ValueError(f"invalid option value: {e}") from None
+        if remaining:
+            flags = [a for a in remaining if a.startswith("--")] or remaining
+            known_flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            close = difflib.get_close_matches(flags[0].split("=")[0], known_flags, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ValueError(f"unknown option {flags[0]!r} for method {method_name!r}.{hint} "
+                             f"Run with --help (and --method {method_name}) to list every option.")
+        objs = objs[:len(types)]  # without the namespace of the extra --config argument
+        for obj in objs:
+            validate(obj)   # every declared check (hfpfl.options), before anything is written
+        return objs
+
+    objs = parse({})
+    derive = getattr(objs[-1], "run_defaults", None) if recipe_options is not None else None
+    derived = derive() if derive else {}
+    if derived:
+        objs = parse(derived)
+    check_model_name(objs[0].model)
+    return tuple(objs)
 
 
 def config_for_file(*configs) -> dict:

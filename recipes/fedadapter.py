@@ -10,5 +10,10 @@ from hfpfl.cli import run_recipe
 
 DEFAULTS = {"adapter": "parallel", "model": "hfpfl/tiny-resnet-ood", "num_rounds": 5}
 
+def main(argv=None):
+    return run_recipe(method="fedavg", argv=argv, defaults=DEFAULTS, name="fedadapter",  # outputs/fedadapter-<timestamp>
+                      script=None if argv is None else "recipes/fedadapter.py")
+
+
 if __name__ == "__main__":
-    run_recipe(method="fedavg", defaults=DEFAULTS, name="fedadapter")  # outputs/fedadapter-<timestamp>
+    main()

@@ -5,28 +5,41 @@
     python recipes/fedpce.py --benchmark lodo --held_out_domain syn --new_client_budget 8
     python recipes/fedpce.py --help
 
-Benchmark options (besides the run/data/method flags listed by --help):
-  --benchmark degradation|lodo   degradation groups of --dataset (default mnist; groups = --degradations,
-                                 default noise,color,rotation; --num_clients collaborative and --num_new_clients
-                                 held-out clients, both split evenly over the groups) or leave-one-domain-out Digits
-                                 (--num_clients = clients per domain; every client of --held_out_domain is new)
-  --new_client_budget K          new clients keep K training images per class (default: all)
-  --levels paper|cycled          degradation strength: the paper's per-client settings (default; noise variances
-                                 linspace(0.005, 1, M), jitter factors linspace(0.5, 1.5, M), hue +-0.5) or the
-                                 earlier milder cycled levels (see hfpfl/data/benchmarks.py)
+The benchmark's own options (--benchmark, --new_client_budget, --held_out_domain, --levels) are listed by --help
+with the run, data and method options; they go in a --config file and config.yaml like any other.
 Results (results.json: accuracy per client and per new client, bytes per part and per client, wall time), the
 resolved config and plots go to --output_dir; fedpce also writes embeddings_pca.png.
 """
-import argparse
-import sys
+from dataclasses import dataclass
 
 from hfpfl.cli import run_recipe
+from hfpfl.options import at_least, option
 
 # the setting of the README's FedPCE table (scripts/compare_fedpce.py --rounds 10 --local_steps 10 --widths 8,16,32,64
 # --new_client_steps 50): a few minutes on 2 CPU cores
 DEFAULTS = dict(dataset="mnist", degradations="noise,color,rotation", num_clients=12, num_new_clients=3,
                 max_per_domain=3000, image_size=16, num_rounds=10, local_steps=10, batch_size=32, optimizer="adam",
                 lr=1e-3, weight_decay=1e-4, widths="8,16,32,64", depths="1,1,1,1", new_client_steps=50)
+
+
+@dataclass
+class BenchmarkOptions:
+    benchmark: str = option("degradation", "degradation: degradation groups of --dataset (default mnist; groups = "
+                            "--degradations, default noise,color,rotation; --num_clients collaborative and "
+                            "--num_new_clients held-out clients, both split evenly over the groups) | lodo: "
+                            "leave-one-domain-out Digits (--num_clients = clients per domain; every client of "
+                            "--held_out_domain is new).", choices=["degradation", "lodo"])
+    new_client_budget: int | None = option(None, "New clients keep this many training images per class (>= 1; "
+                                           "default: all).", check=at_least(1))
+    held_out_domain: str = option("syn", "--benchmark lodo: the Digits domain whose clients are all new.",
+                                  choices=["mnist", "usps", "mnistm", "syn"])
+    levels: str = option("paper", "Degradation strength: paper (the paper's per-client settings: noise variances "
+                         "linspace(0.005, 1, M), jitter factors linspace(0.5, 1.5, M), hue +-0.5) | cycled (the "
+                         "earlier milder cycled levels, hfpfl/data/benchmarks.py).", choices=["paper", "cycled"])
+
+
+def benchmark_data(run, data, opts: BenchmarkOptions):
+    return build_data(data, run.seed, opts.benchmark, opts.new_client_budget, opts.held_out_domain, opts.levels)
 
 
 def build_data(data, seed, benchmark, budget, held_out, levels="paper"):
@@ -46,17 +59,8 @@ def build_data(data, seed, benchmark, budget, held_out, levels="paper"):
 
 
 def main(argv=None):
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--benchmark", choices=["degradation", "lodo"], default="degradation")
-    pre.add_argument("--new_client_budget", type=int, default=None)
-    pre.add_argument("--held_out_domain", default="syn")
-    pre.add_argument("--levels", choices=["paper", "cycled"], default="paper")
-    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return run_recipe(method="fedpce", argv=rest, defaults=DEFAULTS, script="recipes/fedpce.py", description=__doc__,
-                      top_level=argv is None,
-                      data_fn=lambda run, data: build_data(data, run.seed, known.benchmark, known.new_client_budget,
-                                                           known.held_out_domain, known.levels),
-                      recipe_settings=vars(known),
+    return run_recipe(method="fedpce", argv=argv, defaults=DEFAULTS, script="recipes/fedpce.py", description=__doc__,
+                      recipe_options=BenchmarkOptions, data_fn=benchmark_data,
                       after=lambda sim, results: plot_embeddings(sim, sim.data) if sim.args.method == "fedpce" else None)
 
 
@@ -69,10 +73,14 @@ def plot_embeddings(sim, fed):
     if len(emb) < 3:
         return
     ids = sorted(emb)
-    X = np.stack([emb[i].numpy() for i in ids])
+    X = np.stack([emb[i].numpy().reshape(-1) for i in ids])
+    if X.shape[1] == 0:  # nothing to project
+        return
     X = (X - X.mean(0)) / (X.std(0) + 1e-8)
     _, _, vt = np.linalg.svd(X, full_matrices=False)
     Z = X @ vt[:2].T
+    if Z.shape[1] < 2:  # a one-dimensional embedding: its values along x
+        Z = np.concatenate([Z, np.zeros((len(Z), 2 - Z.shape[1]))], axis=1)
     kinds = [str(fed.clients[i].domain).split("-")[0] for i in ids]
     fig, ax = plt.subplots(figsize=(4, 4))
     for j, k in enumerate(sorted(set(kinds))):

@@ -4,67 +4,57 @@ with the RS, SHA and FedEx baselines at the same budget (spec PART A; dissertati
     accelerate launch recipes/fedpop.py --method fedavg                  # FedPop, defaults: CPU toy scale
     python recipes/fedpop.py --method fedprox --tuner sha --output_dir outputs/sha
     python recipes/fedpop.py --search_space my_space.yaml --population_size 5 --rounds_per_member 40
-    python recipes/fedpop.py --resume true ...                           # continue a killed run (population.pt)
+    python recipes/fedpop.py --resume_from_checkpoint latest --output_dir outputs/fedpop-...   # continue a killed run
 
-Writes to --output_dir: config.yaml, search_space.yaml, results.json (best member + every member: validation loss,
-global / personal / fine-tuned accuracy, final alpha and beta^0, budget, number of tried vectors, FedPop-G events),
-curves.png (per-member local validation loss per round), hparams.png (alpha and beta^0 of every member over rounds),
-population.pt (the whole population, saved atomically every generation) and members/mXX/ (each member's own files).
+Writes to --output_dir (default outputs/fedpop-<timestamp>; a folder holding a run is reused only with
+--resume_from_checkpoint latest or --overwrite_output_dir): config.yaml, search_space.yaml, results.json (best member +
+every member: validation loss, global / personal / fine-tuned accuracy, final alpha and beta^0, budget, number of
+tried vectors, FedPop-G events), curves.png (per-member local validation loss per round), hparams.png (alpha and beta^0
+of every member over rounds), population.pt (the whole population, saved atomically every generation) and
+members/mXX/ (each member's own files). The tuner's own options (--tuner, --population_size, ...) are listed by --help.
 Defaults: digits (sklearn 8x8) Dirichlet(0.5) label skew over 10 clients with 20% val splits, a tiny MLP with dropout,
 N_c = 4, R_c = 30, K = 5, T_g = 3 (spec A8).
 """
-import argparse
+import dataclasses
 import os
-import sys
 
 RECIPE_DEFAULTS = {"model": "tiny-mlp", "dataset": "usps", "partition": "dirichlet", "num_clients": 10, "alpha": 0.5,
-                   "clients_per_round": 5, "val_fraction": 0.2, "image_size": 8, "output_dir": "outputs/fedpop",
-                   "progress": False}
+                   "clients_per_round": 5, "val_fraction": 0.2, "image_size": 8, "progress": False}
+POPULATION_FILES = ("population.pt", "search_space.yaml", "curves.png", "hparams.png")
 
 
 def main(argv=None):
-    from hfpfl.config import _OptionParser as HfArgumentParser  # leaves the declared checks out of argparse
-
-    from hfpfl.algorithms import get_algorithm
-    from hfpfl.config import RunArguments, load_config_file
-    from hfpfl.data import DataArguments
+    from hfpfl.cli import USER_ERRORS, fail
+    from hfpfl.config import parse_run_args
+    from hfpfl.runtime import check_output_dir, cleanup_on_failure, clear_run_files, resolve_output_dir
     from hfpfl.tuning import Tuner, TunerArguments
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--method", default="fedavg")
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv)
-    algo = get_algorithm(known.method)
-    types = [RunArguments, DataArguments, algo.Config, TunerArguments]
-    parser = HfArgumentParser(types, prog="fedpop.py", description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", default=None, help="YAML/JSON file of options; flags override it.")
-    file_values = load_config_file(known.config, types) if known.config else {}
-    parser.set_defaults(**{**RECIPE_DEFAULTS, **file_values, "method": known.method})
-    run, data, method_cfg, targs, _ = parser.parse_args_into_dataclasses(args=argv)
-    if run.resume_from_checkpoint:
-        targs.resume = True
-    out = run.output_dir
-    exists = any(os.path.exists(os.path.join(out, f)) for f in ("results.json", "population.pt"))
-    if exists and not targs.resume and not run.overwrite_output_dir:
-        print(f"error: {out!r} holds a tuning run; pass --resume true to continue it, --overwrite_output_dir to "
-              "replace it, or another --output_dir", file=sys.stderr)
-        raise SystemExit(2)
-    if run.overwrite_output_dir and not targs.resume:
-        for f in ("results.json", "population.pt"):
-            if os.path.exists(os.path.join(out, f)):
-                os.remove(os.path.join(out, f))
     try:
-        tuner = Tuner(run, data, method_cfg, targs)
+        run, data, method_cfg, targs = parse_run_args(
+            argv, method="fedavg", prog="recipes/fedpop.py", description=__doc__.split("\n\n")[0],
+            defaults=RECIPE_DEFAULTS, recipe_options=TunerArguments)
+        if run.resume_from_checkpoint:
+            targs = dataclasses.replace(targs, resume=True)
+        # the one output-folder rule (hfpfl.runtime); the population checkpoint counts as a started run
+        out = resolve_output_dir(run.output_dir, "fedpop")
+        run = dataclasses.replace(run, output_dir=out)
+        check_output_dir(out, overwrite=run.overwrite_output_dir, resume=targs.resume)
+        if os.path.exists(os.path.join(out, "population.pt")) and not (targs.resume or run.overwrite_output_dir):
+            raise FileExistsError(f"--output_dir {out!r} holds a tuning run (population.pt); pass "
+                                  "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace "
+                                  "it, or another --output_dir")
+        if run.overwrite_output_dir and not targs.resume:
+            clear_run_files(out, extra_files=POPULATION_FILES)
+        with cleanup_on_failure(out):  # a population that cannot start leaves no folder behind
+            tuner = Tuner(run, data, method_cfg, targs)
         res = tuner.run()
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except USER_ERRORS as e:
+        fail(e)
     if tuner.accelerator.is_main_process:
         b = res["best_member"]
         print(f"{res['tuner']} over {res['method']}: budget {res['budget']['rounds_used']}/{res['budget']['R_t']} rounds,"
               f" tried {res['tried']['alpha']} alpha / {res['tried']['beta']} beta vectors")
+
         def f(x):
             return "n/a" if x is None else f"{x:.4f}"
         print(f"best member m{b['member']}: val loss {f(b['val_loss'])}  global acc {f(b['global_accuracy'])}  "

@@ -16,8 +16,12 @@ real embeddings next to the generated ones (v_hat, u_hat).
 from hfpfl.cli import run_recipe
 
 DEFAULTS = {"dataset": "digits+noise", "num_clients": 8, "max_per_domain": 200, "image_size": 16,
-            "num_rounds": 20, "local_steps": 10, "batch_size": 32, "lr": 0.01, "momentum": 0.5,
-            "output_dir": "outputs/fraug"}
+            "num_rounds": 20, "local_steps": 10, "batch_size": 32, "lr": 0.01, "momentum": 0.5}
+# no output_dir default: outputs/fraug-<timestamp>, the one output-folder rule (hfpfl.runtime)
+
+def main(argv=None):
+    return run_recipe(method="fraug", argv=argv, defaults=DEFAULTS, script=None if argv is None else "recipes/fraug.py")
+
 
 if __name__ == "__main__":
-    run_recipe(method="fraug", defaults=DEFAULTS)
+    main()

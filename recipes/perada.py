@@ -11,5 +11,10 @@ from hfpfl.cli import run_recipe
 DEFAULTS = {"adapter": "residual", "model": "hfpfl/tiny-resnet-ood", "momentum": 0.0, "num_rounds": 5}
 # PerAda code: plain SGD, no momentum
 
+def main(argv=None):
+    return run_recipe(method="perada", argv=argv, defaults=DEFAULTS, name="perada",  # outputs/perada-<timestamp>
+                      script=None if argv is None else "recipes/perada.py")
+
+
 if __name__ == "__main__":
-    run_recipe(method="perada", defaults=DEFAULTS, name="perada")  # outputs/perada-<timestamp>
+    main()

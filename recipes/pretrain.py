@@ -16,20 +16,24 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import HfArgumentParser  # noqa: E402
-
+from hfpfl.cli import fail  # noqa: E402
+from hfpfl.config import make_parser  # noqa: E402
 from hfpfl.models.pretrained import PretrainArguments, ensure_pretrained, load_pretrain_info  # noqa: E402
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    parser = HfArgumentParser(PretrainArguments, description=__doc__.split("\n")[1])
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        (args,) = parser.parse_yaml_file(argv[0])
-    elif len(argv) == 1 and argv[0].endswith(".json"):
-        (args,) = parser.parse_json_file(argv[0])
-    else:
-        (args,) = parser.parse_args_into_dataclasses(args=argv)
+    # hfpfl's parser: a bad value (the declared checks of PretrainArguments) is one line, exit code 2, nothing written
+    parser = make_parser([PretrainArguments], prog="recipes/pretrain.py", description=__doc__.split("\n")[1])
+    try:
+        if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+            (args,) = parser.parse_yaml_file(argv[0])
+        elif len(argv) == 1 and argv[0].endswith(".json"):
+            (args,) = parser.parse_json_file(argv[0])
+        else:
+            (args,) = parser.parse_args_into_dataclasses(args=argv)
+    except (ValueError, OSError) as e:
+        fail(e)
     kwargs = {k: v for k, v in vars(args).items() if k != "repo_id"}
     repo_id = ensure_pretrained(args.repo_id, **kwargs)
     info = load_pretrain_info(repo_id, args.revision, args.cache_dir) or {}

@@ -27,8 +27,6 @@ import os
 from dataclasses import asdict, dataclass, field
 
 
-from transformers import HfArgumentParser  # noqa: E402
-
 from hfpfl.fedbip.ldm import DEFAULT_LDM_REPO, PretrainConfig, ensure_pretrained_ldm  # noqa: E402
 
 
@@ -115,9 +113,8 @@ class PretrainArguments:
 
         try:
             TinyLDMConfig.for_latent_size(self.image_size, self.latent_size)
-        except ValueError as e:
-            raise ValueError(f"--{e}; pass --latent_size {self.image_size // 4} or {self.image_size // 2} for "
-                             f"--image_size {self.image_size}, or leave it out") from None
+        except ValueError:
+            raise ValueError(latent_size_advice(self.image_size, self.latent_size)) from None
         if self.unet_attention is not None and any(a not in (0, 1) for a in self.unet_attention):
             raise ValueError(f"--unet_attention takes 0 or 1 per UNet level, got {self.unet_attention}")
         try:
@@ -139,12 +136,35 @@ class PretrainArguments:
             raise ValueError(f"--max_images must be >= 1 (or None for all), got {self.max_images}")
 
 
+def latent_size_advice(image_size: int, latent_size: int | None) -> str:
+    """The error for a latent side that does not divide ``image_size`` by a power of two, with only values
+    :meth:`TinyLDMConfig.for_latent_size` accepts as advice (factor 4, the default's, first)."""
+    from hfpfl.fedbip.ldm import TinyLDMConfig
+
+    valid = []
+    for factor in (4, 2, 8, 1):
+        if image_size % factor == 0:
+            try:
+                TinyLDMConfig.for_latent_size(image_size, image_size // factor)
+                valid.append(image_size // factor)
+            except ValueError:
+                pass
+    choices = " or ".join(str(v) for v in valid[:2])
+    if latent_size is None:
+        return (f"--image_size {image_size} has no default latent side (image_size / 4 is not whole); pass "
+                f"--latent_size {choices}, or an --image_size divisible by 4 (e.g. {4 * round(image_size / 4) or 4})")
+    return (f"--latent_size must divide --image_size {image_size} by a power of two (1, 2, 4, ...), got "
+            f"{latent_size}; pass --latent_size {choices}" + (", or leave it out" if image_size % 4 == 0 else ""))
+
+
 def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hfpfl.cli import fail
+    from hfpfl.config import make_parser
 
     try:
-        (args,) = HfArgumentParser(PretrainArguments).parse_args_into_dataclasses(args=argv)
+        (args,) = make_parser([PretrainArguments], prog="recipes/pretrain_ldm.py").parse_args_into_dataclasses(
+            args=argv)
     except ValueError as e:  # a bad value: one line naming the option, exit code 2, nothing trained or written
         fail(e)
     if args.measure_only:

@@ -6,5 +6,9 @@
 """
 from hfpfl.cli import run_recipe
 
+def main(argv=None):
+    return run_recipe(argv=argv, script=None if argv is None else "recipes/run.py")
+
+
 if __name__ == "__main__":
-    run_recipe()
+    main()

@@ -31,8 +31,10 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from hfpfl.options import Check, at_least, in_range, option
 
 logger = logging.getLogger("hfpfl")
 
@@ -60,33 +62,74 @@ DEFAULTS = {
 }
 
 
+def _seed_list(text) -> bool:
+    if not str(text).strip():  # empty: the single --seed
+        return True
+    parts = [x.strip() for x in str(text).split(",")]
+    return all(x.isdigit() and int(x) < 2 ** 32 for x in parts)
+
+
 @dataclass
 class RecipeArguments:
-    compare: bool = field(default=True, metadata={
-        "help": "Run the comparison (ablations, FedBiP-S/L, FedAvg, Local-only, Central) and print one table; "
-                "false = only the configured FedBiP run."})
-    all_variants: bool = field(default=False, metadata={
-        "help": "Also FedBiP-M (5x) and FedBiP-S without the perturbation of S (slower)."})
-    shots_per_class: int | None = field(default=5, metadata={
-        "help": "Keep this many real train images per class on each client (few-shot, [D]: 16); None = all."})
-    seeds: str | None = field(default=None, metadata={
-        "help": "Comma-separated run seeds (e.g. 0,1,2): the comparison per seed under <output_dir>/seed<k>/, then "
-                "a mean +- std table (summary.json). Default: the single --seed."})
-    data_seed: int = field(default=0, metadata={
-        "help": "Split seed of the built-in data sources (train/test/public). Keep 0: the tiny LDM's pretraining "
-                "pool is the public split of data seed 0 and must share nothing with the clients."})
-    variants: str | None = field(default=None, metadata={
-        "help": "Comma-separated subset of the comparison's rows to run, e.g. prompt-only,instance-only,FedBiP-S,"
-                "FedBiP-L,FedAvg,Local-only,Central (default: all). syn-fid needs Central."})
-    baseline_rounds: int | None = field(default=None, metadata={
-        "help": "Rounds of FedAvg / Local-only (1 local epoch each) and Central epochs; default = classifier_epochs, "
-                "so every classifier sees its training data the same number of epochs."})
+    compare: bool = option(True, "Run the comparison (ablations, FedBiP-S/L, FedAvg, Local-only, Central) and print one "
+                           "table; false = only the configured FedBiP run.")
+    all_variants: bool = option(False, "Also FedBiP-M (5x) and FedBiP-S without the perturbation of S (slower); "
+                                "needs --compare true.")
+    shots_per_class: int | None = option(5, "Keep this many real train images per class on each client (few-shot, "
+                                         "[D]: 16); None = all.", check=at_least(1))
+    seeds: str | None = option(None, "Comma-separated run seeds (e.g. 0,1,2): the comparison per seed under "
+                               "<output_dir>/seed<k>/, then a mean +- std table (summary.json); needs --compare true. "
+                               "Default: the single --seed.",
+                               check=Check(_seed_list, "comma-separated whole numbers in [0, 2**32), e.g. 0,1,2"))
+    data_seed: int = option(0, "Split seed of the built-in data sources (train/test/public). Keep 0: the tiny LDM's "
+                            "pretraining pool is the public split of data seed 0 and must share nothing with the "
+                            "clients.", check=in_range(0, 2 ** 32, high_open=True))
+    variants: str | None = option(None, "Comma-separated subset of the comparison's rows to run, e.g. prompt-only,"
+                                  "instance-only,FedBiP-S,FedBiP-L,FedAvg,Local-only,Central (default: all); needs "
+                                  "--compare true. syn-fid needs Central.")
+    baseline_rounds: int | None = option(None, "Rounds of FedAvg / Local-only (1 local epoch each) and Central epochs; "
+                                         "default = classifier_epochs, so every classifier sees its training data "
+                                         "the same number of epochs; needs --compare true.", check=at_least(1))
 
-    def __post_init__(self):
-        if self.seeds is not None and self.seeds.strip():
-            parts = [x.strip() for x in self.seeds.split(",")]
-            if not all(x.lstrip("-").isdigit() for x in parts):
-                raise ValueError(f"--seeds must be comma-separated integers, e.g. --seeds 0,1,2; got {self.seeds!r}")
+
+#: options that shape the comparison only: set under --compare false they would be ignored
+COMPARISON_ONLY = ("all_variants", "seeds", "variants", "baseline_rounds")
+
+
+def check_recipe_options(rec: RecipeArguments) -> None:
+    if not rec.compare:
+        defaults = RecipeArguments()
+        for name in COMPARISON_ONLY:
+            if getattr(rec, name) != getattr(defaults, name):
+                raise ValueError(f"--{name} shapes the comparison, which --compare false does not run; pass "
+                                 f"--compare true, or leave --{name} out")
+
+
+def check_words(cfg, num_clients: int, num_new_clients: int = 0, num_labels: int | None = None) -> None:
+    """--domain_words: one word (every client) or one per client; --class_words: one per class (``num_labels``,
+    when known). One line naming the option and the count it needs."""
+    for name, value in (("domain_words", cfg.domain_words), ("class_words", cfg.class_words)):
+        if value and any(not w.strip() for w in value.split(",")):
+            raise ValueError(f"--{name} has an empty word in {value!r}; pass comma-separated words, e.g. "
+                             f"{'usps,mnistm,syn' if name == 'domain_words' else 'zero,one,...'}")
+    if cfg.domain_words:
+        n = len(cfg.domain_words.split(","))
+        allowed = sorted({1, num_clients, num_clients + num_new_clients})
+        if n not in allowed:
+            raise ValueError(f"--domain_words has {n} words for {num_clients} clients; pass one word for every "
+                             f"client or one per client ({' or '.join(map(str, allowed))} words)")
+    if cfg.class_words and num_labels is not None:
+        n = len(cfg.class_words.split(","))
+        if n != num_labels:
+            raise ValueError(f"--class_words has {n} words but the data has {num_labels} classes; pass "
+                             f"{num_labels} comma-separated words, one per class in label order")
+
+
+def builtin_num_labels(dataset: str) -> int | None:
+    """The number of classes of a built-in source (known without loading it); None for other sources."""
+    from hfpfl.data.sources import DIGIT_NAMES, SOURCES, _parse_name
+
+    return len(DIGIT_NAMES) if _parse_name(dataset)[0] in SOURCES else None
 
 
 def few_shot(fed, shots: int | None, seed: int):
@@ -108,30 +151,17 @@ def few_shot(fed, shots: int | None, seed: int):
 
 
 def parse(argv=None):
-    from hfpfl.config import _OptionParser as HfArgumentParser  # leaves the declared checks out of argparse
+    """The run, data, FedBiP and recipe options, by hfpfl's one parser (--config files, HFPFL_NUM_PROCESSES, the
+    declared checks), then the checks that read several of them. Every bad value is one ValueError line."""
+    from hfpfl.config import parse_run_args
 
-    from hfpfl.algorithms.fedbip import FedBiPConfig
-    from hfpfl.config import RunArguments, load_config_file
-    from hfpfl.data import DataArguments
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    types = [RunArguments, DataArguments, FedBiPConfig, RecipeArguments]
-    file_values = {}
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            raise ValueError("--config needs a file")
-        file_values = load_config_file(argv[i + 1], types)
-        argv = argv[:i] + argv[i + 2:]
-    parser = HfArgumentParser(types, prog="recipes/fedbip.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=None, help="YAML/JSON file of options; command-line flags override it.")
-    parser.set_defaults(**{**DEFAULTS, **file_values})
-    run, data, cfg, rec, _extra, remaining = parser.parse_args_into_dataclasses(args=argv,
-                                                                               return_remaining_strings=True)
-    if remaining:
-        raise ValueError(f"unknown option {remaining[0]!r}; run with --help to list every option")
+    run, data, cfg, rec = parse_run_args(argv, method="fedbip", prog="recipes/fedbip.py",
+                                         description=__doc__.split("\n")[0], defaults=DEFAULTS,
+                                         recipe_options=RecipeArguments)
     if run.method != "fedbip":
         raise ValueError(f"recipes/fedbip.py runs FedBiP (got --method {run.method}); use recipes/run.py otherwise")
+    check_recipe_options(rec)
+    check_words(cfg, data.num_clients, data.num_new_clients, builtin_num_labels(data.dataset))
     return run, data, cfg, rec
 
 
@@ -411,7 +441,7 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from hfpfl.cli import USER_ERRORS, _setup_logging
+    from hfpfl.cli import USER_ERRORS, _setup_logging, fail
     from hfpfl.runtime import Interrupted, interruptible
 
     _setup_logging(diffusers=True)  # loads LDM pipelines: their loading bars off a terminal too
@@ -421,13 +451,12 @@ def main(argv=None):
     workers: list = []  # hfpfl.launch.Workers once --num_processes forked this process
     try:
         with worker_exits(workers), interruptible():
-            return _main(argv, started, workers)
-    except USER_ERRORS as e:
-        if started.get("output_dir") and not started.get("existed"):
-            remove_empty_dirs(started["output_dir"])  # found by a variant's set-up: no empty run folder stays behind
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {msg}", file=sys.stderr)
-        raise SystemExit(2) from None
+            try:
+                return _main(argv, started, workers)
+            except USER_ERRORS as e:  # every process meets the same bad input: each exits 2, the main one says it
+                if started.get("output_dir") and not started.get("existed"):
+                    remove_empty_dirs(started["output_dir"])  # found by a variant's set-up: no empty folder stays
+                fail(e)
     except KeyboardInterrupt as e:
         if started.get("output_dir") and not started.get("existed"):
             remove_empty_dirs(started["output_dir"])  # unfinished variants removed themselves (variant_folder)
@@ -472,6 +501,9 @@ def _main(argv, started: dict, workers: list):
     main = int(os.environ.get("RANK", "0")) == 0  # a worker (forked or launched): no prints, no files
     torch.set_num_threads(max(1, run.num_threads))
     split = build_federated_dataset(data, seed=rec.data_seed)
+    # a source whose classes are known only once loaded (a Hub dataset): the class words checked here, before any
+    # folder or file is written
+    check_words(cfg, len(split.clients), len(split.new_clients), split.num_labels)
     if not rec.compare:
         fed = few_shot(split, rec.shots_per_class, run.seed)
         if main:

@@ -657,7 +657,9 @@ class Simulation:
         # a resumed run keeps its config.yaml; only an extended --num_rounds is recorded
         if acc.is_main_process and (not args.resume_from_checkpoint or not (self.output_dir / "config.yaml").exists()
                                     or (resumed_rounds is not None and args.num_rounds != _saved_rounds(self.output_dir))):
-            tracking.write_config(self.output_dir, run=args, data=self.data_args, method=self.algorithm.config)
+            recipe = {"recipe": self.recipe_settings} if self.recipe_settings else {}  # a recipe's own options
+            tracking.write_config(self.output_dir, run=args, data=self.data_args, method=self.algorithm.config,
+                                  **recipe)
         tracking.log_run_header(self)
         if acc.log_with:
             acc.init_trackers("hfpfl", config={k: v for k, v in dataclasses.asdict(args).items()

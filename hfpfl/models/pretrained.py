@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import hub
+from ..options import at_least, in_range, non_negative, one_of, option, positive, validate
 from ..training import TensorData, evaluate, train_local
 from .builders import TINY_CLASSIFIERS, build_classifier
 
@@ -57,20 +58,19 @@ class PretrainArguments:
                           "as ImageNet is to CIFAR) or an hfpfl.data source whose 'public' split is used "
                           "(in-domain: the repo is named ...-indomain)."},
     )
-    pool_size: int = field(default=12_000, metadata={"help": "Samples of the 'ood' pool (class-balanced)."})
-    epochs: int = field(default=5, metadata={"help": "Passes over the pool."})
-    lr: float = field(default=3e-3, metadata={"help": "Peak AdamW learning rate (cosine decay, 5%% warmup)."})
-    weight_decay: float = field(default=0.05, metadata={"help": "AdamW weight decay."})
-    batch_size: int = field(default=32, metadata={"help": "Training batch size (last incomplete batch dropped)."})
-    image_size: int = field(default=28, metadata={"help": "Input resolution the backbone is trained at."})
-    num_channels: int = field(default=3, metadata={"help": "Input channels (1 or 3)."})
-    max_per_domain: int | None = field(
-        default=None, metadata={"help": "Cap per domain over all splits of the source (None: all); for quick runs."}
-    )
-    val_fraction: float = field(
-        default=0.1, metadata={"help": "Fraction of the public pool held out to report accuracy (0: report train)."}
-    )
-    seed: int = field(default=0, metadata={"help": "Seed for data order, init and split: same seed, same weights."})
+    pool_size: int = option(12_000, "Samples of the 'ood' pool (class-balanced).", check=at_least(1))
+    epochs: int = option(5, "Passes over the pool.", check=at_least(1))
+    lr: float = option(3e-3, "Peak AdamW learning rate (cosine decay, 5%% warmup).", check=positive())
+    weight_decay: float = option(0.05, "AdamW weight decay.", check=non_negative())
+    batch_size: int = option(32, "Training batch size (last incomplete batch dropped).", check=at_least(1))
+    image_size: int = option(28, "Input resolution the backbone is trained at.", check=at_least(8))
+    num_channels: int = option(3, "Input channels (1 or 3).", check=one_of(1, 3))
+    max_per_domain: int | None = option(None, "Cap per domain over all splits of the source (None: all); for quick "
+                                        "runs.", check=at_least(1))
+    val_fraction: float = option(0.1, "Fraction of the public pool held out to report accuracy (0: report train).",
+                                 check=in_range(0, 1, high_open=True))
+    seed: int = option(0, "Seed for data order, init and split: same seed, same weights.",
+                       check=in_range(0, 2 ** 32, high_open=True))
     repo_id: str | None = field(
         default=None,
         metadata={"help": "Local Hub repo id to publish to (default: hfpfl/<model>-ood, or "
@@ -84,13 +84,13 @@ class PretrainArguments:
         default=None, metadata={"help": "Where to write the save_pretrained folder and results.json (default: temp)."}
     )
     force: bool = field(default=False, metadata={"help": "Retrain and republish even if the repo is already cached."})
-    augment_shift: int = field(
-        default=2, metadata={"help": "Random translation augmentation of up to this many pixels (0: off)."}
-    )
-    max_steps: int | None = field(default=None, metadata={"help": "Stop after this many steps (tests, smoke runs)."})
-    num_threads: int = field(default=1, metadata={"help": "torch intra-op threads (1 is fastest on shared CPUs)."})
+    augment_shift: int = option(2, "Random translation augmentation of up to this many pixels (0: off).",
+                                check=at_least(0))
+    max_steps: int | None = option(None, "Stop after this many steps (tests, smoke runs).", check=at_least(1))
+    num_threads: int = option(1, "torch intra-op threads (1 is fastest on shared CPUs).", check=at_least(1))
 
     def __post_init__(self):
+        validate(self)  # the declared checks, for arguments built in Python (ensure_pretrained) too
         if self.model not in TINY_CLASSIFIERS:
             raise ValueError(f"--model must be a built-in config ({sorted(TINY_CLASSIFIERS)}), got {self.model!r}")
         if self.repo_id is None:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ..federated.protocol import MODEL, HParams, NonFiniteError
+from ..options import at_least, in_range, option, validate
 from . import search_space as ss
 
 logger = logging.getLogger("hfpfl")
@@ -50,31 +51,32 @@ DIVERGED = 1e6   # the score of a member whose training became non-finite (lower
 
 @dataclass
 class TunerArguments:
-    """Tuning flags (``HfArgumentParser``-compatible)."""
+    """Tuning flags: the fedpop recipe's own options (hfpfl.config.parse_run_args parses and checks them)."""
 
-    tuner: str = field(default="fedpop", metadata={"help": "fedpop | rs | sha | fedex (all at the same budget)."})
-    population_size: int = field(default=4, metadata={"help": "N_c: members (RS/FedPop/FedEx). SHA uses sha_start."})
-    rounds_per_member: int = field(default=30, metadata={
-        "help": "R_c: rounds each member trains; the budget is R_t = population_size * rounds_per_member rounds."})
-    generation_rounds: int | None = field(default=None, metadata={
-        "help": "T_g: rounds between FedPop-G steps (default max(1, round(0.1 * R_c)))."})
-    rho: int = field(default=3, metadata={"help": "Quantile rate: the best/worst ceil(n / rho) are donors/replaced."})
-    eps0: float = field(default=0.1, metadata={"help": "Initial perturbation intensity epsilon_0."})
-    p_re0: float = field(default=0.1, metadata={"help": "Initial resampling probability p_re^0."})
-    gamma_g: float = field(default=0.9, metadata={"help": "Power-law decay of the FedPop-G score (Eq. 5)."})
-    local_window_frac: float = field(default=0.2, metadata={
-        "help": "FedPop-L runs for ceil(frac * T_g) rounds (>= 1) after a configuration is (re)initialised "
-                "(appendix); 0 = every round (Algorithm 1)."})
-    delta: float = field(default=0.2, metadata={"help": "Delta-box half-width as a fraction of each range."})
-    fedpop_l: bool = field(default=True, metadata={"help": "Enable FedPop-L (ablation switch)."})
-    fedpop_g: bool = field(default=True, metadata={"help": "Enable FedPop-G (ablation switch)."})
-    search_space: str | None = field(default=None, metadata={
-        "help": "YAML search space (server:/client: blocks, see hfpfl/tuning/search_space.py); default: the spec's."})
-    sha_start: int = field(default=27, metadata={"help": "SHA: initial configurations (27 -> 9 -> 3 -> 1)."})
-    sha_eta: int = field(default=3, metadata={"help": "SHA: elimination rate."})
-    fedex_configs: int = field(default=27, metadata={"help": "FedEx: client configurations per member."})
-    finetune_epochs: int = field(default=1, metadata={"help": "Epochs of Loc(beta^0) for the fine-tuned accuracy."})
-    resume: bool = field(default=False, metadata={"help": "Continue from output_dir/population.pt if present."})
+    tuner: str = option("fedpop", "fedpop | rs | sha | fedex (all at the same budget).", choices=list(TUNERS))
+    population_size: int = option(4, "N_c: members (RS/FedPop/FedEx). SHA uses sha_start.", check=at_least(1))
+    rounds_per_member: int = option(30, "R_c: rounds each member trains; the budget is R_t = population_size * "
+                                    "rounds_per_member rounds.", check=at_least(1))
+    generation_rounds: int | None = option(None, "T_g: rounds between FedPop-G steps (default max(1, round(0.1 * "
+                                           "R_c))).", check=at_least(1))
+    rho: int = option(3, "Quantile rate: the best/worst ceil(n / rho) are donors/replaced.", check=at_least(1))
+    eps0: float = option(0.1, "Initial perturbation intensity epsilon_0 (a fraction of each range).",
+                         check=in_range(0, 1))
+    p_re0: float = option(0.1, "Initial resampling probability p_re^0.", check=in_range(0, 1))
+    gamma_g: float = option(0.9, "Power-law decay of the FedPop-G score (Eq. 5).", check=in_range(0, 1, low_open=True))
+    local_window_frac: float = option(0.2, "FedPop-L runs for ceil(frac * T_g) rounds (>= 1) after a configuration is "
+                                      "(re)initialised (appendix); 0 = every round (Algorithm 1).", check=in_range(0, 1))
+    delta: float = option(0.2, "Delta-box half-width as a fraction of each range.", check=in_range(0, 1))
+    fedpop_l: bool = option(True, "Enable FedPop-L (ablation switch).")
+    fedpop_g: bool = option(True, "Enable FedPop-G (ablation switch).")
+    search_space: str | None = option(None, "YAML search space (server:/client: blocks, see "
+                                      "hfpfl/tuning/search_space.py); default: the spec's.")
+    sha_start: int = option(27, "SHA: initial configurations (27 -> 9 -> 3 -> 1).", check=at_least(1))
+    sha_eta: int = option(3, "SHA: elimination rate (each stage keeps ceil(n / sha_eta)).", check=at_least(2))
+    fedex_configs: int = option(27, "FedEx: client configurations per member.", check=at_least(1))
+    finetune_epochs: int = option(1, "Epochs of Loc(beta^0) for the fine-tuned accuracy (0 = none).",
+                                  check=at_least(0))
+    resume: bool = option(False, "Continue from output_dir/population.pt if present.")
 
 
 def cos_anneal(x0: float, r: float, r0: float) -> float:
@@ -146,6 +148,7 @@ class Tuner:
 
         if targs.tuner not in TUNERS:
             raise ValueError(f"--tuner {targs.tuner!r} is not one of {TUNERS}")
+        validate(targs)  # the declared checks, for tuner arguments built in Python too
         self.run_args, self.data_args, self.method_config, self.t = run_args, data_args, method_config, targs
         self.space = ss.SearchSpace.from_yaml(targs.search_space)
         self.out = Path(run_args.output_dir)
