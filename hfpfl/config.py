@@ -307,14 +307,15 @@ def _none_or(convert):
     return parse
 
 
-def check_model_name(model: str) -> None:
-    """A near-miss of a built-in model name (and no such local folder) gets a 'did you mean'."""
+def check_model_name(model: str, extra_models=()) -> None:
+    """A near-miss of a built-in model name (and no such local folder) gets a 'did you mean'. ``extra_models``: names
+    a recipe builds itself (FedPop's tiny-mlp)."""
     import os
 
     if "/" in model or os.path.exists(model):
         return
     from .models.names import TINY_CLASSIFIER_NAMES as TINY_CLASSIFIERS, TINY_VQA_MODELS
-    builtins = sorted(set(TINY_CLASSIFIERS) | set(TINY_VQA_MODELS))
+    builtins = sorted(set(TINY_CLASSIFIERS) | set(TINY_VQA_MODELS) | set(extra_models))
     if model in builtins:
         return
     close = difflib.get_close_matches(model, builtins, n=1, cutoff=0.6)
@@ -324,7 +325,8 @@ def check_model_name(model: str) -> None:
 
 
 def parse_run_args(argv: list[str] | None = None, method: str | None = None, prog: str | None = None,
-                   description: str | None = None, defaults: dict | None = None, recipe_options=None):
+                   description: str | None = None, defaults: dict | None = None, recipe_options=None,
+                   extra_models=()):
     """Parse RunArguments, DataArguments and the chosen method's config. Returns (run, data, method_config), or
     (run, data, method_config, recipe) when ``recipe_options`` (a recipe's own options dataclass: FedPCE's benchmark
     settings, FedPop's tuner) is given: the same parser, the same ``--config`` file, the same checks.
@@ -332,7 +334,7 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
     ``defaults``: a recipe's own defaults (e.g. ``{"adapter": "residual"}``); precedence: dataclass defaults <
     recipe defaults (and those the recipe options derive, ``recipe.run_defaults()``: FedDAT's --backbone picks the
     --model) < ``HFPFL_NUM_PROCESSES`` (num_processes only) < YAML file < command-line flags. Every user error is
-    a one-line ValueError naming the option."""
+    a one-line ValueError naming the option. ``extra_models``: model names the recipe builds itself."""
     from .algorithms import get_algorithm
     from .data import DataArguments
     from .options import validate
@@ -393,7 +395,7 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
     derived = derive() if derive else {}
     if derived:
         objs = parse(derived)
-    check_model_name(objs[0].model)
+    check_model_name(objs[0].model, extra_models)
     return tuple(objs)
 
 

@@ -28,11 +28,12 @@ def main(argv=None):
     from hfpfl.config import parse_run_args
     from hfpfl.runtime import check_output_dir, cleanup_on_failure, clear_run_files, resolve_output_dir
     from hfpfl.tuning import Tuner, TunerArguments
+    from hfpfl.tuning.models import TINY_MLP
 
     try:
         run, data, method_cfg, targs = parse_run_args(
             argv, method="fedavg", prog="recipes/fedpop.py", description=__doc__.split("\n\n")[0],
-            defaults=RECIPE_DEFAULTS, recipe_options=TunerArguments)
+            defaults=RECIPE_DEFAULTS, recipe_options=TunerArguments, extra_models=(TINY_MLP,))
         if run.resume_from_checkpoint:
             targs = dataclasses.replace(targs, resume=True)
         # the one output-folder rule (hfpfl.runtime); the population checkpoint counts as a started run
