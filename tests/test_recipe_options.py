@@ -65,11 +65,31 @@ def test_every_recipe_has_a_bad_case():
     assert {p.stem for p in (ROOT / "recipes").glob("*.py")} == {name for name, _, _ in BAD}
 
 
+def _no_work(monkeypatch, mod):
+    """A bad value must stop at parsing: a run that gets as far as the engine, the tuner, the LDM or pretraining
+    fails the test at once (instead of running for minutes)."""
+    import hfpfl.algorithms.fedbip as fedbip
+    import hfpfl.federated.engine as engine
+    import hfpfl.tuning as tuning
+
+    def started(*args, **kwargs):
+        raise RuntimeError("the run started: parsing let the bad value through")
+
+    monkeypatch.setattr(engine, "Simulation", started)
+    monkeypatch.setattr(tuning, "Tuner", started)
+    monkeypatch.setattr(fedbip, "resolve_ldm", started)
+    for attr in ("ensure_pretrained", "ensure_pretrained_ldm"):
+        if hasattr(mod, attr):
+            monkeypatch.setattr(mod, attr, started)
+
+
 @pytest.mark.parametrize("name,argv,expected", BAD, ids=[f"{n}:{' '.join(a)}" for n, a, _ in BAD])
-def test_bad_value_is_one_line_exit_2_nothing_written(name, argv, expected, tmp_path, capsys):
+def test_bad_value_is_one_line_exit_2_nothing_written(name, argv, expected, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
+    mod = recipe(name)
+    _no_work(monkeypatch, mod)
     with pytest.raises(SystemExit) as e:
-        recipe(name).main([*argv, "--output_dir", str(out)])
+        mod.main([*argv, "--output_dir", str(out)])
     assert e.value.code == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
