@@ -226,7 +226,7 @@ def _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, d
                                      recipe_settings=recipe_settings)
                     results = sim.run()
                     if after is not None and sim.accelerator.is_main_process:
-                        _after_results(after, sim, results)
+                        after(sim, results)
             except USER_ERRORS as e:
                 if runtime.last_signal is None:
                     fail(e)
@@ -260,15 +260,6 @@ def _resume_script(script: str | None, argv) -> str | None:
     if script and script.endswith(".py"):
         return f"python {script}"
     return script or "hfpfl run"
-
-
-def _after_results(after, sim, results) -> None:
-    """A recipe's extra plots, once results.json is written: a failing plot is a warning, never a failed run."""
-    try:
-        after(sim, results)
-    except Exception as e:  # noqa: BLE001 - the run's results are written; only the extra figure is lost
-        logging.getLogger("hfpfl").warning("the recipe's extra plot failed (%s: %s); results.json and the other "
-                                           "outputs are complete", type(e).__name__, e)
 
 
 def _processes_to_launch(run, data, top_level: bool = True) -> int:

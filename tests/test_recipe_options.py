@@ -240,19 +240,22 @@ def test_feddat_model_flag_and_config_file_override_the_backbone_default(tmp_pat
     assert (run.model, rec.backbone) == ("tiny-vilt", "blip")
 
 
-def test_a_failing_extra_plot_does_not_fail_a_finished_run(monkeypatch, capsys, caplog):
-    from hfpfl.cli import run_recipe
+def test_a_failing_embeddings_plot_does_not_fail_a_finished_fedpce_run(monkeypatch, capsys, caplog):
+    mod = recipe("fedpce")
     results = {"final": {"personal_accuracy": 0.5}, "communication": {"bytes_up": 1, "bytes_down": 1},
                "method": "fedpce", "dataset": "d", "partition": "p", "num_clients": 3, "num_rounds": 1, "seed": 0,
                "wall_time_s": 0.0}
     _fake_engine(monkeypatch, lambda sim: results)
+    monkeypatch.setattr(mod, "build_data", lambda *args, **kwargs: "fed")
+    _FakeSimulation.data = None
 
-    def plot(sim, res):
+    def plot(sim, fed):
         raise IndexError("index 0 is out of bounds for axis 1 with size 0")
 
+    monkeypatch.setattr(mod, "plot_embeddings", plot)
     with caplog.at_level("WARNING", logger="hfpfl"):
-        assert run_recipe(method="fedpce", argv=["--output_dir", "unused"], after=plot) is results
-    assert "extra plot failed (IndexError" in caplog.text
+        assert mod.main(["--output_dir", "unused"]) is results
+    assert "embeddings_pca.png not written (IndexError" in caplog.text
     assert "personal_accuracy" in capsys.readouterr().out
 
 
