@@ -42,6 +42,9 @@ class VQABenchmark:
         return {"model": BACKBONES[self.backbone]}
 
 
+RECIPE_OPTIONS = VQABenchmark  # this recipe's own options (docs/reference/options.md lists them)
+
+
 def benchmark_data(run, data, opts: VQABenchmark):
     return build_data(run, data, opts.vqa_split, opts.train_per_client, opts.test_per_client)
 

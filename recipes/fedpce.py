@@ -38,6 +38,9 @@ class BenchmarkOptions:
                          "earlier milder cycled levels, hfpfl/data/benchmarks.py).", choices=["paper", "cycled"])
 
 
+RECIPE_OPTIONS = BenchmarkOptions  # this recipe's own options (docs/reference/options.md lists them)
+
+
 def benchmark_data(run, data, opts: BenchmarkOptions):
     return build_data(data, run.seed, opts.benchmark, opts.new_client_budget, opts.held_out_domain, opts.levels)
 

@@ -18,6 +18,8 @@ N_c = 4, R_c = 30, K = 5, T_g = 3 (spec A8).
 import dataclasses
 import os
 
+from hfpfl.tuning import TunerArguments as RECIPE_OPTIONS  # this recipe's own options (docs/reference/options.md)
+
 RECIPE_DEFAULTS = {"model": "tiny-mlp", "dataset": "usps", "partition": "dirichlet", "num_clients": 10, "alpha": 0.5,
                    "clients_per_round": 5, "val_fraction": 0.2, "image_size": 8, "progress": False}
 POPULATION_FILES = ("population.pt", "search_space.yaml", "curves.png", "hparams.png")
@@ -27,13 +29,13 @@ def main(argv=None):
     from hfpfl.cli import USER_ERRORS, fail
     from hfpfl.config import parse_run_args
     from hfpfl.runtime import check_output_dir, cleanup_on_failure, clear_run_files, resolve_output_dir
-    from hfpfl.tuning import Tuner, TunerArguments
+    from hfpfl.tuning import Tuner
     from hfpfl.tuning.models import TINY_MLP
 
     try:
         run, data, method_cfg, targs = parse_run_args(
             argv, method="fedavg", prog="recipes/fedpop.py", description=__doc__.split("\n\n")[0],
-            defaults=RECIPE_DEFAULTS, recipe_options=TunerArguments, extra_models=(TINY_MLP,))
+            defaults=RECIPE_DEFAULTS, recipe_options=RECIPE_OPTIONS, extra_models=(TINY_MLP,))
         if run.resume_from_checkpoint:
             targs = dataclasses.replace(targs, resume=True)
         # the one output-folder rule (hfpfl.runtime); the population checkpoint counts as a started run

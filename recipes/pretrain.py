@@ -20,6 +20,8 @@ from hfpfl.cli import fail  # noqa: E402
 from hfpfl.config import make_parser  # noqa: E402
 from hfpfl.models.pretrained import PretrainArguments, ensure_pretrained, load_pretrain_info  # noqa: E402
 
+RECIPE_OPTIONS = PretrainArguments  # this recipe's options (docs/reference/options.md lists them)
+
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv

@@ -136,6 +136,9 @@ class PretrainArguments:
             raise ValueError(f"--max_images must be >= 1 (or None for all), got {self.max_images}")
 
 
+
+RECIPE_OPTIONS = PretrainArguments  # this recipe's options (docs/reference/options.md lists them)
+
 def latent_size_advice(image_size: int, latent_size: int | None) -> str:
     """The error for a latent side that does not divide ``image_size`` by a power of two, with only values
     :meth:`TinyLDMConfig.for_latent_size` accepts as advice (factor 4, the default's, first)."""

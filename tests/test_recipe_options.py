@@ -98,16 +98,14 @@ def test_bad_value_is_one_line_exit_2_nothing_written(name, argv, expected, tmp_
 
 
 def _options(name):
-    """The dataclasses whose every field a recipe's --help must list."""
+    """The dataclasses whose every field a recipe's --help must list: its own options and its method's."""
     from hfpfl.algorithms import get_algorithm
     method = {"run": "fedavg", "fedavg": "fedavg", "fedadapter": "fedavg", "perada": "perada", "fraug": "fraug",
               "fedbasis": "fedbasis", "fedpce": "fedpce", "feddat": "feddat", "fedpop": "fedavg", "fedbip": "fedbip"}
     mod = recipe(name)
-    own = {"fedpce": lambda: mod.BenchmarkOptions, "feddat": lambda: mod.VQABenchmark,
-           "fedpop": lambda: __import__("hfpfl.tuning", fromlist=["x"]).TunerArguments,
-           "fedbip": lambda: mod.RecipeArguments, "pretrain": lambda: mod.PretrainArguments,
-           "pretrain_ldm": lambda: mod.PretrainArguments}
-    types = [own[name]()] if name in own else []
+    own = {"fedpce", "feddat", "fedpop", "fedbip", "pretrain", "pretrain_ldm"}  # the recipes with options of their own
+    assert (getattr(mod, "RECIPE_OPTIONS", None) is not None) == (name in own), name
+    types = [mod.RECIPE_OPTIONS] if name in own else []
     if name in method:
         types.append(get_algorithm(method[name]).Config)
     return mod, types
