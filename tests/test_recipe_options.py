@@ -53,7 +53,7 @@ BAD = [
                                                                     "--compare false does not run; pass --compare true"),
     ("fedbip", ["--compare", "false", "--seeds", "0,1"], "--seeds shapes the comparison"),
     ("fedbip", ["--domain_words", "a,b"], "--domain_words has 2 words for 3 clients"),
-    ("fedbip", ["--domain_words", "a,,b"], "--domain_words has an empty word"),
+    ("fedbip", ["--domain_words", "a,,b"], "--domain_words must be"),
     ("fedbip", ["--class_words", "zero,one"], "--class_words has 2 words but the data has 10 classes"),
     ("fedbip", ["--shots_per_class", "0"], "--shots_per_class must be >= 1"),
     ("pretrain", ["--lr", "-1"], "--lr must be > 0 and finite, got -1.0"),
@@ -85,16 +85,23 @@ def _no_work(monkeypatch, mod):
 
 @pytest.mark.parametrize("name,argv,expected", BAD, ids=[f"{n}:{' '.join(a)}" for n, a, _ in BAD])
 def test_bad_value_is_one_line_exit_2_nothing_written(name, argv, expected, tmp_path, capsys, monkeypatch):
-    out = tmp_path / "out"
+    """A new --output_dir is not created; an existing one is left exactly as it was."""
     mod = recipe(name)
     _no_work(monkeypatch, mod)
-    with pytest.raises(SystemExit) as e:
-        mod.main([*argv, "--output_dir", str(out)])
-    assert e.value.code == 2
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert expected in lines[0], lines[0]
-    assert not out.exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "notes.txt").write_text("mine\n")
+    for out in (tmp_path / "new", old):
+        before = sorted((str(p), p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*"))
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            mod.main([*argv, "--output_dir", str(out)])
+        assert e.value.code == 2
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert expected in lines[0], lines[0]
+        assert sorted((str(p), p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")) == before
+    assert not (tmp_path / "new").exists()
 
 
 def _options(name):
