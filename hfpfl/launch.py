@@ -14,7 +14,7 @@ it launches itself through accelerate's launcher (:func:`relaunch`; CUDA cannot 
   trained each round;
 * and the run is long enough to amortize the start-up: at least :data:`MIN_CLIENT_UPDATES` client updates
   (rounds x clients per round). Tiny runs (the README's 15-second first run, the tests) stay in one process.
-Measured on a 2-core box (docs/performance.md): two processes beat one only when the second core is idle; with it
+Measured on a 2-core box (CHANGELOG.md): two processes beat one only when the second core is idle; with it
 busy (another job), two processes were slower than one, which is why ``auto`` counts idle cores, not cores.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def resolve(spec: str, clients_per_round: int | None = None, *, cores: int | Non
 
 #: ``auto`` uses one process for a run with fewer client updates (rounds x clients trained per round) than this:
 #: forking and joining a gloo group, each process building the data again and the per-round exchange cost ~2-4 s
-#: here (docs/performance.md), which a client update of the smallest built-in models (~0.1-0.3 s) repays after
+#: here (CHANGELOG.md), which a client update of the smallest built-in models (~0.1-0.3 s) repays after
 #: about 20 updates shared between two processes
 MIN_CLIENT_UPDATES = 20
 

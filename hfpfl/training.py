@@ -268,7 +268,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, to
 # ---------------------------------------------------------------------------------------------- the loop
 def _onednn_unsafe(conv: nn.Conv2d) -> bool:
     """A 1x1 convolution with stride > 1 and fewer than 16 input channels corrupted the heap in oneDNN's
-    channels_last backward here (oneDNN issue 6035): such a weight stays contiguous."""
+    channels_last backward here (a oneDNN bug, #6035 in its tracker): such a weight stays contiguous."""
     return conv.kernel_size == (1, 1) and max(conv.stride) > 1 and conv.in_channels < 16
 
 
@@ -292,7 +292,7 @@ def conv_channels_last(model: nn.Module, enabled: bool = True):
     original (contiguous) tensors afterwards, so that everything outside the block (the engine's cached state dict,
     checkpoints, uploads) sees the same tensors as before. On the CPU, oneDNN's channels_last convolutions are
     faster for small convolutional models: PFLlib's CNN, batch 10, 1 thread: a training step took 0.75x the time
-    (docs/performance.md). The arithmetic order differs, so results differ in their last float bits (1.5e-8 after
+    (CHANGELOG.md). The arithmetic order differs, so results differ in their last float bits (1.5e-8 after
     60 SGD steps, measured). Which models get it: :func:`channels_last_pays`."""
     swapped = []
     if enabled:

@@ -1,7 +1,7 @@
 # FedBiP server-side synthesis pipeline (diffusers one-file style, inference only).
 #
 # Paper: H. Chen, "FedBiP: Heterogeneous One-Shot Federated Learning with Personalized Latent Diffusion Models"
-# (CVPR 2025; dissertation ch. 5, Eq. 3-5, Algorithm 1). Spec: specs/fedpop_fedbip.md PART B.
+# (CVPR 2025; dissertation ch. 5, Eq. 3-5, Algorithm 1). Method card: docs/methods/fedbip.md.
 #
 # The server receives, per client, the noised instance latents z_i(T) with labels y_i, a domain concept
 # S (n_s x d_w) and class concepts V (C x n_v x d_w). For every z_i(T) it perturbs S -> S^ = S + eta,

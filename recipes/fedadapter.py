@@ -1,4 +1,4 @@
-"""Parallel adapters for FL (Elvebakken et al., specs/adapters_fedbasis.md part A): a frozen pretrained ResNet with
+"""Parallel adapters for FL (Elvebakken et al.; docs/methods/fedadapter.md): a frozen pretrained ResNet with
 1x1 adapters in parallel to its 3x3 convs; only adapters, their BNs and the head train and travel.
 The FL algorithm is --method fedavg (default) | fedprox | fednova; --adapter none gives the full-model baseline.
 

@@ -1,4 +1,4 @@
-"""FedBiP (one-shot FL with a personalized latent diffusion model; specs/fedpop_fedbip.md PART B, [D] ch. 5).
+"""FedBiP (one-shot FL with a personalized latent diffusion model; dissertation ch. 5; docs/methods/fedbip.md).
 
     python recipes/fedbip.py                       # the default comparison, one process per idle core (or GPU)
     python recipes/fedbip.py --num_processes 1     # in one process: the same numbers, ~1.4x the time on 2 cores

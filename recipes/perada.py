@@ -1,4 +1,5 @@
-"""PerAda: personal residual adapters + a global adapter distilled on unlabelled out-of-domain data (specs/perada.md).
+"""PerAda: personal residual adapters + a global adapter distilled on unlabelled out-of-domain data
+(docs/methods/perada.md).
 
     python recipes/perada.py                                   # embedded Digits, out-of-domain tiny ResNet stand-in
     python recipes/perada.py --config recipes/configs/perada_dirichlet.yaml --use_kd false   # PerAda w/o KD

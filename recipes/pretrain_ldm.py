@@ -41,7 +41,7 @@ class PretrainArguments:
     latent_size: int | None = field(default=None, metadata={
         "help": "Side of the VAE latent (default: image_size / 4, i.e. 8 for 32x32 images, the shipped "
                 "hfpfl/tiny-ldm-digits-broad). 16 for 32x32 images = factor 2: 4x the latent pixels, ~5x the UNet's "
-                "CPU cost; measured on an H100 in docs/fedbip.md, not shipped. Needs its own --repo_id (as do --image_size and --unet_channels / --unet_attention other than the shipped model's)."})
+                "CPU cost; measured on an H100 in CHANGELOG.md, not shipped. Needs its own --repo_id (as do --image_size and --unet_channels / --unet_attention other than the shipped model's)."})
     unet_channels: list[int] | None = field(default=None, metadata={
         "help": "Channels per UNet level, e.g. 32 64 64 (default: 32 64, the shipped model's)."})
     unet_attention: list[int] | None = field(default=None, metadata={
@@ -72,7 +72,7 @@ class PretrainArguments:
     cond_dropout: float = field(default=0.1, metadata={"help": "Fraction of empty captions (classifier-free guidance)."})
     judge_pool: str = field(default="public", metadata={
         "help": "Training images of the quality judge: public = the pool's real public splits only (mnist / usps / "
-                "mnistm / syn public images, issue 8's 'judge trained on real public images'); all = the whole pool "
+                "mnistm / syn public images, 'judge trained on real public images'); all = the whole pool "
                 "(public + procedural styles, recipe v4's judge)."})
     measure_only: bool = field(default=False, metadata={
         "help": "Train nothing: measure the cached --repo_id under both judges (held-out accuracy, plain-prompt "

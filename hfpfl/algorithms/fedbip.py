@@ -150,11 +150,11 @@ class FedBiPConfig:
                 "survives, scale for scale, as SD v1's 64x64 latent keeps at T=999; the sampler starts there: 551 "
                 "for the tiny LDM's 8x8 latents with 20 PNDM steps, sampler_start on SD itself. More style reaches "
                 "the synthetics, but on the tiny LDM they come closer to the client's images than its own test "
-                "images are, with a 5-9x membership-inference gap: docs/fedbip.md) | max "
+                "images are, with a 5-9x membership-inference gap: CHANGELOG.md) | max "
                 "(num_train_timesteps-1 = 999, [D]'s literal T; with leading spacing the sampler then starts at a "
                 "lower timestep than the noise level) | an integer (the first sampler timestep at or above it: clients noise "
                 "there and the sampler starts there; scripts/fedbip_noise_sweep.py measures style against closeness per "
-                "timestep, docs/fedbip.md).", "check": _NOISE_TIMESTEP})
+                "timestep, CHANGELOG.md).", "check": _NOISE_TIMESTEP})
     timestep_spacing: str | None = field(default=None, metadata={
         "help": "Sampler timestep spacing override: leading (the SD-v1 config) | trailing (the first step is T=999, "
                 "so sampler_start and max coincide) | linspace; default: the LDM's scheduler config.",

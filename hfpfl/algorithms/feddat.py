@@ -1,6 +1,6 @@
 """FedDAT (Chen et al., AAAI 2024; dissertation ch. 3): federated dual-adapter teacher, and its PEFT baselines.
 
-Spec: ``specs/fraug_feddat.md`` section 2. Methods (all on :class:`hfpfl.models.vqa.VQAModel`, a frozen pretrained
+Method card: ``docs/methods/feddat.md``. Methods (all on :class:`hfpfl.models.vqa.VQAModel`, a frozen pretrained
 ViLT or BLIP; the ViLT head is per client and private in every method, spec 2.3):
 
 ==========================  =========================================================================================

@@ -1,6 +1,6 @@
 """FRAug (Chen et al., ICCV 2023; dissertation ch. 2): federated representation augmentation under feature shift.
 
-Spec: ``specs/fraug_feddat.md`` section 1 (equations 1.3, pseudocode 1.5, defaults 1.10). Where the spec's defaults
+Method card: ``docs/methods/fraug.md``. Where the spec's defaults
 (taken partly from the authors' code, [C]) and the dissertation text disagree, the dissertation wins here:
 z ~ N(0, I) (not U[0,1)); L_cls = L_real + L_syn (plain sum, Eq. 1); lambda_c ramps up (Eq. 4 + App. A.2); the RTNet
 sees v_hat only; the server takes the unweighted 1/K mean (Alg. 1); L_gen uses the batch labels y (Eq. 5 text; the

@@ -1,5 +1,6 @@
 """PerAda (Xie et al., CVPR 2024): personalized adapters with a proximal pull to a global adapter, and a global
-adapter refined on the server by ensemble distillation on unlabeled public data. Spec: ``specs/perada.md``.
+adapter refined on the server by ensemble distillation on unlabeled public data.
+Method card: ``docs/methods/perada.md``.
 
 One adapter model (hfpfl's residual/parallel adapters, or peft LoRA), two adapter slots (``default`` = the global adapter w / local adapter w_i, ``personal`` = v_i), on a
 frozen pretrained backbone (``--adapter residual``: PerAda's residual adapters; ``parallel``/``lora`` also work).

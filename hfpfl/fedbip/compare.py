@@ -19,7 +19,7 @@ classifier recipe (model, optimizer, lr, batch, epochs), and one table + ``compa
   FedAvg (multi-round, real data) | Local-only | Central (oracle: the classifier on the union of the train sets).
 Ablations synthesise ``--multiplier`` (default 10) images per real image, FedBiP-L's amount: [D] Table 3's
 full-FedBiP row is Table 1's FedBiP-L (PACS 62.67 and OfficeHome 61.52 in both tables), so its ablation rows are
-read at 10x (until stop 24 they ran at 2x, FedBiP-S's amount).
+read at 10x.
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ DEFAULTS = {
     # FedBiP, scaled down for 2 CPU cores (paper: 50 concept epochs, 50 classifier epochs; steps and guidance are
     # not stated in [D]). 20 PNDM steps (the authors' validation setting, [C] train.py; the steps the shipped LDM's
     # plain-prompt fidelity was certified at) and guidance 3, chosen on the public judge's fidelity of FedBiP-L's
-    # synthetic set (no client test data): guidance 1 / 10 steps 0.414 and 5 / 10 0.361 (seeds 0-2, stop 23), seed 0
-    # probes 1 / 20 0.382 and 3 / 20 0.661 (docs/fedbip_ldm_history.md, stop 24). Concepts stay randomly
+    # synthetic set (no client test data): guidance 1 / 10 steps 0.414 and 5 / 10 0.361 (seeds 0-2), seed 0
+    # probes 1 / 20 0.382 and 3 / 20 0.661 (CHANGELOG.md). Concepts stay randomly
     # initialised as in [D] (the authors' code initialises them from words: --concept_init words, 0.739 at 3 / 20).
     "concept_epochs": 20, "classifier_epochs": 20, "num_inference_steps": 20, "guidance_scale": 3.0,
     # the ablation rows (and a --compare false run) at FedBiP-L's 10x: [D] Table 3 compares its ablations with the

@@ -158,7 +158,7 @@ class TinyLDMConfig:
     # 16x16 latents, (32, 64, 64) and (False, True, False) is the shipped 8x8 UNet with a plain ResNet level on top:
     # attention stays at 8x8 and 4x4, where it is on the shipped model (SD attends at 64/32/16, not at its coarsest
     # 8). Measured on one CPU thread (batch 32): 2.4x the shipped UNet's forward, against 5.2x for (32, 64) with
-    # attention at 16x16 (docs/fedbip.md, stop 34).
+    # attention at 16x16 (CHANGELOG.md).
     unet_attention: tuple | None = None
     cross_attention_dim: int = 32
     text_hidden: int = 32
@@ -167,7 +167,7 @@ class TinyLDMConfig:
     max_length: int = 16
     # A global text path beside cross-attention: diffusers' ``addition_embed_type="text"`` (TextTimeEmbedding:
     # attention-pools the encoder's hidden states and adds them to the timestep embedding that every ResNet block
-    # reads; the DeepFloyd-IF / UnCLIP path). Measured (issue 8): with cross-attention alone the tiny UNet's
+    # reads; the DeepFloyd-IF / UnCLIP path). Measured: with cross-attention alone the tiny UNet's
     # denoising loss stayed equal for the right, a wrong and the empty caption at the CPU budget; the digit word
     # changes one of 16 encoder tokens, which softmax cross-attention at init weighs 1/16.
     text_time_embedding: bool = True
@@ -179,7 +179,7 @@ class TinyLDMConfig:
         downsampling plus one, channels (16, 32, 32, ...) as the default's. None = ``image_size // 4`` (factor 4,
         what every image size got before the option existed); for 32x32 images 8 (factor 4) is the shipped model's;
         16 (factor 2) keeps 4x as many latent pixels: why that matters for FedBiP's instance level is in
-        docs/fedbip.md ("Resolution-matched noising": a feature spanning 1/8 of the image averages latent_side^2/64
+        CHANGELOG.md ("Resolution-matched noising": a feature spanning 1/8 of the image averages latent_side^2/64
         latent pixels, so at a given timestep its SNR grows with the latent's area, as on SD's 64 x 64 latents)."""
         if latent_size is None:
             latent_size = max(1, image_size // 4)
@@ -320,7 +320,7 @@ class PretrainConfig:
     image_size: int = 32
     # side of the VAE latent (TinyLDMConfig.for_latent_size): None = image_size // 4 (factor 4: 8 for 32x32 images,
     # the shipped hfpfl/tiny-ldm-digits-broad); 16 for 32x32 = factor 2, 4x the latent pixels, closer to SD's 64 x 64
-    # (measured in docs/fedbip.md, stop 33)
+    # (measured in CHANGELOG.md)
     latent_size: int | None = None
     # the UNet's levels (TinyLDMConfig.unet_channels / unet_attention): None = the shipped (32, 64), attention on all
     # but the lowest level
@@ -336,15 +336,15 @@ class PretrainConfig:
     kl_weight: float = 1e-6
     # Initial log-variance of the VAE posterior (the bias of the logvar half of ``quant_conv``). At diffusers' init it
     # is ~0, i.e. posterior std ~1 around means of a similar size: the decoder first learns from latents swamped by
-    # sampling noise, and with the tiny KL weight the encoder shrinks the variance only slowly. Measured (issue 8,
-    # steps of 32, 300 held-out pool images, judge 0.82 on the originals): after 266 steps reconstruction MSE 0.082
+    # sampling noise, and with the tiny KL weight the encoder shrinks the variance only slowly. Measured (batches
+    # of 32, 300 held-out pool images, judge 0.82 on the originals): after 266 steps reconstruction MSE 0.082
     # and judge accuracy on reconstructions 0.587 at diffusers' init, 0.062 and 0.593 at -8 (0.597 after 400 steps):
     # a faster decoder, but the VAE's keeping of the digit, not its noise, bounds fidelity. None = diffusers' init.
     vae_logvar_init: float | None = -8.0
     unet_steps: int | None = None
     unet_batch_size: int | None = None
     # SD trains its UNet under a *frozen* text encoder that CLIP pretrained contrastively on image-text pairs. Tried
-    # before (issue 8): a from-scratch tiny CLIP trained jointly with the UNet collapsed; a frozen *random* one (token
+    # before: a from-scratch tiny CLIP trained jointly with the UNet collapsed; a frozen *random* one (token
     # std 0.02 or 1.0) was not read: its outputs for "...digit three" and "...digit seven" differ only at the digit's
     # own position (cosine 0.16 there, 0.996 at the 10 padding positions, 0.99 mean-pooled), and the UNet's loss
     # stayed equal for the right, a wrong and the empty caption. So, as CLIP before SD, the text tower is first
@@ -361,7 +361,7 @@ class PretrainConfig:
     min_snr_gamma: float | None = 5.0  # min-SNR loss weighting (Hang et al. 2023): faster convergence per step
     unet_warmup_steps: int = 100
     probe_every: int = 500  # UNet steps between calls of pretrain_tiny_ldm's ``probe`` (0 = never)
-    # the quality judge's training images: "public" = the pool's real public splits only (issue 8: "a judge trained on
+    # the quality judge's training images: "public" = the pool's real public splits only ("a judge trained on
     # real public images"), "all" = the whole pool with the procedural styles (recipe v4 published its numbers so)
     judge_pool: str = "public"
     ema_decay: float = 0.995  # the published UNet / text encoder are EMA weights (None/0 = last weights)
@@ -378,7 +378,7 @@ class PretrainConfig:
 
 
 # Training budgets per device kind: the CPU budget is what fits the first run on 2 cores (~30 min measured, recipe
-# v4); on an accelerator the budget the H100 diagnostic measured (docs/fedbip.md): a 7.5x-step, 2x-batch
+# v4); on an accelerator the budget the H100 diagnostic measured (CHANGELOG.md): a 7.5x-step, 2x-batch
 # VAE raised the judge's accuracy on VAE reconstructions (the fidelity ceiling) from 0.65 to 0.80, and 13x the UNet
 # images (10,000 steps of 128) raised plain-prompt fidelity at guidance 5 from ~0.6 to 0.87-0.89; with this VAE the
 # 50-image guidance-3 probe reached 0.82 after 4,000 steps of 128 and stayed at 0.78-0.84 up to 6,000 (one H100 run),
@@ -775,9 +775,9 @@ def cached_snapshot(repo_id: str, cache_dir=None, revision: str = "main") -> str
 # v2: broad pool + fixed BPE tokenizer; a new id so that caches holding the MNIST-only v1 model are not reused
 DEFAULT_LDM_REPO = "hfpfl/tiny-ldm-digits-broad"
 # The pretraining recipe's version, written to the snapshot's pretrain_stats.json: a cached copy of an older recipe
-# is retrained on first use. 3: LiT-pretrained frozen text tower + the UNet's global text path (issue 8). 4: VAE
+# is retrained on first use. 3: LiT-pretrained frozen text tower + the UNet's global text path. 4: VAE
 # posterior log-variance initialised at -8, 400 VAE steps of 32, 3,000 UNet steps of 32 with warm-up, a fidelity
-# curve during training (issue 8).
+# curve during training.
 LDM_RECIPE_VERSION = 4
 
 
@@ -813,7 +813,7 @@ def save_sample_grid(pipe, path: str, num_inference_steps: int = 20, guidance_sc
     return path
 
 
-# The default repo id ships with the package (issue 8): made once by ``recipes/pretrain_ldm.py --device cuda`` on one
+# The default repo id ships with the package: made once by ``recipes/pretrain_ldm.py --device cuda`` on one
 # H100 (the accelerator budget: plain-prompt fidelity ~0.9), stored as float16 safetensors (2.6 MB with the judge).
 # Two CPU cores cannot reach that quality in the first-run budget (the CPU recipe: ~31 min, fidelity 0.43 at guidance
 # 3), so a first run publishes this snapshot, as a user of Stable Diffusion downloads its checkpoint.

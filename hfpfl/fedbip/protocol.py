@@ -44,7 +44,7 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
     at or above it, likewise); for a 64 x 64 latent (SD v1) that is
     ``sampler_start``, the paper's setting. Not the default: on the tiny LDM it lifts instance-only above
     prompt-only but its synthetic images sit closer to the clients' train images than their real test images do and
-    the membership-inference gap grows 5-9x (docs/fedbip.md, stop 28), the leak FedBiP's noising exists to
+    the membership-inference gap grows 5-9x (CHANGELOG.md), the leak FedBiP's noising exists to
     prevent. The paper (and spec ambiguity 1: "not an intermediate, SDEdit-style strength") noises to the maximum
     T; we follow it by default, and ``resolution_matched`` is an explicit stand-in experiment, not the paper's
     choice."""
@@ -66,7 +66,7 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
         raise ValueError(f"--noise_timestep must be a timestep of the LDM's schedule, 0 to {T - 1} (or "
                          f"sampler_start, resolution_matched, max), got {choice}")
     # an explicit level: the sampler starts where the clients noise (a sampler that assumes more noise than the
-    # latents carry denoises the wrong signal-to-noise ratio, the mismatch issue 8 diagnosed)
+    # latents carry denoises the wrong signal-to-noise ratio, a mismatch measured on the tiny LDM)
     above = [t for t in timesteps if t >= int(choice)]
     t = min(above) if above else t0
     return t, t

@@ -1,7 +1,7 @@
 """Quality of the tiny foundation LDM, measured before FedBiP is measured on it (DESIGN "honest stand-ins").
 
 * a **judge**: a small CNN trained on labelled public images (never on client data), with its own held-out accuracy
-  reported. ``judge_pool="public"`` (the default, issue 8's wording "a judge trained on real public images") trains
+  reported. ``judge_pool="public"`` (the default, "a judge trained on real public images") trains
   it on the pool's real public splits only (the ``public-*`` styles: public mnist / usps / mnistm / syn);
   ``"all"`` on the whole pool (public splits + procedural styles: recipe v4's judge). Both share one held-out split
   of the whole pool, so the two judges are scored on the same unseen images;

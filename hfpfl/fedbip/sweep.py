@@ -2,7 +2,7 @@
 
 [D] noises the instance latents to the maximum timestep T. On SD v1's 64 x 64 latents enough of a client's style
 survives T to lift instance-only over prompt-only ([D] Table 3); on the tiny LDM's 8 x 8 latents much less does
-(docs/fedbip.md). This sweep measures, for each noising timestep of the sampler's schedule (clients noise there and
+(CHANGELOG.md). This sweep measures, for each noising timestep of the sampler's schedule (clients noise there and
 the sampler starts there), what a row's synthetic set (FedBiP-L's by default: what the method hands the server;
 instance-only: the level alone) carries of the client and how close it comes to the client's images:
 

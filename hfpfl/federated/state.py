@@ -68,7 +68,7 @@ class ClientStateStore:
     when the client is next needed, so memory stays bounded however many clients keep personal adapters (the cap
     counts what the states take in memory, per-tensor overhead included: :func:`resident_bytes`)
     (scripts/bench_scale_memory.py at the defaults: peak RSS 0.87 GB at 1,000 clients, 1.02 GB at 10,000;
-    docs/performance.md).
+    CHANGELOG.md).
     """
 
     def __init__(self, max_bytes: int | None = None, spill_dir=None):

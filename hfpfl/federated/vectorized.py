@@ -53,12 +53,12 @@ AUTO_MID_MIN_GROUP = 12
 AUTO_MID_MIN_FILL = 0.7
 # stacked client states per chunk (parameters + buffers + optimizer state), bytes, unless the run says
 # (``--vector_chunk_mb``). 64 MiB: PFLlib's CNN, 500 clients, two processes, measured at the same speed as 256 MiB
-# with 0.90 instead of 1.25 GB summed PSS (docs/performance.md); an MLP 64-64-10 (143 KB a client) fits 467 clients
+# with 0.90 instead of 1.25 GB summed PSS (CHANGELOG.md); an MLP 64-64-10 (143 KB a client) fits 467 clients
 # a chunk, and 500 of them measured 0.079 s/round at 64 and at 256 MiB
 CHUNK_BYTES = 64 * 2**20
 # the same on an accelerator: its memory is not the host's RSS, and small chunks leave a GPU idle between calls
 # (PFLlib's CNN on one H100: 20 clients Dir(0.1) 0.467 s/round vectorized at 256 MiB, 0.75-1.04 s at 64 MiB; 500 x 5
-# images 0.942 s at 256 MiB, 1.733 s at 64 MiB; docs/performance.md, two sessions, one run each)
+# images 0.942 s at 256 MiB, 1.733 s at 64 MiB; CHANGELOG.md, two sessions, one run each)
 ACCELERATOR_CHUNK_BYTES = 256 * 2**20
 # a chunk's client splits are stacked once per round (``[clients, longest split, ...]``, images kept uint8) when
 # that takes at most this many bytes; larger data is gathered client by client per step (then compute dominates)

@@ -1,4 +1,4 @@
-"""FRAug's modules (Chen et al., ICCV 2023; dissertation ch. 2; spec ``specs/fraug_feddat.md`` section 1).
+"""FRAug's modules (Chen et al., ICCV 2023; dissertation ch. 2; method card ``docs/methods/fraug.md``).
 
 - :class:`EmbeddingGenerator` g (shared, FedAvg-aggregated): ``concat(z, onehot(y)) -> FC -> BN -> ReLU -> FC -> BN
   -> ReLU`` (paper Table 4): a client-agnostic, non-negative embedding v_hat in R^{d_u}.
