@@ -41,7 +41,9 @@ def main(argv=None):
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML/JSON file of options; flags override it.")
     file_values = load_config_file(known.config, types) if known.config else {}
-    parser.set_defaults(**{**RECIPE_DEFAULTS, **file_values, "method": known.method})
+    # a method that does not read client momentum / weight decay gets 0 (SCAFFOLD's option II requires plain SGD)
+    unused = {k: 0.0 for k in ("momentum", "weight_decay") if k not in algo.uses_client_hparams}
+    parser.set_defaults(**{**RECIPE_DEFAULTS, **unused, **file_values, "method": known.method})
     run, data, method_cfg, targs, _ = parser.parse_args_into_dataclasses(args=argv)
     if run.resume_from_checkpoint:
         targs.resume = True
@@ -69,7 +71,7 @@ def main(argv=None):
             return "n/a" if x is None else f"{x:.4f}"
         print(f"best member m{b['member']}: val loss {f(b['val_loss'])}  global acc {f(b['global_accuracy'])}  "
               f"personal acc {f(b['personal_accuracy'])}  fine-tuned acc {f(b['finetuned_accuracy'])}")
-        print(f"  alpha {b['alpha']}\n  beta0 {b['beta0']}")
+        print(f"  alpha {b['alpha']}\n  beta0 {b['beta0']}" + (f"\n  method {b['method']}" if b.get("method") else ""))
         print(f"results: {os.path.join(out, 'results.json')}")
     return res
 
