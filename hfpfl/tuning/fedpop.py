@@ -150,6 +150,11 @@ class Tuner:
             raise ValueError(f"--tuner {targs.tuner!r} is not one of {TUNERS}")
         self.run_args, self.data_args, self.method_config, self.t = run_args, data_args, method_config, targs
         self.space = ss.SearchSpace.from_yaml(targs.search_space)
+        # refuse a search space naming what the method ignores before anything is written; the model's dropout
+        # layers are known once the first member's model exists (_new_member)
+        from .models import method_with_model
+        self.space.fit_method(get_algorithm(method_with_model(run_args.method, run_args.model)), method_config,
+                              optimizer=run_args.optimizer, has_dropout=None, name=run_args.method)
         self.out = Path(run_args.output_dir)
         self.R_c = targs.rounds_per_member
         self.T_g = targs.generation_rounds or max(1, round(0.1 * self.R_c))
@@ -173,11 +178,6 @@ class Tuner:
         self.loc_calls = 0
         self.rounds_used = 0
         self.members: list[Member] = []
-        # refuse a search space naming what the method ignores before anything is written; the model's dropout
-        # layers are known once the first member's model exists (_new_member)
-        from .models import method_with_model
-        self.space.fit_method(get_algorithm(method_with_model(run_args.method, run_args.model)), method_config,
-                              optimizer=run_args.optimizer, has_dropout=None, name=run_args.method)
         self._fitted = False
         n_members = targs.sha_start if targs.tuner == "sha" else targs.population_size
         fresh = [p for p in (self.out, self.out / "members", self.out / "members" / "m00") if not p.exists()]
