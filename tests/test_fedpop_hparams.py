@@ -37,6 +37,16 @@ def tiny_fed():
     return da, build_federated_dataset(da, seed=0)
 
 
+@pytest.fixture(scope="module")
+def fed16():
+    """The same federation at 16x16 (the CondNorm ResNets' BatchNorm needs more than one pixel at the end)."""
+    from hfpfl.data import DataArguments, build_federated_dataset
+
+    da = DataArguments(dataset="usps", partition="dirichlet", num_clients=4, alpha=0.5, max_per_domain=100,
+                       image_size=16, val_fraction=0.2)
+    return da, build_federated_dataset(da, seed=0)
+
+
 def _space_file(tmp_path, space, name="space.yaml"):
     p = tmp_path / name
     p.write_text(yaml.safe_dump(space))
@@ -49,17 +59,18 @@ def make_tuner(tiny_fed, tmp_path):
 
     da, fed = tiny_fed
 
-    def _make(method="fedavg", space=None, method_config=None, run_kw=None, **tkw):
+    def _make(method="fedavg", space=None, method_config=None, run_kw=None, data=None, **tkw):
         run_kw = {"model": "tiny-mlp", **(run_kw or {})}
+        d_args, d_fed = data or (da, fed)
         ra = RunArguments(method=method, output_dir=str(tmp_path / method), clients_per_round=2, progress=False,
                           local_steps=1, **run_kw)
-        kw = dict(population_size=2, rounds_per_member=2, generation_rounds=1, finetune_epochs=0)
+        kw = dict(population_size=2, rounds_per_member=2, generation_rounds=1, final_finetune_epochs=0)
         kw.update(tkw)
         targs = TunerArguments(**kw)
         if space is not None:
             targs.search_space = _space_file(tmp_path, space, f"{method}_space.yaml")
         cfg = method_config if method_config is not None else get_algorithm(method).Config()
-        return Tuner(ra, da, cfg, targs, fed_data=fed)
+        return Tuner(ra, d_args, cfg, targs, fed_data=d_fed)
 
     return _make
 
@@ -218,7 +229,10 @@ SKIP = {"fedbip": "needs the latent diffusion model (LDM) and its synthesis; not
         "vqa_peft": "VQA: needs the VQA data and a vision-language model",
         "vqa_adapter": "VQA: needs the VQA data and a vision-language model",
         "vqa_adapter_local": "VQA: needs the VQA data and a vision-language model"}
-OWN_MODEL = {"fedbasis", "fedpce", "pce_fedavg", "pce_fedprox", "pce_fedbn", "pce_fedper", "fraug"}
+# methods that build their own model (--model tiny-mlp would replace it) or need a classifier head (FedPer/FedRep
+# personalise "classifier.*"); the CondNorm ResNets need more than 8x8 pixels: 16x16 small digits
+OWN_MODEL = {"fedbasis", "fedpce", "pce_fedavg", "pce_fedprox", "pce_fedbn", "pce_fedper", "fraug", "fedper", "fedrep"}
+SIXTEEN = OWN_MODEL - {"fraug"}
 
 
 def _all_methods():
@@ -232,9 +246,13 @@ def test_fedpop_runs_two_rounds_over_every_classification_method(make_tuner, met
     finite scores, and the tuned vectors hold exactly the hyperparameters the method declares."""
     if method in SKIP:
         pytest.skip(SKIP[method])
-    run_kw, cfg = {}, None
+    run_kw, cfg, data = {}, None, None
     if method in OWN_MODEL:
-        run_kw["model"] = "tiny-resnet"   # not tiny-mlp, which would replace the model these methods build
+        run_kw["model"] = "tiny-resnet"
+    if method in SIXTEEN:
+        data = request.getfixturevalue("fed16")
+    if method == "scaffold":
+        run_kw["momentum"] = 0.0    # option II: plain SGD (recipes/fedpop.py defaults it to 0 for SCAFFOLD)
     if method == "perada":
         run_kw.update(model=request.getfixturevalue("pretrained_backbone"), adapter="residual")
         cfg = get_algorithm("perada").Config(kd_steps=1, kd_pool_size=8, kd_batch_size=4)
@@ -242,7 +260,7 @@ def test_fedpop_runs_two_rounds_over_every_classification_method(make_tuner, met
         cfg = get_algorithm("feddf").Config(kd_steps=1, kd_pool_size=8, kd_batch_size=4)
     if method == "central":
         cfg = get_algorithm("central").Config(epochs=1)
-    tuner = make_tuner(method, method_config=cfg, run_kw=run_kw)
+    tuner = make_tuner(method, method_config=cfg, run_kw=run_kw, data=data)
     cls = get_algorithm(method)
     assert set(tuner.space.server) == set(cls.uses_server_hparams)
     assert set(tuner.space.client) <= set(cls.uses_client_hparams)

@@ -74,7 +74,9 @@ class TunerArguments:
     sha_start: int = field(default=27, metadata={"help": "SHA: initial configurations (27 -> 9 -> 3 -> 1)."})
     sha_eta: int = field(default=3, metadata={"help": "SHA: elimination rate."})
     fedex_configs: int = field(default=27, metadata={"help": "FedEx: client configurations per member."})
-    finetune_epochs: int = field(default=1, metadata={"help": "Epochs of Loc(beta^0) for the fine-tuned accuracy."})
+    final_finetune_epochs: int = field(default=1, metadata={
+        "help": "Epochs of Loc(beta^0) for the best member's fine-tuned accuracy (named apart from fedavg_ft's "
+                "--finetune_epochs, which a method config may carry)."})
     resume: bool = field(default=False, metadata={"help": "Continue from output_dir/population.pt if present."})
 
 
@@ -505,8 +507,8 @@ class Tuner:
             private = sim.store.get(cid)
             sim.ctx.load((private or {}).get(MODEL) or sim.initial_private)
             sim.algorithm.load_personal(cid, sim.server_state, private, sim.round)
-            if self.t.finetune_epochs > 0:
-                sim.ctx.train(cid, sim.round + 1, hp=hp, epochs=self.t.finetune_epochs, tag="fedpop-finetune")
+            if self.t.final_finetune_epochs > 0:
+                sim.ctx.train(cid, sim.round + 1, hp=hp, epochs=self.t.final_finetune_epochs, tag="fedpop-finetune")
             accs.append(sim.ctx.evaluate(sim.model, sim.ctx.test_data(cid))["accuracy"])
         return float(np.mean(accs))
 
