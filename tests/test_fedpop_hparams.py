@@ -98,13 +98,14 @@ def test_declarations_of_the_methods_that_bypass_the_fedopt_step():
                                                  "fedavg_ft", "feddf", "fraug", "fedpce", "perada", "local"))
 
 
-@pytest.mark.parametrize("method,declared", [("fedavg", ALL_SERVER), ("scaffold", {"server_lr"}),
-                                             ("fednova", set()), ("local", set())])
-def test_a_declared_server_hparam_changes_the_state_and_an_undeclared_one_does_not(run_sim, method, declared):
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "ditto", "fedbn", "fedavg_ft", "scaffold", "fednova", "local"])
+def test_a_declared_server_hparam_changes_the_state_and_an_undeclared_one_does_not(run_sim, method):
     """The declarations are true of the code: two rounds with each server hyperparameter moved off its default,
     one at a time, give another global model exactly when the method declares it (FedNova, Local: none;
-    SCAFFOLD: server_lr only)."""
+    SCAFFOLD: server_lr only; the FedOpt methods: all three)."""
     from hfpfl.tuning.models import method_with_model
+
+    declared = get_algorithm(method).uses_server_hparams
 
     name = method_with_model(method, "tiny-mlp")
     base = dict(num_rounds=2, clients_per_round=2, local_steps=1, momentum=0.0, new_client_epochs=0)
