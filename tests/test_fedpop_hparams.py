@@ -124,13 +124,21 @@ def test_a_declared_server_hparam_changes_the_state_and_an_undeclared_one_does_n
 
 
 # ------------------------------------------------------------------------------------------ refusal
+def _recipe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "recipes" / "fedpop.py"
+    spec = importlib.util.spec_from_file_location("fedpop_recipe", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
 def test_a_search_space_naming_an_ignored_hparam_is_refused_in_one_line(tmp_path, capsys):
     """recipes/fedpop.py --method fednova with server_momentum in the file: exit 2, one line naming the
     hyperparameter, the method and the fix; no output folder is created."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("fedpop_recipe", "recipes/fedpop.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = _recipe()
     space = {"server": {"server_momentum": {"type": "uniform", "low": 0.0, "high": 0.9}},
              "client": {"lr": {"type": "log10", "low": -2, "high": -1}}}
     out = tmp_path / "out"
@@ -142,6 +150,19 @@ def test_a_search_space_naming_an_ignored_hparam_is_refused_in_one_line(tmp_path
     assert len(err) == 1, err
     assert "'server_momentum'" in err[0] and "'fednova'" in err[0] and "remove it from the server: section" in err[0]
     assert not out.exists()
+
+
+def test_recipe_runs_fedpop_over_scaffold_with_the_default_space(tmp_path):
+    """recipes/fedpop.py --method scaffold with the default space and no --momentum: the space loses what SCAFFOLD
+    does not read and the recipe defaults momentum / weight decay to 0 for it, so the run finishes (it used to stop
+    with SCAFFOLD's plain-SGD ValueError on a sampled momentum)."""
+    recipe = _recipe()
+    res = recipe.main(["--method", "scaffold", "--output_dir", str(tmp_path / "o"), "--population_size", "2",
+                       "--rounds_per_member", "1", "--num_clients", "4", "--clients_per_round", "2",
+                       "--local_steps", "1", "--max_per_domain", "100", "--final_finetune_epochs", "0"])
+    assert res["budget"]["rounds_used"] == 2
+    assert set(res["best_member"]["alpha"]) == {"server_lr"}
+    assert set(res["best_member"]["beta0"]) == {"lr", "local_epochs", "batch_size", "dropout"}
 
 
 def test_scaffold_client_momentum_in_a_file_is_refused_and_dropped_from_the_default(caplog):
