@@ -138,8 +138,8 @@ class Member:
     scores: dict = field(default_factory=dict)    # filled by the client_update wrapper during a step
 
     def meta(self) -> dict:
-        return {k: getattr(self, k) for k in ("idx", "alpha", "beta0", "mhp", "betas", "age", "hist", "curve", "trajectory",
-                                               "alive", "diverged", "rounds", "fedex")}
+        return {k: getattr(self, k) for k in ("idx", "alpha", "beta0", "mhp", "betas", "age", "hist", "curve",
+                                               "trajectory", "alive", "diverged", "rounds", "fedex")}
 
 
 class Tuner:
