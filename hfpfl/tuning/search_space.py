@@ -148,8 +148,9 @@ class SearchSpace:
         for where, known, out in (("server", SERVER_FIELDS, self.server), ("client", CLIENT_FIELDS, self.client)):
             for name, p in (spec.get(where) or {}).items():
                 if name not in known:
-                    raise ValueError(f"search space: {where} hyperparameter {name!r} is unknown; known: {sorted(known)} "
-                                     "(a method's own option, e.g. FedProx mu, goes in a method: section)")
+                    raise ValueError(f"search space: {where} hyperparameter {name!r} is unknown; known: "
+                                     f"{sorted(known)} (a method's own option, e.g. FedProx mu, goes in a method: "
+                                     "section)")
                 out[name] = _param(name, p, where)
 
     def fit_method(self, algo_cls, method_config, *, optimizer: str = "sgd", has_dropout: bool = True,
