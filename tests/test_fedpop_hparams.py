@@ -78,11 +78,11 @@ def make_tuner(tiny_fed, tmp_path):
 # ------------------------------------------------------------------------------------------ declarations
 def test_declarations_of_the_methods_that_bypass_the_fedopt_step():
     """What each method's code reads (checked by hand against its reduce/aggregate and local training): FedNova,
-    PerAda, FedBasis, Local-only, Central and FedBiP apply no FedOpt step; SCAFFOLD's server reads eta_g only and its
+    PerAda, FedBasis, Local-only, FedProto (prototypes only), Central and FedBiP apply no FedOpt step; SCAFFOLD's server reads eta_g only and its
     option II needs momentum = weight decay = 0; FedBasis and FedRep run their own epochs; the VQA methods use AdamW
     (no momentum); everything else reads all of them."""
     load_builtin_methods()
-    no_server = {"fednova", "perada", "fedbasis", "local", "central", "fedbip", "vqa_adapter_local"}
+    no_server = {"fednova", "perada", "fedbasis", "local", "central", "fedbip", "vqa_adapter_local", "fedproto"}
     for name, cls in REGISTRY.items():
         if "+" in name:
             continue
@@ -95,7 +95,8 @@ def test_declarations_of_the_methods_that_bypass_the_fedopt_step():
     assert all(client[n] == ALL_CLIENT - {"momentum"} for n in ("feddat", "vqa_peft", "vqa_adapter",
                                                                "vqa_adapter_local"))
     assert all(client[n] == ALL_CLIENT for n in ("fedavg", "fedprox", "ditto", "fednova", "fedbn", "fedper",
-                                                 "fedavg_ft", "feddf", "fraug", "fedpce", "perada", "local"))
+                                                 "fedavg_ft", "feddf", "fraug", "fedpce", "perada", "local",
+                                                 "fedbabu", "fedproto"))
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedprox", "ditto", "fedbn", "fedavg_ft", "scaffold", "fednova", "local"])
@@ -252,8 +253,9 @@ SKIP = {"fedbip": "needs the latent diffusion model (LDM) and its synthesis; not
         "vqa_adapter": "VQA: needs the VQA data and a vision-language model",
         "vqa_adapter_local": "VQA: needs the VQA data and a vision-language model"}
 # methods that build their own model (--model tiny-mlp would replace it) or need a classifier head (FedPer/FedRep
-# personalise "classifier.*"); the CondNorm ResNets need more than 8x8 pixels: 16x16 small digits
-OWN_MODEL = {"fedbasis", "fedpce", "pce_fedavg", "pce_fedprox", "pce_fedbn", "pce_fedper", "fraug", "fedper", "fedrep"}
+# personalise "classifier.*", FedBABU keeps it at init, FedProto reads the embedding before it); the CondNorm ResNets need more than 8x8 pixels: 16x16 small digits
+OWN_MODEL = {"fedbasis", "fedpce", "pce_fedavg", "pce_fedprox", "pce_fedbn", "pce_fedper", "fraug", "fedper", "fedrep",
+             "fedbabu", "fedproto"}
 SIXTEEN = OWN_MODEL - {"fraug"}
 
 
