@@ -325,13 +325,14 @@ def check_model_name(model: str, extra_models=()) -> None:
 
 
 def parse_run_args(argv: list[str] | None = None, method: str | None = None, prog: str | None = None,
-                   description: str | None = None, defaults: dict | None = None, recipe_options=None,
+                   description: str | None = None, defaults=None, recipe_options=None,
                    extra_models=()):
     """Parse RunArguments, DataArguments and the chosen method's config. Returns (run, data, method_config), or
     (run, data, method_config, recipe) when ``recipe_options`` (a recipe's own options dataclass: FedPCE's benchmark
     settings, FedPop's tuner) is given: the same parser, the same ``--config`` file, the same checks.
 
-    ``defaults``: a recipe's own defaults (e.g. ``{"adapter": "residual"}``); precedence: dataclass defaults <
+    ``defaults``: a recipe's own defaults (e.g. ``{"adapter": "residual"}``), or a function of the chosen method's
+    class that returns them (FedPop gives a method that reads no client momentum a momentum of 0); precedence: dataclass defaults <
     recipe defaults (and those the recipe options derive, ``recipe.run_defaults()``: FedDAT's --backbone picks the
     --model) < ``HFPFL_NUM_PROCESSES`` (num_processes only) < YAML file < command-line flags. Every user error is
     a one-line ValueError naming the option. ``extra_models``: model names the recipe builds itself."""
@@ -354,6 +355,8 @@ def parse_run_args(argv: list[str] | None = None, method: str | None = None, pro
         method_name = known.method or file_method or method
     method_name = method_name or "fedavg"
     algo_cls = get_algorithm(method_name)
+    if callable(defaults):
+        defaults = defaults(algo_cls)
     types = [RunArguments, DataArguments, algo_cls.Config]
     if recipe_options is not None:
         clash = sorted(_fields(recipe_options) & (_fields(RunArguments) | _fields(DataArguments)

@@ -25,6 +25,13 @@ RECIPE_DEFAULTS = {"model": "tiny-mlp", "dataset": "usps", "partition": "dirichl
 POPULATION_FILES = ("population.pt", "search_space.yaml", "curves.png", "hparams.png")
 
 
+def recipe_defaults(algo_cls) -> dict:
+    """RECIPE_DEFAULTS, and momentum / weight decay 0 for a method that does not read them (SCAFFOLD's option II
+    requires plain SGD); a flag or a --config file still sets them."""
+    unused = {k: 0.0 for k in ("momentum", "weight_decay") if k not in algo_cls.uses_client_hparams}
+    return {**RECIPE_DEFAULTS, **unused}
+
+
 def main(argv=None):
     from hfpfl.cli import USER_ERRORS, fail
     from hfpfl.config import parse_run_args
@@ -35,7 +42,7 @@ def main(argv=None):
     try:
         run, data, method_cfg, targs = parse_run_args(
             argv, method="fedavg", prog="recipes/fedpop.py", description=__doc__.split("\n\n")[0],
-            defaults=RECIPE_DEFAULTS, recipe_options=RECIPE_OPTIONS, extra_models=(TINY_MLP,))
+            defaults=recipe_defaults, recipe_options=RECIPE_OPTIONS, extra_models=(TINY_MLP,))
         if run.resume_from_checkpoint:
             targs = dataclasses.replace(targs, resume=True)
         # the one output-folder rule (hfpfl.runtime); the population checkpoint counts as a started run

@@ -25,6 +25,9 @@ class Central(Algorithm):
     name = "central"
     Config = CentralConfig
     one_shot = True
+    # clients only upload their data; the server trains with the run's own settings and config.epochs
+    uses_server_hparams = frozenset()
+    uses_client_hparams = frozenset()
 
     def download(self, server_state, client_id):
         return {}

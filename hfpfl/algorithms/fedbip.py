@@ -275,6 +275,10 @@ class FedBiP(Algorithm):
     name = "fedbip"
     Config = FedBiPConfig
     one_shot = True
+    # clients fit concepts with the config's Adam (concept_lr); the server trains the classifier with the run's own
+    # settings and classifier_epochs; there is no FedOpt step
+    uses_server_hparams = frozenset()
+    uses_client_hparams = frozenset()
     # a client's concept training + the server's synthesis of its images (``receive``, spread over the processes):
     # 30-40 s each on the main job's tiny LDM, against ~0.1-0.3 s for a small model's client update
     client_update_cost = 100.0

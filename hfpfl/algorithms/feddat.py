@@ -83,6 +83,7 @@ class VQAPeft(Algorithm):
     name = "vqa_peft"
     Config = VQAPeftConfig
     has_global_model = False      # every client scores with its own head (spec 2.7: client-local test accuracy)
+    uses_client_hparams = Algorithm.uses_client_hparams - {"momentum"}  # AdamW (``optimizer``): no momentum
 
     # ----------------------------------------------------------------- model and roles
     def build_model(self):
@@ -176,6 +177,7 @@ class VQAAdapterLocal(VQAAdapter):
     """Adapter-L: the adapter trained on local data only; nothing travels."""
 
     name = "vqa_adapter_local"
+    uses_server_hparams = frozenset()  # nothing travels, nothing is aggregated
 
     def key_role(self, key, default):
         return PRIVATE if default == GLOBAL else super().key_role(key, default)

@@ -31,6 +31,7 @@ class FedNova(Algorithm):
 
     name = "fednova"
     on_non_finite = "skip"  # a diverged client is skipped and logged (spec A7.12), not a run-ending error
+    uses_server_hparams = frozenset()  # aggregate applies tau_eff * the normalized mean itself: no FedOpt step
 
     def __init__(self, ctx, config):
         super().__init__(ctx, config)

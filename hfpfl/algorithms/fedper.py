@@ -37,6 +37,7 @@ class FedRepConfig:
 class FedRep(FedPer):
     name = "fedrep"
     Config = FedRepConfig
+    uses_client_hparams = Algorithm.uses_client_hparams - {"local_epochs"}  # head_epochs / body_epochs instead
 
     def client_update(self, client_id, down, private, round_idx):
         self.load_client(down, private)

@@ -90,6 +90,7 @@ class FedProto(Algorithm):
     name = "fedproto"
     Config = FedProtoConfig
     has_global_model = False   # the global state is a set of prototypes, not a classifier
+    uses_server_hparams = frozenset()   # reduce averages prototypes; no model travels, no FedOpt step
 
     def key_role(self, key, default):
         return PRIVATE if default == GLOBAL else default   # whole model personal: no weights travel

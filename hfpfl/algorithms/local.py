@@ -6,6 +6,7 @@ from .base import GLOBAL, PRIVATE, Algorithm, register
 class LocalOnly(Algorithm):
     name = "local"
     has_global_model = False
+    uses_server_hparams = frozenset()  # nothing is aggregated
 
     def key_role(self, key, default):
         return PRIVATE if default == GLOBAL else default

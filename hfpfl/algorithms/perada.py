@@ -117,6 +117,7 @@ class PerAda(Algorithm):
     name = "perada"
     Config = PerAdaConfig
     has_global_model = True
+    uses_server_hparams = frozenset()  # aggregate: the weighted mean, then KD (its own kd_lr); no FedOpt step
 
     # ------------------------------------------------------------------ model: two adapter slots
     def build_model(self):

@@ -518,6 +518,13 @@ class Algorithm:
     on_non_finite: ClassVar[str] = "error"     # "error": a diverged client stops the run; "skip": the method copes
     # one client update's cost in small-model updates (~0.1-0.3 s), for --num_processes auto (hfpfl.launch.decide)
     client_update_cost: ClassVar[float] = 1.0
+    # The run's hyperparameters this method's update reads: a tuner (FedPop) searches only these and refuses a search
+    # space naming another. Server: the FedOpt step of ``reduce`` (``server_optimizer_step``); a method whose
+    # aggregate/reduce bypasses it declares fewer. Client: the fields of ``HParams`` that ``ctx.train`` turns into
+    # the local optimizer and loop; a method that fixes the epochs, the optimizer or rejects a value declares fewer.
+    uses_server_hparams: ClassVar[frozenset] = frozenset({"server_lr", "server_momentum", "server_lr_decay"})
+    uses_client_hparams: ClassVar[frozenset] = frozenset({"lr", "momentum", "weight_decay", "local_epochs",
+                                                          "batch_size", "dropout"})
 
     def __init__(self, ctx: MethodContext, config):
         self.ctx = ctx

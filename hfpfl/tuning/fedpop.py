@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..federated.protocol import MODEL, HParams, NonFiniteError
+from ..federated.protocol import MODEL, HParams, NonFiniteError, get_algorithm
 from ..options import at_least, in_range, option, validate
 from . import search_space as ss
 
@@ -74,8 +75,9 @@ class TunerArguments:
     sha_start: int = option(27, "SHA: initial configurations (27 -> 9 -> 3 -> 1).", check=at_least(1))
     sha_eta: int = option(3, "SHA: elimination rate (each stage keeps ceil(n / sha_eta)).", check=at_least(2))
     fedex_configs: int = option(27, "FedEx: client configurations per member.", check=at_least(1))
-    finetune_epochs: int = option(1, "Epochs of Loc(beta^0) for the fine-tuned accuracy (0 = none).",
-                                  check=at_least(0))
+    final_finetune_epochs: int = option(1, "Epochs of Loc(beta^0) for the best member's fine-tuned accuracy (0 = "
+                                        "none; named apart from fedavg_ft's --finetune_epochs, which a method config "
+                                        "may carry).", check=at_least(0))
     resume: bool = option(False, "Continue from output_dir/population.pt if present.")
 
 
@@ -124,6 +126,7 @@ class Member:
     sim: object
     alpha: dict
     beta0: dict
+    mhp: dict = field(default_factory=dict)        # method hyperparameters (search space ``method:``), per member
     betas: list | None = None          # K slot vectors; None = re-sample in the Delta-box next round
     age: int = 0
     hist: list = field(default_factory=list)      # per-round mean local val loss since the last FedPop-G
@@ -136,8 +139,8 @@ class Member:
     scores: dict = field(default_factory=dict)    # filled by the client_update wrapper during a step
 
     def meta(self) -> dict:
-        return {k: getattr(self, k) for k in ("idx", "alpha", "beta0", "betas", "age", "hist", "curve", "trajectory",
-                                               "alive", "diverged", "rounds", "fedex")}
+        return {k: getattr(self, k) for k in ("idx", "alpha", "beta0", "mhp", "betas", "age", "hist", "curve",
+                                               "trajectory", "alive", "diverged", "rounds", "fedex")}
 
 
 class Tuner:
@@ -151,6 +154,11 @@ class Tuner:
         validate(targs)  # the declared checks, for tuner arguments built in Python too
         self.run_args, self.data_args, self.method_config, self.t = run_args, data_args, method_config, targs
         self.space = ss.SearchSpace.from_yaml(targs.search_space)
+        # refuse a search space naming what the method ignores before anything is written; the model's dropout
+        # layers are known once the first member's model exists (_new_member)
+        from .models import method_with_model
+        self.space.fit_method(get_algorithm(method_with_model(run_args.method, run_args.model)), method_config,
+                              optimizer=run_args.optimizer, has_dropout=None, name=run_args.method)
         self.out = Path(run_args.output_dir)
         self.R_c = targs.rounds_per_member
         self.T_g = targs.generation_rounds or max(1, round(0.1 * self.R_c))
@@ -174,9 +182,16 @@ class Tuner:
         self.loc_calls = 0
         self.rounds_used = 0
         self.members: list[Member] = []
+        self._fitted = False
         n_members = targs.sha_start if targs.tuner == "sha" else targs.population_size
+        fresh = [p for p in (self.out, self.out / "members", self.out / "members" / "m00") if not p.exists()]
         for i in range(n_members):
-            self.members.append(self._new_member(i))
+            try:
+                self.members.append(self._new_member(i))
+            except ValueError:
+                if i == 0 and fresh:  # a refused search space leaves nothing behind (only what this call created)
+                    shutil.rmtree(fresh[0], ignore_errors=True)
+                raise
 
     # ------------------------------------------------------------------ members
     def _new_member(self, i: int) -> Member:
@@ -190,15 +205,26 @@ class Tuner:
             method=method_with_model(self.run_args.method, self.run_args.model))
         sim = Simulation(args, self.data_args, copy.deepcopy(self.method_config), fed_data=self.fed_data,
                          accelerator=self.accelerator)
+        if not self._fitted:   # before any vector is drawn: the space holds only what this method reads
+            has_dropout = any(isinstance(x, torch.nn.modules.dropout._DropoutNd) for x in sim.model.modules())
+            self.space.fit_method(type(sim.algorithm), self.method_config, optimizer=self.run_args.optimizer,
+                                  has_dropout=has_dropout, name=self.run_args.method)
+            self._fitted = True
         alpha = ss.sample(self.space.server, self.rng)
         beta0 = ss.sample(self.space.client, self.rng)
-        m = Member(i, sim, alpha, beta0)
+        m = Member(i, sim, alpha, beta0, mhp=ss.sample(self.space.method, self.rng))
+        self._apply_method_hparams(m)
         if self.t.tuner == "fedex":
             configs = ss.sample_ball(beta0, self.t.fedex_configs, self.space.client, self.rng, self.t.delta)
             n = len(configs)
             m.fedex = {"configs": configs, "theta": [1.0 / n] * n, "baseline": None, "t": 0}
         self._install_scorer(m)
         return m
+
+    def _apply_method_hparams(self, m: Member) -> None:
+        """The member's method hyperparameters into its own method config (the object its algorithm reads)."""
+        if self.space.method:
+            m.sim.algorithm.config = self.space.method_values(m.mhp, m.sim.algorithm.config)
 
     def _install_scorer(self, m: Member) -> None:
         algo = m.sim.algorithm
@@ -247,7 +273,8 @@ class Tuner:
             self.tried.add((akey, ss.key(v)))
         if not m.diverged:
             try:
-                sim.step(client_hparams=lambda cid: values[slot[cid]],
+                # a method that trains on the server (client id -1: Central, FedBiP) uses the run's own settings
+                sim.step(client_hparams=lambda cid: values[slot[cid]] if cid in slot else {},
                          server_hparams=ss.to_values(m.alpha, self.space.server))
                 scores = self._gather_scores(m, clients)
             except NonFiniteError as e:
@@ -266,7 +293,8 @@ class Tuner:
         m.hist.append(mean)
         m.curve.append((r, mean))
         m.trajectory.append({"round": r, "alpha": ss.to_values(m.alpha, self.space.server),
-                             "beta0": ss.to_values(m.beta0, self.space.client), "score": mean})
+                             "beta0": ss.to_values(m.beta0, self.space.client),
+                             "method": ss.to_values(m.mhp, self.space.method), "score": mean})
         if self.tracker is not None:
             if not self._trackers_started:
                 self.tracker.init_trackers(f"{self.t.tuner}-{self.run_args.method}")
@@ -323,6 +351,9 @@ class Tuner:
             dst.sim.load_state_dict(clone_state(donors_state[it]))
             dst.alpha = ss.evo(src.alpha, self.space.server, eps, p_re, self.rng)
             dst.beta0 = ss.evo(src.beta0, self.space.client, eps, p_re, self.rng)
+            if self.space.method:   # after the exploit: load_state_dict does not touch the method config
+                dst.mhp = ss.evo(src.mhp, self.space.method, eps, p_re, self.rng)
+                self._apply_method_hparams(dst)
             dst.betas, dst.age, dst.diverged = None, 0, src.diverged
             events.append({"round": r, "kind": "exploit", "dst": dst.idx, "src": src.idx,
                            "score_dst": S[ib], "score_src": S[it]})
@@ -451,6 +482,7 @@ class Tuner:
                     setattr(m, k, v)
             m.sim.load_state_dict(saved["sim"])
             m.scores = {}
+            self._apply_method_hparams(m)
         logger.info("resumed the population at %s %d", "stage" if self.t.tuner == "sha" else "round", self.round)
         return True
 
@@ -477,8 +509,8 @@ class Tuner:
             private = sim.store.get(cid)
             sim.ctx.load((private or {}).get(MODEL) or sim.initial_private)
             sim.algorithm.load_personal(cid, sim.server_state, private, sim.round)
-            if self.t.finetune_epochs > 0:
-                sim.ctx.train(cid, sim.round + 1, hp=hp, epochs=self.t.finetune_epochs, tag="fedpop-finetune")
+            if self.t.final_finetune_epochs > 0:
+                sim.ctx.train(cid, sim.round + 1, hp=hp, epochs=self.t.final_finetune_epochs, tag="fedpop-finetune")
             accs.append(sim.ctx.evaluate(sim.model, sim.ctx.test_data(cid))["accuracy"])
         return float(np.mean(accs))
 
@@ -489,7 +521,8 @@ class Tuner:
                 rows.append({"member": m.idx, "alive": False, "diverged": m.diverged, "rounds": m.rounds,
                              "curve": m.curve,
                              "alpha": ss.to_values(m.alpha, self.space.server),
-                             "beta0": ss.to_values(m.beta0, self.space.client)})
+                             "beta0": ss.to_values(m.beta0, self.space.client),
+                             "method": ss.to_values(m.mhp, self.space.method)})
                 continue
             val = self.member_val_loss(m)
             res = m.sim.finish()
@@ -497,7 +530,8 @@ class Tuner:
                          "global_accuracy": res["final"].get("global_accuracy"),
                          "personal_accuracy": res["final"].get("personal_accuracy"),
                          "alpha": ss.to_values(m.alpha, self.space.server),
-                         "beta0": ss.to_values(m.beta0, self.space.client), "curve": m.curve})
+                         "beta0": ss.to_values(m.beta0, self.space.client),
+                         "method": ss.to_values(m.mhp, self.space.method), "curve": m.curve})
         alive = [r for r in rows if r["alive"]]
         if not alive:
             raise NonFiniteError("every member of the population diverged; narrow the search space (lower lr)")
@@ -550,14 +584,20 @@ def plot_population(out: Path, members: list[Member], events: list[dict], title:
     for e in events:
         if e.get("kind") == "exploit":
             ax.axvline(e["round"], color="gray", lw=0.3)
-    ax.set_xlabel("round"); ax.set_ylabel("mean val loss of local models"); ax.set_yscale("log"); ax.set_title(title)
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean val loss of local models")
+    ax.set_yscale("log")
+    ax.set_title(title)
     if len(members) <= 12:
         ax.legend(fontsize=6)
-    fig.tight_layout(); fig.savefig(out / "curves.png", dpi=110); plt.close(fig)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=110)
+    plt.close(fig)
     names = []
     for m in members:
         for t in m.trajectory[:1]:
-            names = [("alpha", k) for k in t["alpha"]] + [("beta0", k) for k in t["beta0"]]
+            names = [("alpha", k) for k in t["alpha"]] + [("beta0", k) for k in t["beta0"]] + \
+                [("method", k) for k in t.get("method", {})]
         if names:
             break
     if not names:
@@ -574,4 +614,7 @@ def plot_population(out: Path, members: list[Member], events: list[dict], title:
             ax.set_yscale("log")
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    fig.suptitle(title); fig.tight_layout(); fig.savefig(out / "hparams.png", dpi=110); plt.close(fig)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out / "hparams.png", dpi=110)
+    plt.close(fig)

@@ -15,11 +15,19 @@ YAML format (unknown keys are errors)::
       lr:           {type: log10, low: -4, high: 0}
       local_epochs: {type: choice, values: [1, 2, 3, 4, 5]}
       ...
+    method:                  # fields of the method's Config (FedProx mu, Ditto lam, ...), one value per member
+      mu:           {type: log10, low: -3, high: 0}
+
+A method declares the server and client hyperparameters its update reads (``Algorithm.uses_server_hparams`` /
+``uses_client_hparams``); :meth:`SearchSpace.fit_method` drops the others from the default space and refuses a
+file that names one.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +36,8 @@ import numpy as np
 import yaml
 
 from ..federated.protocol import HParams, ServerHParams
+
+logger = logging.getLogger("hfpfl")
 
 KINDS = ("uniform", "log10", "log10_one_minus", "choice")
 _PARAM_KEYS = {"type", "low", "high", "values"}
@@ -125,17 +135,89 @@ class SearchSpace:
     """Server (alpha) and client (beta) hyperparameters with their sampling distributions."""
 
     def __init__(self, spec: dict | None = None):
+        self.is_default = spec is None   # the spec's space: fit_method may drop what a method ignores
         spec = copy.deepcopy(DEFAULT_SPACE if spec is None else spec)
-        unknown = set(spec) - {"server", "client"}
+        unknown = set(spec) - {"server", "client", "method"}
         if unknown:
-            raise ValueError(f"search space: unknown top-level key(s) {sorted(unknown)}; known: ['client', 'server']")
+            raise ValueError(f"search space: unknown top-level key(s) {sorted(unknown)}; known: ['client', 'method', "
+                             "'server']")
         self.server: dict[str, Param] = {}
         self.client: dict[str, Param] = {}
+        # method hyperparameters (fields of the method's Config), checked against the method by fit_method
+        self.method: dict[str, Param] = {n: _param(n, p, "method") for n, p in (spec.get("method") or {}).items()}
         for where, known, out in (("server", SERVER_FIELDS, self.server), ("client", CLIENT_FIELDS, self.client)):
             for name, p in (spec.get(where) or {}).items():
                 if name not in known:
-                    raise ValueError(f"search space: {where} hyperparameter {name!r} is unknown; known: {sorted(known)}")
+                    raise ValueError(f"search space: {where} hyperparameter {name!r} is unknown; known: "
+                                     f"{sorted(known)} (a method's own option, e.g. FedProx mu, goes in a method: "
+                                     "section)")
                 out[name] = _param(name, p, where)
+
+    def fit_method(self, algo_cls, method_config, *, optimizer: str = "sgd", has_dropout: bool = True,
+                   name: str | None = None) -> list[str]:
+        """Check the space against what the method reads; returns the names dropped from the default space.
+
+        A hyperparameter the method ignores (not in its ``uses_server_hparams`` / ``uses_client_hparams``; client
+        momentum under an Adam optimizer; dropout on a model without dropout layers) is dropped from the default
+        space and refused in a user's file, where it would be tuned while changing nothing. ``method:`` names must
+        be fields of the method's Config."""
+        name = name or algo_cls.name
+        client_used = set(algo_cls.uses_client_hparams)
+        why = {}
+        if optimizer != "sgd" and "momentum" in client_used:
+            client_used.discard("momentum")
+            why["momentum"] = f"--optimizer {optimizer} has no momentum"
+        if has_dropout is False and "dropout" in client_used:
+            client_used.discard("dropout")
+            why["dropout"] = "the model has no dropout layer"
+        dropped = []
+        for where, used, params in (("server", set(algo_cls.uses_server_hparams), self.server),
+                                    ("client", client_used, self.client)):
+            for hp in [n for n in params if n not in used]:
+                if self.is_default:
+                    del params[hp]
+                    dropped.append(hp)
+                    continue
+                reason = why.get(hp, f"{name}'s update does not read it")
+                keep = sorted(used) or "none"
+                raise ValueError(f"search space: {where} hyperparameter {hp!r} has no effect on method {name!r} "
+                                 f"({reason}); remove it from the {where}: section (the {where} hyperparameters "
+                                 f"{name} uses: {keep})")
+        fields = {f.name: f for f in dataclasses.fields(method_config)} if dataclasses.is_dataclass(method_config) \
+            else {}
+        for hp, p in self.method.items():
+            if hp not in fields:
+                close = difflib.get_close_matches(hp, list(fields), n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ValueError(f"search space: method hyperparameter {hp!r} is not an option of method {name!r}; "
+                                 f"{hint}known: {sorted(fields) or 'none (the method has no options)'}")
+            current = getattr(method_config, hp)
+            if isinstance(current, bool) or not isinstance(current, (int, float)):
+                if p.continuous:
+                    raise ValueError(f"search space: method hyperparameter {hp!r} of {name!r} is not a number "
+                                     f"({current!r}); give it as {{type: choice, values: [...]}}")
+            elif isinstance(current, int) and p.continuous:
+                raise ValueError(f"search space: method hyperparameter {hp!r} of {name!r} is an integer; give it as "
+                                 "{type: choice, values: [...]}")
+        for where, params in (("server", self.server), ("client", self.client)):
+            for hp in params:
+                if hp in fields:   # cannot happen with today's names; guards a Config field named like an HParam
+                    raise ValueError(f"search space: {hp!r} is both a {where} hyperparameter and an option of "
+                                     f"{name!r}; rename the option")
+        if dropped:
+            logger.warning("search space: method %s ignores %s; dropped them from the default search space", name,
+                           ", ".join(dropped))
+        return dropped
+
+    def method_values(self, h: dict, method_config):
+        """The method config with the member's method hyperparameters ``h`` applied (a new object; the Config's own
+        checks run on it)."""
+        if not self.method:
+            return method_config
+        from ..options import validate
+        cfg = dataclasses.replace(method_config, **to_values(h, self.method))
+        validate(cfg)
+        return cfg
 
     @classmethod
     def from_yaml(cls, path: str | Path | None) -> "SearchSpace":
@@ -147,11 +229,14 @@ class SearchSpace:
         def one(p: Param) -> dict:
             return {"type": p.kind, "values": list(p.values)} if not p.continuous else \
                 {"type": p.kind, "low": p.low, "high": p.high}
-        return {"server": {n: one(p) for n, p in self.server.items()},
-                "client": {n: one(p) for n, p in self.client.items()}}
+        out = {"server": {n: one(p) for n, p in self.server.items()},
+               "client": {n: one(p) for n, p in self.client.items()}}
+        if self.method:
+            out["method"] = {n: one(p) for n, p in self.method.items()}
+        return out
 
     def params(self, which: str) -> dict[str, Param]:
-        return self.server if which == "server" else self.client
+        return {"server": self.server, "client": self.client, "method": self.method}[which]
 
 
 # ---------------------------------------------------------------------------------------------- vector operations
