@@ -50,6 +50,9 @@ def provenance() -> dict:
     return {"commit": commit, "dirty": dirty,
             "date": _now(),
             "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+            # the kernel family torch dispatches to (AVX2, AVX512, ...): the same code gives rows that differ beyond
+            # their last bits on CPUs of another family (CHANGELOG.md, the FRAug table), so a row names it
+            "kernels": torch.backends.cpu.get_cpu_capability(),
             "python": platform.python_version()}
 
 
@@ -239,8 +242,11 @@ def _merge_provenance(provs: list[dict]) -> dict:
         return sorted({str(p.get(k)) for p in provs})
     dates = sorted(p["date"] for p in provs)
     loads = sorted(p["load"] for p in provs if p.get("load") is not None)
-    return {**({"load": [loads[0], loads[-1]]} if loads else {}),"commits": distinct("commit"), "dirty": any(p.get("dirty") for p in provs),
-            "dates": [dates[0], dates[-1]], "machines": sorted({f"{p['cpu']}, {p['cores']} cores" for p in provs}),
+    machines = sorted({f"{p['cpu']}, {p['cores']} cores" + (f", {p['kernels']} kernels" if p.get("kernels") else "")
+                       for p in provs})
+    return {**({"load": [loads[0], loads[-1]]} if loads else {}),
+            "commits": distinct("commit"), "dirty": any(p.get("dirty") for p in provs),
+            "dates": [dates[0], dates[-1]], "machines": machines,
             "torch": distinct("torch"), "python": distinct("python")}
 
 
