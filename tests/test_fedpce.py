@@ -4,7 +4,6 @@ new-client adaptation training exactly the E numbers with every global tensor bi
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hfpfl.algorithms import get_algorithm
 from hfpfl.algorithms.base import MODEL, OPTIM, PRIVATE

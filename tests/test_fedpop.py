@@ -1,7 +1,6 @@
 """FedPop and its baselines (hfpfl/tuning): the spec's acceptance checks A8 1-10, the search space file, per-slot
 client hyperparameters reaching the engine, the server vector reaching the FedOpt step, FedEx and SHA mechanics,
 and resume of the whole population after a kill. Tiny MLP on 8x8 USPS-like digits, a few rounds per member."""
-import dataclasses
 import math
 
 import numpy as np

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from conftest import CPU_ONLY, CPU_PROCESSES, LAUNCH_TWO
 
 from hfpfl.algorithms.base import MODEL, PRIVATE
-from hfpfl.algorithms.fraug import (FRAugConfig, FRAugStages, balanced_labels, ema_update, lambda_c, lambda_syn)
+from hfpfl.algorithms.fraug import (FRAugConfig, FRAugStages, ema_update, lambda_c, lambda_syn)
 from hfpfl.models import build_classifier
 from hfpfl.models.fraug import (DigitsCNN, EmbeddingGenerator, FRAugModel, RTNet, entropy, generator_num_parameters,
                                 mmd, rtnet_num_parameters)

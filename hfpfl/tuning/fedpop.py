@@ -543,10 +543,15 @@ def plot_population(out: Path, members: list[Member], events: list[dict], title:
     for e in events:
         if e.get("kind") == "exploit":
             ax.axvline(e["round"], color="gray", lw=0.3)
-    ax.set_xlabel("round"); ax.set_ylabel("mean val loss of local models"); ax.set_yscale("log"); ax.set_title(title)
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean val loss of local models")
+    ax.set_yscale("log")
+    ax.set_title(title)
     if len(members) <= 12:
         ax.legend(fontsize=6)
-    fig.tight_layout(); fig.savefig(out / "curves.png", dpi=110); plt.close(fig)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=110)
+    plt.close(fig)
     names = []
     for m in members:
         for t in m.trajectory[:1]:
@@ -567,4 +572,7 @@ def plot_population(out: Path, members: list[Member], events: list[dict], title:
             ax.set_yscale("log")
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
-    fig.suptitle(title); fig.tight_layout(); fig.savefig(out / "hparams.png", dpi=110); plt.close(fig)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out / "hparams.png", dpi=110)
+    plt.close(fig)
