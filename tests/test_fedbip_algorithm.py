@@ -409,6 +409,7 @@ def test_s_only_and_v_only_ablations(ldm_dir, fed, tmp_path, level, trained):
     assert len(y) == 2 * len(upd.upload["fedbip"]["labels"]) and fixed.shape[-1] == learned.shape[-1]
 
 
+@pytest.mark.slow
 def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     """recipes/fedbip.py's comparison (every variant + baselines, one table, comparison.json) on the random LDM."""
     import importlib.util
@@ -446,6 +447,7 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     assert "FedBiP-L" in printed and "Central" in printed and "syn-fid" in printed and " style " in printed
 
 
+@pytest.mark.slow
 def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule(ldm_dir, tmp_path, capsys):
     """scripts/fedbip_noise_sweep.py: one instance-only run per timestep (clients noise there, the sampler starts
     there), its style / closeness read off the synthetic set, the choice by hfpfl.fedbip.sweep's rule on what was
@@ -503,6 +505,7 @@ def test_bad_seeds_name_the_option(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_interrupted_comparison_leaves_no_unfinished_variant_folder(ldm_dir, tmp_path, monkeypatch):
     """A comparison killed (SIGINT/SIGTERM) in a variant removes that variant's folder (it had config.yaml but no
     results.json); finished variants keep theirs; a comparison killed in its first variant leaves no output folder."""

@@ -202,6 +202,7 @@ def vit_standin_cache(tmp_path_factory):
     return cache
 
 
+@pytest.mark.slow
 def test_published_lora_adapter_loads_with_plain_peft_and_reproduces_its_round(digits_28, vit_standin_cache,
                                                                                tmp_path):
     from safetensors.torch import save_file
