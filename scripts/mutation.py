@@ -45,20 +45,21 @@ SOURCE_PATHS = ["hfpfl", "pipelines"]
 @dataclass
 class Target:
     """A method's core: the files mutmut mutates (``core``), optionally only some functions of them (``functions``:
-    mutmut key globs such as ``x_server_optimizer_step`` or ``xǁWeightedSumsǁ*``), and the test files (globs) whose
-    fast tests must kill the mutants."""
+    mutmut key globs such as ``x_server_optimizer_step`` or ``xǁWeightedSumsǁ*``), and the tests whose fast tests
+    must kill the mutants (``tests``: file globs, or ``file::test`` node ids; ``k``: a pytest -k expression)."""
 
     core: list[str]
     tests: list[str]
     functions: list[str] = field(default_factory=list)
-    note: str = ""
+    k: str | None = None
 
 
 BASELINE_TESTS = ["tests/test_baselines*.py"]
 #: method -> core -> tests, the one table. Targets share no file unless a file is genuinely part of both cores.
 TARGETS: dict[str, Target] = {
     "fedavg": Target(["hfpfl/algorithms/fedavg.py", "hfpfl/algorithms/base.py"], BASELINE_TESTS),
-    "fedprox": Target(["hfpfl/algorithms/fedprox.py"], BASELINE_TESTS + ["tests/test_vectorized.py"]),
+    "fedprox": Target(["hfpfl/algorithms/fedprox.py"],
+                      BASELINE_TESTS + ["tests/test_vectorized.py::test_vectorized_matches_sequential"], k="prox"),
     "scaffold": Target(["hfpfl/algorithms/scaffold.py"], BASELINE_TESTS),
     "fednova": Target(["hfpfl/algorithms/fednova.py"], BASELINE_TESTS),
     "fedbn": Target(["hfpfl/algorithms/fedbn.py"], BASELINE_TESTS),
@@ -81,7 +82,10 @@ TARGETS: dict[str, Target] = {
                        ["tests/test_adapters*.py", "tests/test_fedadapter*.py"]),
     # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
     "server": Target(["hfpfl/federated/protocol.py"],
-                     ["tests/test_protocol.py", "tests/test_baselines*.py"],
+                     ["tests/test_protocol.py", "tests/test_baselines*.py",
+                      "tests/test_vectorized.py::test_add_stacked_equals_one_add_per_client",
+                      "tests/test_vectorized.py::test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes",
+                      "tests/test_vectorized.py::test_finite_checks_are_exact_when_the_sum_overflows"],
                      functions=["x_server_optimizer_step", "x_weighted_average", "xǁWeightedSumsǁ*",
                                 "xǁAlgorithmǁaggregation_weights", "xǁAlgorithmǁaccumulate",
                                 "xǁAlgorithmǁreduce", "xǁAlgorithmǁaggregate"]),
@@ -89,10 +93,12 @@ TARGETS: dict[str, Target] = {
 
 
 def expand(patterns: list[str]) -> list[str]:
+    """File globs -> the files they match now (a ``file::test`` node id keeps its test part)."""
     out = []
     for p in patterns:
-        hits = sorted(glob.glob(p, root_dir=ROOT)) if any(c in p for c in "*?[") else [p]
-        out += [h for h in hits if h not in out]
+        path, sep, node = p.partition("::")
+        hits = sorted(glob.glob(path, root_dir=ROOT)) if any(c in path for c in "*?[") else [path]
+        out += [h + sep + node for h in hits if h + sep + node not in out]
     return out
 
 
@@ -103,7 +109,7 @@ def target_for(name: str) -> tuple[str, Target]:
     rel = os.path.relpath(Path(name).resolve(), ROOT) if Path(name).exists() else name
     for tname, t in TARGETS.items():
         if rel in expand(t.core):
-            return Path(rel).stem, Target([rel], t.tests, t.functions, note=f"core file of {tname}")
+            return Path(rel).stem, Target([rel], t.tests, t.functions, t.k)
     raise SystemExit(f"error: unknown target {name!r}: pass a method ({', '.join(TARGETS)}) or one of their core "
                      "files (see --list), or a file with --tests")
 
@@ -211,6 +217,27 @@ def _summarize(files, globs, get_diff_for_mutant, status_by_exit_code) -> dict:
     return per_file
 
 
+def markdown_table(out: Path) -> str:
+    """One row per core file of every summary under ``out``: what docs/testing.md shows."""
+    rows = ["| file | target | mutants | killed | score | surviving mutants (no tests: no selected test runs it) | commit |",
+            "|---|---|---|---|---|---|---|"]
+    for js in sorted(out.glob("*.json")):
+        s = json.loads(js.read_text())
+        for f, r in s["files"].items():
+            by_fn: dict = {}
+            for sv in r["survivors"]:
+                fn, _, num = sv["mutant"].rsplit(".", 1)[1].partition("__mutmut_")
+                fn = fn[2:].replace("ǁ", ".")  # x_function, xǁClassǁmethod -> function, Class.method
+                by_fn.setdefault((fn, sv["status"]), []).append(int(num))
+            names = "; ".join(f"`{fn}` " + (f"all {len(nums)} (no tests)" if st == "no tests" else
+                                            " ".join(f"#{n}" for n in sorted(nums)))
+                              for (fn, st), nums in sorted(by_fn.items()))
+            score = f"{100 * r['score']:.1f}%" if r["score"] is not None else "-"
+            rows.append(f"| `{f}` | {s['target']} | {r['mutants']} | {r['killed']} | {score} | {names or '-'} | "
+                        f"{s['commit'][:7]}{'+' if s['dirty'] else ''} |")
+    return "\n".join(rows)
+
+
 def git(*args: str) -> str:
     r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
     return r.stdout.strip() if r.returncode == 0 else ""
@@ -227,11 +254,17 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="keep earlier results; retest only changed functions")
     p.add_argument("--out", default=str(ROOT / "outputs" / "mutation"), help="where the work dirs and json go")
     p.add_argument("--list", action="store_true", help="print the target table and exit")
+    p.add_argument("--table", action="store_true",
+                   help="print the markdown table of the summaries under --out (docs/testing.md) and exit")
     a = p.parse_args(argv)
+    if a.table:
+        print(markdown_table(Path(a.out)))
+        return 0
     if a.list or not a.target:
         for n, t in TARGETS.items():
             fn = f" (functions {', '.join(t.functions)})" if t.functions else ""
-            print(f"{n}: core {' '.join(expand(t.core))}{fn}\n    tests {' '.join(expand(t.tests))}")
+            k = f" -k {t.k!r}" if t.k else ""
+            print(f"{n}: core {' '.join(expand(t.core))}{fn}\n    tests {' '.join(expand(t.tests))}{k}")
         return 0 if a.list else 2
     if a.max_children < 1:
         print("error: --max-children must be >= 1", file=sys.stderr)
@@ -242,16 +275,18 @@ def main(argv=None) -> int:
         name, t = target_for(a.target)
     tests = expand(a.tests or t.tests)
     core = expand(t.core)
-    missing = [f for f in core + tests if not (ROOT / f).is_file()]
+    missing = [f for f in core + tests if not (ROOT / f.partition("::")[0]).is_file()]
     if missing or not tests:
         print(f"error: {'missing file(s): ' + ', '.join(missing) if missing else 'no test file matches'}; "
               "fix the table in scripts/mutation.py or pass --tests", file=sys.stderr)
         return 2
     out = Path(a.out)
     work = out / name
-    prepare(work, core, tests, a.k, a.resume)
+    k = a.k if a.k is not None else (None if a.tests else t.k)
+    prepare(work, core, tests, k, a.resume)
     globs = mutant_globs(Target(core, tests, t.functions))
-    print(f"mutation testing {name}: core {' '.join(core)}; tests {' '.join(tests)} (-m {FAST!r})", flush=True)
+    print(f"mutation testing {name}: core {' '.join(core)}; tests {' '.join(tests)} (-m {FAST!r}"
+          + (f", -k {k!r})" if k else ")"), flush=True)
     start = time.time()
     log = out / f"{name}.log"
     print(f"  (mutmut's full output: {log})", flush=True)
@@ -260,7 +295,7 @@ def main(argv=None) -> int:
     per_file = summarize(work, core, globs)
     killed = sum(f["killed"] for f in per_file.values())
     total = sum(f["mutants"] for f in per_file.values())
-    summary = {"target": name, "core": core, "functions": t.functions, "tests": tests, "pytest_k": a.k,
+    summary = {"target": name, "core": core, "functions": t.functions, "tests": tests, "pytest_k": k,
                "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", *core, *tests)),
                "mutmut_exit_code": code, "wall_s": round(wall, 1), "killed": killed, "total": total,
                "score": round(killed / total, 4) if total else None, "files": per_file}
