@@ -102,16 +102,15 @@ def expand(patterns: list[str]) -> list[str]:
     return out
 
 
-def target_for(name: str) -> tuple[str, Target]:
-    """A method name, or a core file (the target that holds it, restricted to that file)."""
+def target_for(name: str) -> tuple[str, Target] | None:
+    """A method name, or a core file (the target that holds it, restricted to that file); None if neither."""
     if name in TARGETS:
         return name, TARGETS[name]
     rel = os.path.relpath(Path(name).resolve(), ROOT) if Path(name).exists() else name
     for tname, t in TARGETS.items():
         if rel in expand(t.core):
             return Path(rel).stem, Target([rel], t.tests, t.functions, t.k)
-    raise SystemExit(f"error: unknown target {name!r}: pass a method ({', '.join(TARGETS)}) or one of their core "
-                     "files (see --list), or a file with --tests")
+    return None
 
 
 def module_of(path: str) -> str:
@@ -260,19 +259,25 @@ def main(argv=None) -> int:
     if a.table:
         print(markdown_table(Path(a.out)))
         return 0
-    if a.list or not a.target:
+    if not a.list and not a.target:
+        p.error("name a target: a method or one of its core files (--list shows them)")
+    if a.list:
         for n, t in TARGETS.items():
             fn = f" (functions {', '.join(t.functions)})" if t.functions else ""
             k = f" -k {t.k!r}" if t.k else ""
             print(f"{n}: core {' '.join(expand(t.core))}{fn}\n    tests {' '.join(expand(t.tests))}{k}")
-        return 0 if a.list else 2
+        return 0
     if a.max_children < 1:
         print("error: --max-children must be >= 1", file=sys.stderr)
         return 2
     if Path(a.target).suffix == ".py" and a.tests and a.target not in TARGETS:
         name, t = Path(a.target).stem, Target([os.path.relpath(Path(a.target).resolve(), ROOT)], a.tests)
-    else:
+    elif target_for(a.target):
         name, t = target_for(a.target)
+    else:
+        print(f"error: unknown target {a.target!r}: pass a method ({', '.join(TARGETS)}) or one of their core files "
+              "(--list), or any file with --tests", file=sys.stderr)
+        return 2
     tests = expand(a.tests or t.tests)
     core = expand(t.core)
     missing = [f for f in core + tests if not (ROOT / f.partition("::")[0]).is_file()]

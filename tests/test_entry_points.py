@@ -14,6 +14,7 @@ ENTRY_POINTS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("recipes/*.p
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ENTRY_POINTS)
 def test_help(script):
     out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True,
