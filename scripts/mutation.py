@@ -203,15 +203,19 @@ def _summarize(files, globs, get_diff_for_mutant, status_by_exit_code) -> dict:
         killed = sum(s in ("killed", "timeout") for s in statuses.values())
         survivors = []
         for k, s in sorted(statuses.items()):
-            if s in ("killed", "timeout"):
+            if s in ("killed", "timeout", "not checked"):
                 continue
             survivors.append({"mutant": k, "status": s, "diff": get_diff_for_mutant(k, path=f)})
         per_file[f] = {"mutants": len(statuses), "killed": killed,
                        "timeout": sum(s == "timeout" for s in statuses.values()),
                        "survived": sum(s == "survived" for s in statuses.values()),
                        "no_tests": sum(s == "no tests" for s in statuses.values()),
-                       "other": sum(s not in ("killed", "timeout", "survived", "no tests") for s in statuses.values()),
-                       "score": round(killed / len(statuses), 4) if statuses else None,
+                       "not_checked": sum(s == "not checked" for s in statuses.values()),
+                       "other": sum(s not in ("killed", "timeout", "survived", "no tests", "not checked")
+                                    for s in statuses.values()),
+                       # over the mutants checked: an interrupted run scores what it got to
+                       "score": round(killed / checked, 4) if (checked := sum(s != "not checked" for s in
+                                                                               statuses.values())) else None,
                        "survivors": survivors}
     return per_file
 
@@ -232,7 +236,8 @@ def markdown_table(out: Path) -> str:
                                             " ".join(f"#{n}" for n in sorted(nums)))
                               for (fn, st), nums in sorted(by_fn.items()))
             score = f"{100 * r['score']:.1f}%" if r["score"] is not None else "-"
-            rows.append(f"| `{f}` | {s['target']} | {r['mutants']} | {r['killed']} | {score} | {names or '-'} | "
+            unchecked = f" ({r['not_checked']} not checked: run interrupted)" if r.get("not_checked") else ""
+            rows.append(f"| `{f}` | {s['target']} | {r['mutants']}{unchecked} | {r['killed']} | {score} | {names or '-'} | "
                         f"{s['commit'][:7]}{'+' if s['dirty'] else ''} |")
     return "\n".join(rows)
 
@@ -252,6 +257,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-children", type=int, default=os.cpu_count() or 2, help="parallel mutant workers")
     p.add_argument("--resume", action="store_true", help="keep earlier results; retest only changed functions")
     p.add_argument("--out", default=str(ROOT / "outputs" / "mutation"), help="where the work dirs and json go")
+    p.add_argument("--summarize", action="store_true",
+                   help="summarize the target's last (possibly interrupted) run again, without running mutmut")
     p.add_argument("--list", action="store_true", help="print the target table and exit")
     p.add_argument("--table", action="store_true",
                    help="print the markdown table of the summaries under --out (docs/testing.md) and exit")
@@ -288,22 +295,33 @@ def main(argv=None) -> int:
     out = Path(a.out)
     work = out / name
     k = a.k if a.k is not None else (None if a.tests else t.k)
-    prepare(work, core, tests, k, a.resume)
+    if a.summarize and not (work / "mutants").is_dir():
+        print(f"error: --summarize: no earlier run of {name} under {out}; run it first", file=sys.stderr)
+        return 2
+    if not a.summarize:
+        prepare(work, core, tests, k, a.resume)
     globs = mutant_globs(Target(core, tests, t.functions))
     print(f"mutation testing {name}: core {' '.join(core)}; tests {' '.join(tests)} (-m {FAST!r}"
           + (f", -k {k!r})" if k else ")"), flush=True)
     start = time.time()
     log = out / f"{name}.log"
-    print(f"  (mutmut's full output: {log})", flush=True)
-    code = run_mutmut(work, log, "--max-children", str(a.max_children), *globs)
-    wall = time.time() - start
+    if a.summarize:
+        earlier = json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else {}
+        code, wall = earlier.get("mutmut_exit_code", 0), earlier.get("wall_s", 0.0)
+    else:
+        print(f"  (mutmut's full output: {log})", flush=True)
+        code = run_mutmut(work, log, "--max-children", str(a.max_children), *globs)
+        wall = time.time() - start
     per_file = summarize(work, core, globs)
     killed = sum(f["killed"] for f in per_file.values())
-    total = sum(f["mutants"] for f in per_file.values())
+    total = sum(f["mutants"] - f["not_checked"] for f in per_file.values())  # checked
     summary = {"target": name, "core": core, "functions": t.functions, "tests": tests, "pytest_k": k,
-               "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", *core, *tests)),
+               "commit": git("rev-parse", "HEAD"),
+               "dirty": bool(git("status", "--porcelain", "--", *core, *[t.partition("::")[0] for t in tests])),
                "mutmut_exit_code": code, "wall_s": round(wall, 1), "killed": killed, "total": total,
                "score": round(killed / total, 4) if total else None, "files": per_file}
+    if a.summarize and earlier:  # the commit the mutants were run at
+        summary.update(commit=earlier["commit"], dirty=earlier["dirty"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     print()
