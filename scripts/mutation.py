@@ -304,6 +304,8 @@ def main(argv=None) -> int:
     print(f"mutation testing {name}: core {' '.join(core)}; tests {' '.join(tests)} (-m {FAST!r}"
           + (f", -k {k!r})" if k else ")"), flush=True)
     start = time.time()
+    commit = git("rev-parse", "HEAD")  # what mutmut copies now; the checkout may move on while it runs
+    dirty = bool(git("status", "--porcelain", "--", *core, *[t.partition("::")[0] for t in tests]))
     log = out / f"{name}.log"
     if a.summarize:
         earlier = json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else {}
@@ -316,8 +318,7 @@ def main(argv=None) -> int:
     killed = sum(f["killed"] for f in per_file.values())
     total = sum(f["mutants"] - f["not_checked"] for f in per_file.values())  # checked
     summary = {"target": name, "core": core, "functions": t.functions, "tests": tests, "pytest_k": k,
-               "commit": git("rev-parse", "HEAD"),
-               "dirty": bool(git("status", "--porcelain", "--", *core, *[t.partition("::")[0] for t in tests])),
+               "commit": commit, "dirty": dirty,
                "mutmut_exit_code": code, "wall_s": round(wall, 1), "killed": killed, "total": total,
                "score": round(killed / total, 4) if total else None, "files": per_file}
     if a.summarize and earlier:  # the commit the mutants were run at
