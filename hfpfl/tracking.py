@@ -1,7 +1,6 @@
 """Results contract: resolved config, per-round metrics, results.json, plots; optional accelerate trackers."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path

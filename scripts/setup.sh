@@ -7,5 +7,5 @@ PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,tracking]"
+.venv/bin/python -m pip install -q -e ".[test,tracking,dev]"
 echo "hfpfl installed in .venv ($(.venv/bin/python -c 'import torch, transformers, diffusers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "diffusers", diffusers.__version__, "peft", peft.__version__)'))"

@@ -22,6 +22,47 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}                 # for the one-process re
 CPU_PROCESSES = {**CPU_ONLY, "ACCELERATE_USE_CPU": "1"}  # for the LAUNCH_TWO run
 
 
+@pytest.fixture
+def network_calls(monkeypatch):
+    """Every attempt to reach the network during the test, recorded and refused: an internet socket's connect and
+    name lookups (whatever the client: httpx, requests, aiohttp, urllib) and the HTTP clients' own send. "Fails fast
+    offline" is asserted as ``network_calls == []`` after the failure: a refused attempt would often be swallowed
+    by the library's offline fallback, so the record, not the exception, is what the test reads."""
+    import socket
+
+    calls = []
+
+    def refuse(what, detail=lambda *args: args[:1]):
+        def fn(*args, **kwargs):
+            calls.append((what, detail(*args)))
+            raise OSError(f"test: network access refused ({what})")
+        return fn
+
+    def url(client, request, *rest):
+        return str(getattr(request, "url", request))
+
+    def internet_only(real):  # local (unix) sockets stay usable
+        def fn(sock, address):
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                return refuse("socket.connect", lambda s, a: a)(sock, address)
+            return real(sock, address)
+        return fn
+
+    monkeypatch.setattr(socket.socket, "connect", internet_only(socket.socket.connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", internet_only(socket.socket.connect_ex))
+    monkeypatch.setattr(socket, "getaddrinfo", refuse("socket.getaddrinfo"))
+    import httpx
+    monkeypatch.setattr(httpx.Client, "send", refuse("httpx", url))
+    monkeypatch.setattr(httpx.AsyncClient, "send", refuse("httpx", url))
+    try:
+        import requests
+    except ImportError:
+        pass
+    else:
+        monkeypatch.setattr(requests.Session, "send", refuse("requests", url))
+    return calls
+
+
 @pytest.fixture(scope="session")
 def small_digits():
     """4 feature-shift clients (one Digits domain each) + 1 held-out new client, 16x16 RGB."""

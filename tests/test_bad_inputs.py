@@ -306,6 +306,7 @@ def test_partition_script_none_values_and_config_file(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ real entry points
+@pytest.mark.slow
 @pytest.mark.parametrize("script,args,expected", [
     ("recipes/run.py", ["--seed", "-1"], "--seed must be"),
     ("recipes/fedavg.py", ["--num_rounds", "abc"], "invalid int value"),

@@ -35,6 +35,7 @@ def test_tree_memory_counts_shared_pages_once_in_pss():
     assert 200 * mib <= mem.peak_pss_gb <= 240 * mib  # the 200 MiB once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, args", [
     ("bench_simulator.py", ["--clients", "4", "--model", "mlp", "--rounds", "1", "--only", "hfpfl",
                             "--vectorize", "off", "--mem_sample_ms", "0"]),

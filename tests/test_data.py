@@ -5,7 +5,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import hashlib  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -169,12 +168,11 @@ def test_parquet_fixture_normalizes_columns(tmp_path):
     assert {d: capped["domain"].count(d) for d in ("photo", "sketch")} == {"photo": 14, "sketch": 14}
 
 
-def test_uncached_hub_id_fails_fast_offline(monkeypatch):
+def test_uncached_hub_id_fails_fast_offline(monkeypatch, network_calls):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    t = time.time()
     with pytest.raises(SourceUnavailableError) as e:
         load_source("hfpfl-no-such-user/no-such-dataset-xyz", "train")
-    assert time.time() - t < 5
+    assert network_calls == []
     msg = str(e.value)
     assert "hfpfl-no-such-user/no-such-dataset-xyz" in msg
     assert "hf download" in msg and "huggingface-cli" not in msg and "offline" in msg and "mnist" in msg
@@ -202,13 +200,11 @@ def test_to_model_inputs_dtype_shape_range():
 # ------------------------------------------------------------------------------------------------ federated dataset
 @pytest.fixture(scope="module")
 def fed_default():
-    t = time.time()
-    fed = build_federated_dataset(DataArguments(num_new_clients=2, val_fraction=0.1), seed=0)
-    return fed, time.time() - t
+    return build_federated_dataset(DataArguments(num_new_clients=2, val_fraction=0.1), seed=0)
 
 
 def test_default_federated_dataset(fed_default):
-    fed, _ = fed_default
+    fed = fed_default
     assert isinstance(fed, FederatedData) and len(fed.clients) == 8 and len(fed.new_clients) == 2
     assert all(isinstance(c, ClientData) for c in fed.clients)
     assert [c.domain for c in fed.clients] == ["mnist", "usps", "mnistm", "syn"] * 2
@@ -233,7 +229,7 @@ def test_default_federated_dataset(fed_default):
 
 
 def test_federated_deterministic_per_seed(fed_default):
-    fed, _ = fed_default
+    fed = fed_default
     again = build_federated_dataset(DataArguments(num_new_clients=2, val_fraction=0.1), seed=0)
     assert torch.equal(again.clients[3].train[:]["pixel_values"], fed.clients[3].train[:]["pixel_values"])
     other = build_federated_dataset(DataArguments(num_new_clients=2, val_fraction=0.1), seed=1)
@@ -254,13 +250,8 @@ def test_federated_schemes_and_caps():
         build_federated_dataset(DataArguments(degradations="blur"), seed=0)
 
 
-def test_default_build_is_fast(fed_default):
-    _, seconds = fed_default
-    assert seconds < 30  # a few seconds on one idle core; generous for a shared box
-
-
 def test_save_and_reload(fed_default, tmp_path):
-    fed, _ = fed_default
+    fed = fed_default
     fed.save_to_disk(str(tmp_path / "fd"))
     back = FederatedData.load_from_disk(str(tmp_path / "fd"))
     assert [len(c) for c in back.clients] == [len(c) for c in fed.clients]

@@ -14,6 +14,7 @@ ENTRY_POINTS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("recipes/*.p
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ENTRY_POINTS)
 def test_help(script):
     out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True,
@@ -22,6 +23,7 @@ def test_help(script):
     assert "usage" in out.stdout.lower() and "--" in out.stdout
 
 
+@pytest.mark.slow
 def test_user_error_is_one_clear_line(tmp_path):
     out = subprocess.run([sys.executable, "recipes/run.py", "--method", "fedavgg", "--output_dir", str(tmp_path)],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
@@ -70,6 +72,7 @@ def test_saved_config_is_a_valid_config_that_reproduces_the_run(tmp_path, capsys
     assert "hfpfl run: fedprox, 2 rounds, seed 3" in log
 
 
+@pytest.mark.slow
 def test_redirected_log_is_plain_lines(tmp_path):
     out = subprocess.run([sys.executable, "recipes/run.py", *SMALL, "--num_rounds", "2", "--progress", "true",
                           "--output_dir", str(tmp_path / "o")], cwd=ROOT, env=ENV, capture_output=True, text=True,
@@ -159,6 +162,7 @@ def _fix_commands(text):
     return [c for c in re.findall(r"`([^`]+)`", text) if c.split()[0] in ("hf", "python", ".venv/bin/python")]
 
 
+@pytest.mark.slow
 def test_every_printed_fix_command_parses():
     """Commands printed in error messages (uncached dataset, uncached model, an interrupted run) exist as written:
     each one's --help runs and lists every option the command uses."""

@@ -258,15 +258,12 @@ def test_mismatched_latent_shapes_from_a_client(ldm_dir, fed, tmp_path):
         sim.algorithm.aggregate(sim.algorithm.init_server_state(), [extra], 1)
 
 
-def test_uncached_model_id_offline_fails_fast(fed, tmp_path, monkeypatch):
-    import time
-
+def test_uncached_model_id_offline_fails_fast(fed, tmp_path, monkeypatch, network_calls):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = FedBiPConfig(ldm="someone/not-a-cached-ldm")
-    t = time.perf_counter()
     with pytest.raises(OSError, match="not in the local Hub cache"):
         _sim(fed, tmp_path, cfg)
-    assert time.perf_counter() - t < 10
+    assert network_calls == []
 
 
 def test_same_seed_same_uploads_and_synthetic_set(full_run, ldm_dir, fed, tmp_path):
@@ -541,6 +538,7 @@ def test_s_only_and_v_only_keep_the_real_words_fixed(ldm_dir, fed, tmp_path, mon
         assert torch.equal(V_used, up["class_concepts"][labels])
 
 
+@pytest.mark.slow
 def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     """recipes/fedbip.py's comparison (every variant + baselines, one table, comparison.json) on the random LDM."""
     import importlib.util
@@ -578,6 +576,7 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     assert "FedBiP-L" in printed and "Central" in printed and "syn-fid" in printed and " style " in printed
 
 
+@pytest.mark.slow
 def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule(ldm_dir, tmp_path, capsys):
     """scripts/fedbip_noise_sweep.py: one instance-only run per timestep (clients noise there, the sampler starts
     there), its style / closeness read off the synthetic set, the choice by hfpfl.fedbip.sweep's rule on what was
@@ -635,6 +634,7 @@ def test_bad_seeds_name_the_option(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_interrupted_comparison_leaves_no_unfinished_variant_folder(ldm_dir, tmp_path, monkeypatch):
     """A comparison killed (SIGINT/SIGTERM) in a variant removes that variant's folder (it had config.yaml but no
     results.json); finished variants keep theirs; a comparison killed in its first variant leaves no output folder."""

@@ -16,6 +16,7 @@ def _hashes(images):
     return {hashlib.sha1(np.ascontiguousarray(im).tobytes()).hexdigest() for im in images}
 
 
+@pytest.mark.slow
 def test_pool_shares_nothing_with_client_splits():
     """The pool's real images are public-split images: none is in a train or test split of the data seed clients use
     (the FedBiP recipe keeps data_seed 0), and no caption names a client domain."""
@@ -35,6 +36,7 @@ def test_pool_shares_nothing_with_client_splits():
     assert all(len(v) >= 1 for v in STYLE_WORDS.values())
 
 
+@pytest.mark.quality
 def test_shipped_ldm_renders_the_digit_a_plain_prompt_names(tmp_path):
     """The tiny foundation LDM that ships with hfpfl, published into an empty Hub cache on first use, renders the digit
     a plain prompt names: the public-image judge shipped beside it labels >= 80% of 40 plain-prompt images at guidance
@@ -371,6 +373,7 @@ def test_vae_training_noise_is_the_posterior_sample_of_the_same_generator():
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.slow
 def test_pretrain_ldm_refuses_a_missing_gpu_in_one_line(tmp_path):
     import subprocess
     import sys
@@ -474,6 +477,7 @@ def test_style_fidelity_is_each_clients_share_of_images_judged_in_its_domain():
     assert style_fidelity(FirstPixel(), images, clients, {3: "svhn"}) == {}
 
 
+@pytest.mark.quality
 def test_style_judge_tells_the_client_domains_apart_from_public_images_only(monkeypatch):
     """The style judge trains on the domains' public splits (which no client holds) and recognises the clients' own
     real train images of USPS, MNIST-M and SYN. Trained with the class judge's colour inversion and channel

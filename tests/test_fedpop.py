@@ -335,6 +335,7 @@ class _Killed(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_gives_identical_results(make_tuner):
     kw = dict(population_size=2, rounds_per_member=4, generation_rounds=2, space=SAFE_SPACE)
     full = make_tuner(out="full", **kw).run()

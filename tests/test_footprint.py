@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = ("transformers.modeling_utils", "peft", "diffusers", "hfpfl.models.builders", "hfpfl.algorithms.fedpce")
 
 
@@ -12,6 +14,7 @@ def _fresh(code: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_engine_and_light_methods_import_no_model_code_and_lazy_methods_register_on_first_use():
     out = _fresh("import sys, hfpfl.algorithms, hfpfl.federated.engine, hfpfl.data, hfpfl.models, hfpfl.tracking, "
                  "hfpfl.config\n"

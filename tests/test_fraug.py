@@ -364,6 +364,7 @@ def test_ablations_train_and_send_only_what_they_use(run_sim):
 
 
 # ------------------------------------------------------------------------------------------------ 9. determinism, resume
+@pytest.mark.slow
 def test_same_seed_bit_identical_and_resume_continues_exactly(run_sim):
     kw = dict(num_rounds=2, local_steps=2, lr=0.01, momentum=0.5, checkpoint_every=1)
     cfg = FRAugConfig(d_z=16, plot_embeddings=True, schedule_rounds=2)  # R fixed: resume extends num_rounds
@@ -403,6 +404,7 @@ def test_two_processes_give_the_same_results(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ same optimizer policy
+@pytest.mark.slow
 def test_fedbn_keeps_momentum_only_when_asked(run_sim):
     """FedBN's --keep_optimizer_state (FRAug's comparisons under one optimizer-state policy): round 1 is identical
     either way (momentum starts empty), round 2 differs only through the kept momentum, and with momentum 0 keeping

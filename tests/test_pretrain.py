@@ -1,7 +1,6 @@
 import os
 import runpy
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -60,9 +59,8 @@ def test_pretrain_publish_load_and_idempotent(cache, tmp_path, monkeypatch):
         raise AssertionError("retrained")
 
     monkeypatch.setattr(pt, "train_backbone", boom)
-    t = time.perf_counter()
-    assert pt.ensure_pretrained("hfpfl/tiny-resnet-test", **QUICK) == repo
-    assert time.perf_counter() - t < 1.0 and ref.read_text() == commit
+    assert pt.ensure_pretrained("hfpfl/tiny-resnet-test", **QUICK) == repo  # boom: it did not train again
+    assert ref.read_text() == commit
     # a different config does retrain
     with pytest.raises(AssertionError, match="retrained"):
         pt.ensure_pretrained("hfpfl/tiny-resnet-test", **{**QUICK, "max_steps": 5})

@@ -302,6 +302,7 @@ def test_state_lives_on_the_cpu(run_sim):
     assert tensors and all(v.device.type == "cpu" for v in tensors)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,kw", [("fedprox", {}), ("scaffold", {"momentum": 0.0}),
                                        ("test_adam_keeps_state", {}), ("fedavg", {"server_momentum": 0.5, "server_lr": 0.7})])
 def test_export_import_continues_bit_for_bit(run_sim, method, kw):
@@ -340,6 +341,7 @@ def test_resume_refuses_changed_settings_and_keeps_the_config(run_sim):
     assert "num_rounds: 3" in (out / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_non_finite_training_stops_with_the_round_and_client(run_sim, tmp_path):
     with pytest.raises(NonFiniteError, match="round 1 on client 0.*--lr"):
         run_sim("fedavg", num_rounds=2, lr=1e30)  # finite, but the weights blow up
@@ -352,6 +354,7 @@ def test_non_finite_training_stops_with_the_round_and_client(run_sim, tmp_path):
     assert not (tmp_path / "inf" / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_layers_point_one_way():
     code = ("import sys, hfpfl.federated.engine, hfpfl.models, hfpfl.training; "
             "bad = [m for m in sys.modules if m.startswith('hfpfl.algorithms')]; assert not bad, bad; "

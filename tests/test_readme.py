@@ -71,6 +71,7 @@ def _check_help(argv, used_flags, env_extra=None):
         assert flag.split("=")[0] in text, (argv, flag)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", COMMANDS)
 def test_readme_command_runs_as_written(command, tmp_path):
     env_extra, words = _split_env(shlex.split(command))

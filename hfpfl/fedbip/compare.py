@@ -33,6 +33,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from hfpfl.options import Check, at_least, in_range, option
 
@@ -407,14 +411,14 @@ def claims(summary: list[dict]) -> list[tuple[str, bool | None]]:
     # accuracies are fractions of the test-set size: a mean exactly on a line must not fail by float rounding
     # (0.6373... vs 0.5873... + 0.05 differ by 1e-16 in floats and by nothing as fractions)
     tol = 1e-9
-    return [("FedBiP-L >= prompt-only + 0.05", check(lambda l, p: l >= p + 0.05 - tol, "FedBiP-L", "prompt-only")),
-            ("FedBiP-L >= FedBiP-S", check(lambda l, s: l >= s - tol, "FedBiP-L", "FedBiP-S")),
+    return [("FedBiP-L >= prompt-only + 0.05", check(lambda fl, p: fl >= p + 0.05 - tol, "FedBiP-L", "prompt-only")),
+            ("FedBiP-L >= FedBiP-S", check(lambda fl, s: fl >= s - tol, "FedBiP-L", "FedBiP-S")),
             ("instance-only > prompt-only", check(lambda i, p: i > p, "instance-only", "prompt-only")),
             ("FedBiP-L synthetic fidelity >= 0.6", check(lambda f: f >= 0.6, ("FedBiP-L", "synthetic_fidelity"))),
             ("FedBiP-L synthetic fidelity >= 0.6 under the LDM's public-image judge",
              check(lambda f: f >= 0.6, ("FedBiP-L", "synthetic_fidelity_judge"))),
-            ("FedBiP-L > FedAvg (paper, on average)", check(lambda l, a: l > a, "FedBiP-L", "FedAvg")),
-            ("FedBiP-L < Central (paper)", check(lambda l, c: l < c, "FedBiP-L", "Central"))]
+            ("FedBiP-L > FedAvg (paper, on average)", check(lambda fl, a: fl > a, "FedBiP-L", "FedAvg")),
+            ("FedBiP-L < Central (paper)", check(lambda fl, c: fl < c, "FedBiP-L", "Central"))]
 
 
 def format_summary(summary: list[dict]) -> str:

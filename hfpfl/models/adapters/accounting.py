@@ -3,7 +3,6 @@ architectures the papers count on (ResNet-18 for PerAda, Rebuffi's ResNet-26 for
 from __future__ import annotations
 
 import copy
-from typing import Optional
 
 import torch
 from torch import nn

@@ -1,0 +1,345 @@
+"""Mutation testing of one method's core against that method's fast tests (mutmut 3).
+
+    .venv/bin/python scripts/mutation.py fedprox                  # a method (or a target: server, adapters, ...)
+    .venv/bin/python scripts/mutation.py hfpfl/algorithms/fedprox.py   # a core file: its target's tests
+    .venv/bin/python scripts/mutation.py --list                   # the table of targets, core files and tests
+
+mutmut changes one operator, constant or call at a time in the core file(s) and runs the tests that execute the
+changed function; a mutant that no test notices ("survived") is a change to the algorithm the suite would let
+through. The script prints killed / total, every surviving mutant with its diff, and writes
+``outputs/mutation/<target>.json`` (per file: mutants, killed, survived, timeouts, score, and each survivor's diff).
+
+mutmut 3 copies the sources into ``mutants/`` under its working directory and imports them from there. The script
+runs it in ``outputs/mutation/<target>/`` (ignored by git), so the checkout stays untouched, targets do not share a
+cache, and the editable install (which maps ``hfpfl`` to whichever checkout installed it) is shadowed: mutmut puts
+``mutants/`` first on ``sys.path``, and ``PYTHONPATH`` points subprocesses there too. mutmut mutates code inside
+functions only (not module or class bodies, not functions with decorators other than @staticmethod/@classmethod).
+
+The score counts killed + timed-out mutants over all mutants (a mutant no selected test executes counts as
+surviving: "no tests"). Each run starts afresh unless ``--resume`` is given (mutmut then retests only functions that
+changed; it cannot see edits to the tests themselves).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the fast tier: mutation testing runs each mutant's covering tests, so slow and quality tests stay out
+FAST = "not slow and not quality"
+#: what the tests need beside the packages (they find recipes/, scripts/ and README.md next to tests/)
+ALSO_COPY = ["recipes", "scripts", "README.md", "docs"]
+SOURCE_PATHS = ["hfpfl", "pipelines"]
+
+
+@dataclass
+class Target:
+    """A method's core: the files mutmut mutates (``core``), optionally only some functions of them (``functions``:
+    mutmut key globs such as ``x_server_optimizer_step`` or ``xǁWeightedSumsǁ*``), and the tests whose fast tests
+    must kill the mutants (``tests``: file globs, or ``file::test`` node ids; ``k``: a pytest -k expression)."""
+
+    core: list[str]
+    tests: list[str]
+    functions: list[str] = field(default_factory=list)
+    k: str | None = None
+
+
+BASELINE_TESTS = ["tests/test_baselines*.py"]
+#: method -> core -> tests, the one table. Targets share no file unless a file is genuinely part of both cores.
+TARGETS: dict[str, Target] = {
+    "fedavg": Target(["hfpfl/algorithms/fedavg.py", "hfpfl/algorithms/base.py"], BASELINE_TESTS),
+    "fedprox": Target(["hfpfl/algorithms/fedprox.py"],
+                      BASELINE_TESTS + ["tests/test_vectorized.py::test_vectorized_matches_sequential"], k="prox"),
+    "scaffold": Target(["hfpfl/algorithms/scaffold.py"], BASELINE_TESTS),
+    "fednova": Target(["hfpfl/algorithms/fednova.py"], BASELINE_TESTS),
+    "fedbn": Target(["hfpfl/algorithms/fedbn.py"], BASELINE_TESTS),
+    "fedper": Target(["hfpfl/algorithms/fedper.py"], BASELINE_TESTS),
+    "ditto": Target(["hfpfl/algorithms/ditto.py"], BASELINE_TESTS),
+    "fedavg_ft": Target(["hfpfl/algorithms/fedavg_ft.py"], BASELINE_TESTS),
+    "local": Target(["hfpfl/algorithms/local.py", "hfpfl/algorithms/central.py"], BASELINE_TESTS),
+    "feddf": Target(["hfpfl/algorithms/feddf.py", "hfpfl/algorithms/distill.py"],
+                    BASELINE_TESTS + ["tests/test_fedadapter.py"]),
+    "perada": Target(["hfpfl/algorithms/perada.py"], ["tests/test_perada*.py"]),
+    "fedbasis": Target(["hfpfl/algorithms/fedbasis.py"], ["tests/test_fedbasis*.py"]),
+    "fedpce": Target(["hfpfl/algorithms/fedpce.py"], ["tests/test_fedpce*.py"]),
+    "fraug": Target(["hfpfl/algorithms/fraug.py"], ["tests/test_fraug*.py"]),
+    "feddat": Target(["hfpfl/algorithms/feddat.py"], ["tests/test_feddat*.py"]),
+    "fedbip": Target(["hfpfl/algorithms/fedbip.py", "hfpfl/fedbip/client.py", "hfpfl/fedbip/protocol.py",
+                      "pipelines/pipeline_fedbip.py"],
+                     ["tests/test_fedbip_algorithm*.py", "tests/test_fedbip_pipeline*.py"]),
+    "fedpop": Target(["hfpfl/tuning/*.py"], ["tests/test_fedpop*.py"]),
+    "adapters": Target(["hfpfl/models/adapters/layer.py", "hfpfl/models/adapters/model.py"],
+                       ["tests/test_adapters*.py", "tests/test_fedadapter*.py"]),
+    # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
+    "server": Target(["hfpfl/federated/protocol.py"],
+                     ["tests/test_protocol.py", "tests/test_baselines*.py",
+                      "tests/test_vectorized.py::test_add_stacked_equals_one_add_per_client",
+                      "tests/test_vectorized.py::test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes",
+                      "tests/test_vectorized.py::test_finite_checks_are_exact_when_the_sum_overflows"],
+                     functions=["x_server_optimizer_step", "x_weighted_average", "xǁWeightedSumsǁ*",
+                                "xǁAlgorithmǁaggregation_weights", "xǁAlgorithmǁaccumulate",
+                                "xǁAlgorithmǁreduce", "xǁAlgorithmǁaggregate"]),
+}
+
+
+def expand(patterns: list[str]) -> list[str]:
+    """File globs -> the files they match now (a ``file::test`` node id keeps its test part)."""
+    out = []
+    for p in patterns:
+        path, sep, node = p.partition("::")
+        hits = sorted(glob.glob(path, root_dir=ROOT)) if any(c in path for c in "*?[") else [path]
+        out += [h + sep + node for h in hits if h + sep + node not in out]
+    return out
+
+
+def target_for(name: str) -> tuple[str, Target] | None:
+    """A method name, or a core file (the target that holds it, restricted to that file); None if neither."""
+    if name in TARGETS:
+        return name, TARGETS[name]
+    rel = os.path.relpath(Path(name).resolve(), ROOT) if Path(name).exists() else name
+    for tname, t in TARGETS.items():
+        if rel in expand(t.core):
+            return Path(rel).stem, Target([rel], t.tests, t.functions, t.k)
+    return None
+
+
+def module_of(path: str) -> str:
+    return str(Path(path).with_suffix("")).replace(os.sep, ".").removesuffix(".__init__")
+
+
+def mutant_globs(t: Target) -> list[str]:
+    files = expand(t.core)
+    return [f"{module_of(f)}.{fn}__mutmut_*" for f in files for fn in (t.functions or ["*"])]
+
+
+def mutmut_config(core: list[str], tests: list[str], k: str | None) -> str:
+    def arr(xs):
+        return "[" + ", ".join(json.dumps(x) for x in xs) + "]"
+    add = ["-m", FAST, "-p", "no:cacheprovider"] + (["-k", k] if k else [])
+    return ("\n[tool.mutmut]\n"
+            f"source_paths = {arr(SOURCE_PATHS)}\n"
+            f"only_mutate = {arr(core)}\n"
+            f"also_copy = {arr(ALSO_COPY)}\n"
+            f"pytest_add_cli_args = {arr(add)}\n"
+            f"pytest_add_cli_args_test_selection = {arr(tests)}\n"
+            "use_git_change_detection = false\n"
+            'on_dependency_change = "ignore"\n')
+
+
+def prepare(work: Path, core: list[str], tests: list[str], k: str | None, resume: bool) -> None:
+    """The working directory mutmut runs in: links to the checkout's sources and tests, and a pyproject.toml that is
+    the checkout's (pytest's markers and options) plus this target's [tool.mutmut] table."""
+    if work.exists() and not resume:
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name in SOURCE_PATHS + ALSO_COPY + ["tests"]:
+        link = work / name
+        if not link.is_symlink() and (ROOT / name).exists():
+            link.symlink_to(ROOT / name)
+    text = (ROOT / "pyproject.toml").read_text()
+    cut = text.find("\n[tool.mutmut]")  # a table of our own would clash with the generated one
+    if cut >= 0:
+        nxt = text.find("\n[", cut + 1)
+        text = text[:cut] + (text[nxt:] if nxt >= 0 else "\n")
+    (work / "pyproject.toml").write_text(text + mutmut_config(core, tests, k))
+    # the copied tests must be the checkout's current ones. mutants/ must exist before mutmut starts: PYTHONPATH
+    # names it, and Python caches a missing path entry as unusable for the whole process (the tests would then
+    # import the editable install's unmutated sources and no mutant would find a test)
+    shutil.rmtree(work / "mutants" / "tests", ignore_errors=True)
+    (work / "mutants").mkdir(exist_ok=True)
+
+
+SPINNER = re.compile(r"[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏][^⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏\n]*")
+
+
+def run_mutmut(work: Path, log: Path, *args: str) -> int:
+    """``mutmut run`` in ``work``; its output (minus the spinner) goes to ``log``, and the lines worth reading to
+    the terminal."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(work / "mutants")] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    cmd = [sys.executable, "-c", "import sys; from mutmut.__main__ import cli; sys.exit(cli())", "run", *args]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=work, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for line in proc.stdout:
+            line = SPINNER.sub("", line)
+            if line.strip():
+                f.write(line)
+                f.flush()
+                if not line.startswith(("🎉", "🙁", "🫥", "⏰", "🤔", "🔇", "🧙", "💥", "     also copying")):
+                    print("  " + line.rstrip()[:200], flush=True)
+        return proc.wait()
+
+
+def summarize(work: Path, files: list[str], globs: list[str]) -> dict:
+    """Per core file: mutmut's verdict on each selected mutant, and each survivor's diff (read from mutmut's own
+    files in ``work``)."""
+    cwd = os.getcwd()
+    os.chdir(work)  # mutmut reads its config and mutants/ relative to the working directory
+    try:
+        from mutmut.mutation.diff_apply import get_diff_for_mutant
+        from mutmut.stats import status_by_exit_code
+        return _summarize(files, globs, get_diff_for_mutant, status_by_exit_code)
+    finally:
+        os.chdir(cwd)
+
+
+def _summarize(files, globs, get_diff_for_mutant, status_by_exit_code) -> dict:
+    per_file = {}
+    for f in files:
+        meta = Path("mutants") / (f + ".meta")
+        codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+        codes = {k: v for k, v in codes.items() if any(fnmatch.fnmatchcase(k, g) for g in globs)}
+        statuses = {k: status_by_exit_code[v] for k, v in codes.items()}
+        killed = sum(s in ("killed", "timeout") for s in statuses.values())
+        survivors = []
+        for k, s in sorted(statuses.items()):
+            if s in ("killed", "timeout", "not checked"):
+                continue
+            survivors.append({"mutant": k, "status": s, "diff": get_diff_for_mutant(k, path=f)})
+        per_file[f] = {"mutants": len(statuses), "killed": killed,
+                       "timeout": sum(s == "timeout" for s in statuses.values()),
+                       "survived": sum(s == "survived" for s in statuses.values()),
+                       "no_tests": sum(s == "no tests" for s in statuses.values()),
+                       "not_checked": sum(s == "not checked" for s in statuses.values()),
+                       "other": sum(s not in ("killed", "timeout", "survived", "no tests", "not checked")
+                                    for s in statuses.values()),
+                       # over the mutants checked: an interrupted run scores what it got to
+                       "score": round(killed / checked, 4) if (checked := sum(s != "not checked" for s in
+                                                                               statuses.values())) else None,
+                       "survivors": survivors}
+    return per_file
+
+
+def markdown_table(out: Path) -> str:
+    """One row per core file of every summary under ``out``: what docs/testing.md shows."""
+    rows = ["| file | target | mutants | killed | score | surviving mutants (no tests: no selected test runs it) | commit |",
+            "|---|---|---|---|---|---|---|"]
+    for js in sorted(out.glob("*.json")):
+        s = json.loads(js.read_text())
+        for f, r in s["files"].items():
+            by_fn: dict = {}
+            for sv in r["survivors"]:
+                fn, _, num = sv["mutant"].rsplit(".", 1)[1].partition("__mutmut_")
+                fn = fn[2:].replace("ǁ", ".")  # x_function, xǁClassǁmethod -> function, Class.method
+                by_fn.setdefault((fn, sv["status"]), []).append(int(num))
+            names = "; ".join(f"`{fn}` " + (f"all {len(nums)} (no tests)" if st == "no tests" else
+                                            " ".join(f"#{n}" for n in sorted(nums)))
+                              for (fn, st), nums in sorted(by_fn.items()))
+            score = f"{100 * r['score']:.1f}%" if r["score"] is not None else "-"
+            unchecked = f" ({r['not_checked']} not checked: run interrupted)" if r.get("not_checked") else ""
+            rows.append(f"| `{f}` | {s['target']} | {r['mutants']}{unchecked} | {r['killed']} | {score} | {names or '-'} | "
+                        f"{s['commit'][:7]}{'+' if s['dirty'] else ''} |")
+    return "\n".join(rows)
+
+
+def git(*args: str) -> str:
+    r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter,
+                                epilog="Targets:\n" + "\n".join(f"  {n:10s} {' '.join(t.core)}" for n, t in
+                                                                TARGETS.items()))
+    p.add_argument("target", nargs="?", help="a method / target (see --list) or one of their core files")
+    p.add_argument("--tests", nargs="+", help="test files (globs) instead of the target's")
+    p.add_argument("-k", help="pytest -k expression narrowing the tests")
+    p.add_argument("--max-children", type=int, default=os.cpu_count() or 2, help="parallel mutant workers")
+    p.add_argument("--resume", action="store_true", help="keep earlier results; retest only changed functions")
+    p.add_argument("--out", default=str(ROOT / "outputs" / "mutation"), help="where the work dirs and json go")
+    p.add_argument("--summarize", action="store_true",
+                   help="summarize the target's last (possibly interrupted) run again, without running mutmut")
+    p.add_argument("--list", action="store_true", help="print the target table and exit")
+    p.add_argument("--table", action="store_true",
+                   help="print the markdown table of the summaries under --out (docs/testing.md) and exit")
+    a = p.parse_args(argv)
+    if a.table:
+        print(markdown_table(Path(a.out)))
+        return 0
+    if not a.list and not a.target:
+        p.error("name a target: a method or one of its core files (--list shows them)")
+    if a.list:
+        for n, t in TARGETS.items():
+            fn = f" (functions {', '.join(t.functions)})" if t.functions else ""
+            k = f" -k {t.k!r}" if t.k else ""
+            print(f"{n}: core {' '.join(expand(t.core))}{fn}\n    tests {' '.join(expand(t.tests))}{k}")
+        return 0
+    if a.max_children < 1:
+        print("error: --max-children must be >= 1", file=sys.stderr)
+        return 2
+    if Path(a.target).suffix == ".py" and a.tests and a.target not in TARGETS:
+        name, t = Path(a.target).stem, Target([os.path.relpath(Path(a.target).resolve(), ROOT)], a.tests)
+    elif target_for(a.target):
+        name, t = target_for(a.target)
+    else:
+        print(f"error: unknown target {a.target!r}: pass a method ({', '.join(TARGETS)}) or one of their core files "
+              "(--list), or any file with --tests", file=sys.stderr)
+        return 2
+    tests = expand(a.tests or t.tests)
+    core = expand(t.core)
+    missing = [f for f in core + tests if not (ROOT / f.partition("::")[0]).is_file()]
+    if missing or not tests:
+        print(f"error: {'missing file(s): ' + ', '.join(missing) if missing else 'no test file matches'}; "
+              "fix the table in scripts/mutation.py or pass --tests", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    work = out / name
+    k = a.k if a.k is not None else (None if a.tests else t.k)
+    if a.summarize and not (work / "mutants").is_dir():
+        print(f"error: --summarize: no earlier run of {name} under {out}; run it first", file=sys.stderr)
+        return 2
+    if not a.summarize:
+        prepare(work, core, tests, k, a.resume)
+    globs = mutant_globs(Target(core, tests, t.functions))
+    print(f"mutation testing {name}: core {' '.join(core)}; tests {' '.join(tests)} (-m {FAST!r}"
+          + (f", -k {k!r})" if k else ")"), flush=True)
+    start = time.time()
+    commit = git("rev-parse", "HEAD")  # what mutmut copies now; the checkout may move on while it runs
+    dirty = bool(git("status", "--porcelain", "--", *core, *[t.partition("::")[0] for t in tests]))
+    log = out / f"{name}.log"
+    if a.summarize:
+        earlier = json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else {}
+        code, wall = earlier.get("mutmut_exit_code", 0), earlier.get("wall_s", 0.0)
+    else:
+        print(f"  (mutmut's full output: {log})", flush=True)
+        code = run_mutmut(work, log, "--max-children", str(a.max_children), *globs)
+        wall = time.time() - start
+    per_file = summarize(work, core, globs)
+    killed = sum(f["killed"] for f in per_file.values())
+    total = sum(f["mutants"] - f["not_checked"] for f in per_file.values())  # checked
+    summary = {"target": name, "core": core, "functions": t.functions, "tests": tests, "pytest_k": k,
+               "commit": commit, "dirty": dirty,
+               "mutmut_exit_code": code, "wall_s": round(wall, 1), "killed": killed, "total": total,
+               "score": round(killed / total, 4) if total else None, "files": per_file}
+    if a.summarize and earlier:  # the commit the mutants were run at
+        summary.update(commit=earlier["commit"], dirty=earlier["dirty"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+    print()
+    for f, s in per_file.items():
+        for sv in s["survivors"]:
+            print(f"--- {sv['status']}: {sv['mutant']}\n{sv['diff'].rstrip()}\n")
+    print(f"{'file':48s} {'mutants':>7s} {'killed':>6s} {'score':>6s} survived no-tests")
+    for f, s in per_file.items():
+        score = f"{100 * s['score']:.1f}%" if s["score"] is not None else "-"
+        print(f"{f:48s} {s['mutants']:7d} {s['killed']:6d} {score:>6s} {s['survived']:8d} {s['no_tests']:8d}")
+    print(f"{name}: killed {killed} / {total} mutants"
+          + (f" = {100 * killed / total:.1f}%" if total else "") + f" in {wall:.0f} s; summary {out / (name + '.json')}")
+    if code != 0:
+        print(f"error: mutmut exited with {code} (its output: {log})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
