@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # commands are not expected to run today)
 DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
 README = "\n".join((ROOT / name).read_text() for name in DOCUMENTS)
+# pages written by people (the generated results pages name the study runner's own command line, as it ran)
+WRITTEN = "\n".join((ROOT / name).read_text() for name in DOCUMENTS if not name.startswith("docs/results/"))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -46,8 +48,8 @@ COMMANDS = readme_commands()
 
 def test_readme_has_commands_and_no_bare_python():
     assert len(COMMANDS) >= 10
-    lines = [ln for b in re.findall(r"```bash\n(.*?)```", README, flags=re.S) for ln in b.splitlines()]
-    for span in re.findall(r"`([^`\n]+)`", README) + lines:
+    lines = [ln for b in re.findall(r"```bash\n(.*?)```", WRITTEN, flags=re.S) for ln in b.splitlines()]
+    for span in re.findall(r"`([^`\n]+)`", WRITTEN) + lines:
         _, words = _split_env(span.split())
         if words and words[0] in ("python", "accelerate", "hfpfl", "pytest") and (len(words) > 2 or any(
                 w.endswith(".py") for w in words)):
@@ -82,8 +84,13 @@ def test_readme_command_runs_as_written(command, tmp_path):
         return
     assert head.startswith(".venv/bin/"), command
     tool = head.split("/")[-1]
-    if tool == "python" and words[1:3] == ["-m", "pytest"]:
-        _check_help([sys.executable, "-m", "pytest", "--help"], words[3:])
+    if tool == "python" and words[1:3] == ["-m", "pytest"]:  # its options (paths and -m expressions are values)
+        _check_help([sys.executable, "-m", "pytest", "--help"], [w for w in words[3:] if w.startswith("-")])
+        return
+    if tool in ("ruff", "lint-imports"):  # the dev extra's tools, next to this interpreter
+        exe = str(Path(sys.executable).parent / tool)
+        _check_help([exe, *words[1:2], "--help"] if tool == "ruff" else [exe, "--help"],
+                    [w for w in words[2:] if w.startswith("-")])
         return
     if tool == "hfpfl":
         out = subprocess.run([sys.executable, "-m", "hfpfl.cli", *words[1:]], cwd=ROOT, env=ENV, capture_output=True,
