@@ -54,7 +54,7 @@ class Target:
     k: str | None = None
 
 
-BASELINE_TESTS = ["tests/test_baselines*.py"]
+BASELINE_TESTS = ["tests/test_baselines*.py", "tests/test_baseline_pins.py"]
 #: method -> core -> tests, the one table. Targets share no file unless a file is genuinely part of both cores.
 TARGETS: dict[str, Target] = {
     "fedavg": Target(["hfpfl/algorithms/fedavg.py", "hfpfl/algorithms/base.py"], BASELINE_TESTS),
@@ -68,21 +68,23 @@ TARGETS: dict[str, Target] = {
     "fedavg_ft": Target(["hfpfl/algorithms/fedavg_ft.py"], BASELINE_TESTS),
     "local": Target(["hfpfl/algorithms/local.py", "hfpfl/algorithms/central.py"], BASELINE_TESTS),
     "feddf": Target(["hfpfl/algorithms/feddf.py", "hfpfl/algorithms/distill.py"],
-                    BASELINE_TESTS + ["tests/test_fedadapter.py"]),
-    "perada": Target(["hfpfl/algorithms/perada.py"], ["tests/test_perada*.py"]),
+                    BASELINE_TESTS + ["tests/test_fedadapter.py", "tests/test_distill.py"]),
+    "perada": Target(["hfpfl/algorithms/perada.py"], ["tests/test_perada*.py", "tests/test_distill.py"]),
+    "fedproto": Target(["hfpfl/algorithms/fedproto.py"], ["tests/test_fedproto_fedbabu.py"], k="proto"),
+    "fedbabu": Target(["hfpfl/algorithms/fedbabu.py"], ["tests/test_fedproto_fedbabu.py"], k="babu"),
     "fedbasis": Target(["hfpfl/algorithms/fedbasis.py"], ["tests/test_fedbasis*.py"]),
     "fedpce": Target(["hfpfl/algorithms/fedpce.py"], ["tests/test_fedpce*.py"]),
     "fraug": Target(["hfpfl/algorithms/fraug.py"], ["tests/test_fraug*.py"]),
     "feddat": Target(["hfpfl/algorithms/feddat.py"], ["tests/test_feddat*.py"]),
     "fedbip": Target(["hfpfl/algorithms/fedbip.py", "hfpfl/fedbip/client.py", "hfpfl/fedbip/protocol.py",
                       "pipelines/pipeline_fedbip.py"],
-                     ["tests/test_fedbip_algorithm*.py", "tests/test_fedbip_pipeline*.py"]),
+                     ["tests/test_fedbip_algorithm*.py", "tests/test_fedbip_pipeline*.py", "tests/test_fedbip_pins.py"]),
     "fedpop": Target(["hfpfl/tuning/*.py"], ["tests/test_fedpop*.py"]),
     "adapters": Target(["hfpfl/models/adapters/layer.py", "hfpfl/models/adapters/model.py"],
-                       ["tests/test_adapters*.py", "tests/test_fedadapter*.py"]),
+                       ["tests/test_adapters*.py", "tests/test_fedadapter*.py", "tests/test_adapter_shortcut.py"]),
     # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
     "server": Target(["hfpfl/federated/protocol.py"],
-                     ["tests/test_protocol.py", "tests/test_baselines*.py",
+                     ["tests/test_protocol.py", "tests/test_baselines*.py", "tests/test_baseline_pins.py",
                       "tests/test_vectorized.py::test_add_stacked_equals_one_add_per_client",
                       "tests/test_vectorized.py::test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes",
                       "tests/test_vectorized.py::test_finite_checks_are_exact_when_the_sum_overflows"],

@@ -140,3 +140,13 @@ def kill_after_first_checkpoint():
         assert not (Path(out) / "results.json").exists()
 
     return kill
+
+
+@pytest.fixture(scope="module")
+def tiny_fed():
+    """FedPop's tuner tests: usps, Dirichlet(0.5) over 6 clients with validation splits, 8x8 (one build per module)."""
+    from hfpfl.data import DataArguments, build_federated_dataset
+
+    da = DataArguments(dataset="usps", partition="dirichlet", num_clients=6, alpha=0.5, max_per_domain=150,
+                       image_size=8, val_fraction=0.2)
+    return da, build_federated_dataset(da, seed=0)

@@ -14,15 +14,6 @@ from hfpfl.tuning import Tuner, TunerArguments, cos_anneal, eq5_score, eq5_weigh
 from hfpfl.tuning import search_space as ss
 
 
-@pytest.fixture(scope="module")
-def tiny_fed():
-    from hfpfl.data import DataArguments, build_federated_dataset
-
-    da = DataArguments(dataset="usps", partition="dirichlet", num_clients=6, alpha=0.5, max_per_domain=150,
-                       image_size=8, val_fraction=0.2)
-    return da, build_federated_dataset(da, seed=0)
-
-
 @pytest.fixture
 def make_tuner(tiny_fed, tmp_path):
     from hfpfl.config import RunArguments

@@ -24,15 +24,6 @@ SAFE_SPACE = {"server": {"server_lr": {"type": "log10", "low": -0.5, "high": 0.3
               "client": CLIENT_SPACE}
 
 
-@pytest.fixture(scope="module")
-def tiny_fed():
-    from hfpfl.data import DataArguments, build_federated_dataset
-
-    da = DataArguments(dataset="usps", partition="dirichlet", num_clients=6, alpha=0.5, max_per_domain=150,
-                       image_size=8, val_fraction=0.2)
-    return da, build_federated_dataset(da, seed=0)
-
-
 @pytest.fixture
 def make_tuner(tiny_fed, tmp_path):
     from hfpfl.config import RunArguments
