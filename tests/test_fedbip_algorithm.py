@@ -734,7 +734,7 @@ def test_comparison_decides_its_processes_on_one_round_variants(ldm_dir, tmp_pat
 
 
 def test_claims_read_a_mean_exactly_on_the_line_as_held():
-    """Stop 32's 3-seed FedBiP-L at t=801: accuracies are multiples of 1/420 (3 clients x 140 test images) and its
+    """A 3-seed FedBiP-L at t=801: accuracies are multiples of 1/420 (3 clients x 140 test images) and its
     mean is prompt-only's + 21/420 = + 0.05 exactly; in floats the sum falls 1e-16 short and the check printed
     "NOT held". One image fewer is below the line; a strict claim (instance > prompt) is not held by a tie."""
     import numpy as np
@@ -755,7 +755,7 @@ def test_claims_read_a_mean_exactly_on_the_line_as_held():
 
 def test_claims_whose_rows_were_not_run_are_not_measured_not_failed():
     """``--variants`` without FedAvg / Central (or a run without the Central classifier's fidelity): the claims that
-    read those rows are None and print "not measured"; they printed "NOT held" before stop 34. The others are
+    read those rows are None and print "not measured". The others are
     judged as usual."""
     from hfpfl.fedbip.compare import claims, format_summary
 

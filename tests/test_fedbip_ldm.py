@@ -40,7 +40,7 @@ def test_pool_shares_nothing_with_client_splits():
 def test_shipped_ldm_renders_the_digit_a_plain_prompt_names(tmp_path):
     """The tiny foundation LDM that ships with hfpfl, published into an empty Hub cache on first use, renders the digit
     a plain prompt names: the public-image judge shipped beside it labels >= 80% of 40 plain-prompt images at guidance
-    5 correctly (issue 8's target is >= 0.9; measured at publishing: 0.907 on 300 images). An LDM that ignores its
+    5 correctly (the target is >= 0.9; measured at publishing: 0.907 on 300 images). An LDM that ignores its
     caption scores ~0.1; the CPU-budget recipe v4 scored 0.50 at guidance 3."""
     from diffusers import StableDiffusionPipeline
 
@@ -256,7 +256,7 @@ def test_reconstruction_fidelity_is_the_judge_on_decoded_posterior_means():
 
 
 def test_public_only_judge_trains_on_the_real_public_splits_only():
-    """judge_pool="public" (issue 8: "a judge trained on real public images"): the judge's training batches hold only
+    """judge_pool="public" ("a judge trained on real public images"): the judge's training batches hold only
     ``public-*`` pool images, its held-out split is the same as the whole-pool judge's (one split over the whole
     pool, so both judges are scored on the same unseen images), and its own accuracy is on the public held-out ones."""
     from hfpfl.fedbip import quality as q
@@ -563,7 +563,7 @@ def test_latent_size_sets_the_vae_downsampling_and_the_unet_resolution():
 
 
 def test_unet_levels_and_attention_are_built_as_asked():
-    """``--unet_channels 32 64 64 --unet_attention 0 1 0`` (stop 34's 16x16-latent candidates): three UNet levels,
+    """``--unet_channels 32 64 64 --unet_attention 0 1 0`` (16x16-latent UNets): three UNet levels,
     cross-attention only at the middle one, up blocks mirroring the down blocks, a 16x16 latent in and out; left
     out, the shipped (32, 64) with attention on all but the lowest level; mismatched or ungroupable shapes refused."""
     import torch
