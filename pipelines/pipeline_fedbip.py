@@ -9,17 +9,17 @@
 # placeholder positions, and runs the reverse diffusion *starting from the uploaded z_i(T)* (not from fresh noise),
 # then decodes with the VAE (Eq. 5).
 #
-# Decisions (paper [D] vs spec / authors' code [C]):
-# * Concept placement: [D] "specific tokens in the textual template P are substituted with the concept vectors"
+# Decisions (paper the paper vs spec / authors' code the authors' code):
+# * Concept placement: the paper "specific tokens in the textual template P are substituted with the concept vectors"
 #   -- textual inversion: the vectors replace the *input token embeddings* of placeholder tokens
-#   (concept_space="input", default). [C] replaces positions of the text encoder's *output* hidden states
+#   (concept_space="input", default). The authors' code replaces positions of the text encoder's *output* hidden states
 #   (concept_space="output", option). Insertion uses a temporary forward hook on the token-embedding module, because
 #   transformers 5 CLIPTextModel.forward takes no `inputs_embeds`; the LDM weights are never modified (no
 #   embedding-table resize, so a real SD checkpoint is untouched).
-# * Perturbation: a fresh eta per generated image (Eq. 5 read per sample; [C] perturbs once per client run).
-#   sigma is a standard deviation, default 0.1 ([D] App. A).
-# * Sampler: PNDM ([D] App. A) is what `from_pretrained` of an SD-v1 checkpoint gives; DDIM / DDPM via
-#   `set_sampler`. Steps default 50 and guidance 1.0 (pure conditional Eq. 5); neither is stated in [D].
+# * Perturbation: a fresh eta per generated image (Eq. 5 read per sample; the authors' code perturbs once per client run).
+#   sigma is a standard deviation, default 0.1 (paper App. A).
+# * Sampler: PNDM (paper App. A) is what `from_pretrained` of an SD-v1 checkpoint gives; DDIM / DDPM via
+#   `set_sampler`. Steps default 50 and guidance 1.0 (pure conditional Eq. 5); neither is stated in the paper.
 # * Template: "A [S] style of a [V]" (Algorithm 1). Table 5 spellings "[STY]" / "[CLS]" are accepted as aliases.
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def encode_concept_prompt(
     Args:
         domain_concept: (n_s, d_w) shared, or (B, n_s, d_w) per sample (e.g. perturbed S^).
         class_concepts: (B, n_v, d_w), the class concept V_{y_b} of each sample.
-        concept_space: "input" = replace token embeddings ([D], textual inversion); "output" = replace the text
-            encoder's last hidden states ([C]).
+        concept_space: "input" = replace token embeddings (the paper, textual inversion); "output" = replace the text
+            encoder's last hidden states (the authors' code).
     """
     if class_concepts.ndim != 3:
         raise ValueError(f"class_concepts per sample must be (B, n_v, d_w), got {tuple(class_concepts.shape)}")

@@ -1,5 +1,5 @@
 """FedPop: population-based hyperparameter tuning while federated training runs, over any registered method,
-with the RS, SHA and FedEx baselines at the same budget (spec PART A; dissertation ch. 4).
+with the RS, SHA and FedEx baselines at the same budget (dissertation ch. 4).
 
     accelerate launch recipes/fedpop.py --method fedavg                  # FedPop, defaults: CPU toy scale
     python recipes/fedpop.py --method fedprox --tuner sha --output_dir outputs/sha
@@ -13,7 +13,7 @@ tried vectors, FedPop-G events), curves.png (per-member local validation loss pe
 of every member over rounds), population.pt (the whole population, saved atomically every generation) and
 members/mXX/ (each member's own files). The tuner's own options (--tuner, --population_size, ...) are listed by --help.
 Defaults: digits (sklearn 8x8) Dirichlet(0.5) label skew over 10 clients with 20% val splits, a tiny MLP with dropout,
-N_c = 4, R_c = 30, K = 5, T_g = 3 (spec A8).
+N_c = 4, R_c = 30, K = 5, T_g = 3 (a CPU-scale budget).
 """
 import dataclasses
 import os

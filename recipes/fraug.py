@@ -7,7 +7,7 @@ domains: one domain per client (mnist, usps, mnistm, syn and their noisy copies;
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/fraug.py ...
     python recipes/fraug.py --help
 
-Defaults are the spec's CPU-scale design (16 px, 200 images per domain, T = 10 local steps, B = 32, SGD lr 0.01,
+Defaults are a CPU-scale design (16 px, 200 images per domain, T = 10 local steps, B = 32, SGD lr 0.01,
 momentum 0.5, d_z = 32, eta_g = eta_m = 0.005, alpha = 1, beta = 1.5): a few minutes on 2 cores (measured: 351 s wall,
 297 s of simulation, with OMP_NUM_THREADS=1 on a 2-core box at load average ~8). Besides the results
 contract (config.yaml, results.json, metrics.jsonl, curves), writes fraug_embeddings.png: a 2-D PCA of each client's

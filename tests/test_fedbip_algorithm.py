@@ -435,7 +435,7 @@ def test_pndm_started_below_its_top_denoises_an_exact_noise_prediction_back(ldm_
 
 
 def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path, monkeypatch):
-    """lr 0.1 / sigma 0.1 are output-space settings ([C]); in the input (token-embedding) space both are multiplied
+    """lr 0.1 / sigma 0.1 are output-space settings; in the input (token-embedding) space both are multiplied
     by std(embedding table) / std(text-encoder states of "A _ style of a _", placeholders as BOS), computed here from
     hand-built token ids; the server's perturbation S^ - S then has that std. Output space or concept_scale=none:
     0.1 as given."""
@@ -470,7 +470,7 @@ def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path, monk
 
 @pytest.mark.parametrize("level,trained", [("domain", "domain_concept"), ("class", "class_concepts")])
 def test_s_only_and_v_only_keep_the_real_words_fixed(ldm_dir, fed, tmp_path, monkeypatch, level, trained):
-    """[D] Table 3's "S only" / "V only": the client learns one part; the other is, exactly, the text encoder's token
+    """The paper Table 3's "S only" / "V only": the client learns one part; the other is, exactly, the text encoder's token
     embedding of the real word(s) -- the digit names for S only, client 0's domain name (usps) for V only -- both
     where the client trains (the fixed half it trains against, left unchanged) and where the server builds the
     prompt (the fixed half it inserts). The expected rows are read off the embedding table by token id here."""
@@ -560,7 +560,7 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
                      "FedAvg", "Local-only", "Central"]
     rows = {r["variant"]: r for r in comparison["rows"]}
     assert rows["FedBiP-L"]["num_synthetic"] == 5 * rows["FedBiP-S"]["num_synthetic"] == 5 * 2 * 3 * 10 * 2
-    # [D] Table 3's ablations are read at FedBiP-L's amount (its full row is Table 1's FedBiP-L)
+    # The paper Table 3's ablations are read at FedBiP-L's amount (its full row is Table 1's FedBiP-L)
     assert all(rows[v]["num_synthetic"] == 10 * 3 * 10 * 2 for v in ("prompt-only", "V-only", "instance-only"))
     assert rows["FedAvg"]["bytes_down"] > 0 and rows["FedBiP-S"]["bytes_down"] == 0
     assert all("mia_loss_gap" in r for r in rows.values())

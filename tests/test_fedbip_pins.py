@@ -231,7 +231,7 @@ def test_one_adam_step_moves_exactly_the_concepts_by_lr(pipe, train_class):
 
 
 def test_output_space_prompt_with_perturbed_S_and_guidance_by_hand(pipe):
-    """concept_space="output" ([C]) with sigma 0.3 and guidance 2: the UNet's conditioning is [empty-prompt states
+    """concept_space="output" (the authors' code) with sigma 0.3 and guidance 2: the UNet's conditioning is [empty-prompt states
     x N, concept-prompt states x N]; a concept row is the text encoder's output for "A _ style of a _" (placeholders
     as BOS) with row 2 replaced by S^ = S + 0.3 eta_b (eta ~ N(0, I), the generator's first draw, one per image,
     Eq. 5) and row 6 by V_{y_b}; every other row untouched."""

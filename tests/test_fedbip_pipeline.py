@@ -292,7 +292,7 @@ def test_word_concepts_reproduce_the_real_prompt(pipe):
 
 
 def test_perturbation_std_matches_sigma(pipe, upload, monkeypatch):
-    """S^ = S + eta with std(S^ - S) == sigma (per image), V untouched (spec B8.7)."""
+    """S^ = S + eta with std(S^ - S) == sigma (per image), V untouched (Eq. 5)."""
     import pipelines.pipeline_fedbip as pf
 
     seen = []

@@ -151,7 +151,7 @@ def _logits_seeded(m, x, modes, seed):
 
 @pytest.mark.parametrize("model", ["tiny-vilt", "tiny-blip"])
 def test_client_losses_are_ce_plus_both_kd_directions_by_hand(sim_for, vqa_fed, model):
-    """FedDAT's client update (spec 2.3, [C] update order), ``--kd_schedule constant`` (alpha = beta = 1, the
+    """FedDAT's client update (the authors' code's update order), ``--kd_schedule constant`` (alpha = beta = 1, the
     code's (CE + KD) / 2): L^s = 1/2 (CE(z_s, y) + T^2 KL(p_DAT || p_s)) trains A_s + head; then
     L^DAT = 1/2 (CE(z_DAT, y) + T^2 KL(p_s || p_DAT)) with z_s from step 1 trains A_c + head; T = 3. Every term is
     recomputed here from the model's logits; each KD term is large enough that dropping a direction, or a teacher
@@ -322,7 +322,7 @@ def test_frozen_copy_is_recopied_every_round_and_private_state_persists(sim_for)
 
 # ------------------------------------------------------------------------------------------------ check 5 + 6
 def test_kd_loss_and_its_gradient_by_hand():
-    """[C]'s KD, spec 2.10 #1/#2: T^2 KL(softmax(t/T) || softmax(s/T)), batch mean, teacher detached, on known
+    """The authors' code's KD: T^2 KL(softmax(t/T) || softmax(s/T)), batch mean, teacher detached, on known
     logits; its gradient w.r.t. the student logits is T (softmax(s/T) - softmax(t/T)) / B (the T^2 factor makes it
     O(1) in T: without it the gradient shrinks as 1/T)."""
     s = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, -1.0]], requires_grad=True)

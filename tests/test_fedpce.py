@@ -27,7 +27,7 @@ def test_full_width_parameter_counts():
         == 10_624                                                              # FedBN local
     assert base.classifier.weight.numel() + base.classifier.bias.numel() == 5_130   # FedPer local
     shared = sum(p.numel() for n, p in pce.named_parameters() if n != EMBEDDING_KEY)
-    assert shared == 11_899_274 and pce.client_embedding.numel() == 32           # spec 7.1 #4: 32 private on top
+    assert shared == 11_899_274 and pce.client_embedding.numel() == 32           # 32 private on top
     assert sum(p.numel() for n, p in pce.named_parameters() if ".mlp." in n) == 734_912
     with torch.device("meta"):
         p62 = CondNormResNetForImageClassification(CondNormResNetConfig(num_labels=100,
@@ -49,7 +49,7 @@ def test_conditional_norm_by_hand_and_save_pretrained_roundtrip(tmp_path):
     h = torch.randn(2, 5)                                   # head norm: per-sample over the features
     ref_h = (h - h.mean(1, keepdim=True)) / torch.sqrt(h.var(1, unbiased=False, keepdim=True) + 1e-5) * gamma + beta
     assert torch.allclose(layer(h, v), ref_h, atol=1e-5)
-    # zeroed last MLP layers: the network is an affine-free IN ResNet, whatever v is (spec 7.1 #8)
+    # zeroed last MLP layers: the network is an affine-free IN ResNet, whatever v is 
     model = CondNormResNetForImageClassification(cfg).eval()
     px = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
@@ -127,7 +127,7 @@ def pce_sim(run_sim):
 
 
 def test_embeddings_never_travel_and_payload_bytes(pce_sim):
-    sim = pce_sim("fedpce", embedding_dim=2)       # E = 2 < 4 clients: clients 2, 3 start at 0 (spec 7.1 #9)
+    sim = pce_sim("fedpce", embedding_dim=2)       # E = 2 < 4 clients: clients 2, 3 start at 0 
     algo = sim.algorithm
     assert sim.keys_by_role[PRIVATE] == [EMBEDDING_KEY]
     assert torch.equal(algo.init_private_state(0)[MODEL][EMBEDDING_KEY], torch.tensor([1.0, 0.0]))

@@ -1,4 +1,4 @@
-"""FedPop and its baselines (hfpfl/tuning): the spec's acceptance checks A8 1-10, the search space file, per-slot
+"""FedPop and its baselines (hfpfl/tuning): CPU-scale checks of the paper's behaviour, the search space file, per-slot
 client hyperparameters reaching the engine, the server vector reaching the FedOpt step, FedEx and SHA mechanics,
 and resume of the whole population after a kill. Tiny MLP on 8x8 USPS-like digits, a few rounds per member."""
 import math
@@ -36,7 +36,7 @@ def make_tuner(tiny_fed, tmp_path):
     return _make
 
 
-# a space whose runs do not diverge at toy scale (the spec's lr up to 1 with momentum up to 1 often does)
+# a space whose runs do not diverge at toy scale (the paper's lr up to 1 with momentum up to 1 often does)
 SAFE_SPACE = {
     "server": {"server_lr": {"type": "log10", "low": -0.5, "high": 0.3},
                "server_momentum": {"type": "uniform", "low": 0.0, "high": 0.9},

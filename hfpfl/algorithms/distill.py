@@ -18,7 +18,7 @@ model only if it beats the plain average on a labelled validation split, which h
 selection (our default, the paper's text) and with an out-of-domain pool whose statistics differ from the clients'
 data, the returned statistics are the pool's, not the clients'. ``kd_student_bn='train'`` reproduces the code.
 
-Optional checkpoint selection (PerAda code, spec 2.6 detail 2, off by default): ``kd_val_fraction`` > 0 holds out a
+Optional checkpoint selection (the PerAda code, off by default): ``kd_val_fraction`` > 0 holds out a
 labelled part of the public pool; the student is scored every ``kd_eval_every`` steps, the best is kept, and the
 plain average is kept when it scores at least as well as every KD checkpoint.
 
@@ -162,7 +162,7 @@ def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig
     bs, dev = sim.args.eval_batch_size, sim.device
     model.eval()
     teacher_logits = torch.zeros(0)
-    for t in teachers:  # uniform mean of the K teachers' logits (spec 6.6)
+    for t in teachers:  # uniform mean of the K teachers' logits (the PerAda code)
         load_into(sim.model_state, {k: t[k] for k in keys})
         lg = _logits(model, pixels, bs, dev)
         teacher_logits = lg if teacher_logits.numel() == 0 else teacher_logits + lg

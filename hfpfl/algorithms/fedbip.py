@@ -17,7 +17,7 @@ One round (``one_shot = True``):
 The LDM (``FedBiPPipeline``) is loaded once per process and shared by every client and every simulation of the
 process (frozen: its weights are never written; see ``tests/test_fedbip_algorithm.py``).
 
-Ablations (``personalization``), [D] Table 3:
+Ablations (``personalization``), the paper's Table 3:
   ``full``      instance + concept level (FedBiP);            upload: latents, labels, domain_concept, class_concepts
   ``instance``  z_i(T) + prompt with the real words;           upload: latents, labels
   ``concept``   learned S, V; z(T) ~ N(0, I) drawn by server;  upload: labels, domain_concept, class_concepts
@@ -27,16 +27,16 @@ Ablations (``personalization``), [D] Table 3:
 "Real words": the client's domain name (e.g. ``usps``) and the class names (digit names for digit labels),
 embedded by the LDM's own text encoder (``init_concepts(init="words")``: identical to tokenizing the real prompt).
 
-Choices where the spec and the paper ([D] ch. 5) differ or [D] is silent (the paper wins where it says something):
-* Concept vectors replace the *input* token embeddings ([D] "textual guidance"; spec B7.3 agrees, ``concept_space``
-  switches to the authors'-code output-space variant) and are *randomly* initialised ([D] §4.2.2; the authors' code
+Choices where the paper (dissertation ch. 5) is silent or its code differs (the paper wins where it says something):
+* Concept vectors replace the *input* token embeddings (paper "textual guidance"; ``concept_space``
+  switches to the authors'-code output-space variant) and are *randomly* initialised (paper §4.2.2; the authors' code
   initialises from words: ``concept_init=words``).
-* Concept training: 50 epochs ([D] §5.1; App. A says 30), Adam lr 0.1, batch 8 ([C]).
-* S/M/L: ``multiplier`` independent z_i(T) per image (spec B7.4 option (a); [D] §5.1 only says 2x/5x/10x).
-* Perturbation: a fresh eta per generated image (Eq. 5 read per sample), sigma 0.1 ([D] App. A); not applied to the
-  real-word ablations (``instance`` / ``none``: [D] Table 3's prompt rows perturb nothing).
-* A class with one image on a client: the paper's Eq. 3 needs a partner i' != i; we raise a clear error (spec B7.8
-  suggests the fallback i' = i, which would upload an un-interpolated latent: ``singleton_classes=self``, or
+* Concept training: 50 epochs (paper §5.1; App. A says 30), Adam lr 0.1, batch 8 (the authors' code).
+* S/M/L: ``multiplier`` independent z_i(T) per image (paper §5.1 only says 2x/5x/10x).
+* Perturbation: a fresh eta per generated image (Eq. 5 read per sample), sigma 0.1 (paper App. A); not applied to the
+  real-word ablations (``instance`` / ``none``: the paper's Table 3's prompt rows perturb nothing).
+* A class with one image on a client: the paper's Eq. 3 needs a partner i' != i; we raise a clear error (the
+  fallback i' = i would upload an un-interpolated latent: ``singleton_classes=self``, or
   ``drop``). ``class_average=True`` (the paper's §5.6 stricter-privacy prototype variant) needs no partner.
 * The concepts a client trains depend only on its data and seed, not on ``multiplier`` (the two personalization
   levels draw from separate generators), so FedBiP-S and -L differ only in the amount synthesised. Within one
@@ -69,8 +69,8 @@ UPLOAD_KEYS_BY_LEVEL = {
     "full": ("latents", "labels", "domain_concept", "class_concepts"),
     "instance": ("latents", "labels"),
     "concept": ("labels", "domain_concept", "class_concepts"),
-    "domain": ("labels", "domain_concept"),  # [D] Table 3 "S^ only": learned S, real class words
-    "class": ("labels", "class_concepts"),  # [D] Table 3 "V only": real domain word, learned V
+    "domain": ("labels", "domain_concept"),  # the paper's Table 3 "S^ only": learned S, real class words
+    "class": ("labels", "class_concepts"),  # the paper's Table 3 "V only": real domain word, learned V
     "none": ("labels",),
 }
 NOISE_TIMESTEPS = ("resolution_matched", "sampler_start", "max")
@@ -108,38 +108,38 @@ class FedBiPConfig:
                 "pretrained on a broad public digit-style pool (hfpfl.fedbip.pool); it ships with hfpfl and is "
                 "published to the local Hub cache on first use."})
     multiplier: int = field(default=2, metadata={
-        "help": "Synthetic images per real client image: 2 / 5 / 10 = FedBiP-S / -M / -L ([D] §5.1).",
+        "help": "Synthetic images per real client image: 2 / 5 / 10 = FedBiP-S / -M / -L (paper §5.1).",
         "check": at_least(1)._replace(allowed=">= 1 (2/5/10 = FedBiP-S/M/L)")})
     personalization: str = field(default="full", metadata={
         "help": "full (FedBiP: instance + concept level) | instance (latents + real-word prompt) | concept (learned "
                 "S and V, random latents) | domain (learned S only) | class (learned V only) | none (prompt only "
-                "with real words, random latents) ([D] Table 3).", "check": one_of(*PERSONALIZATION_LEVELS)})
-    n_s: int = field(default=1, metadata={"help": "Domain-concept tokens n_s ([D] Table 5: 1 for style datasets).",
+                "with real words, random latents) (paper Table 3).", "check": one_of(*PERSONALIZATION_LEVELS)})
+    n_s: int = field(default=1, metadata={"help": "Domain-concept tokens n_s (paper Table 5: 1 for style datasets).",
                                           "check": at_least(1)})
-    n_v: int = field(default=1, metadata={"help": "Tokens per class concept n_v (n_c in [D] Table 5).",
+    n_v: int = field(default=1, metadata={"help": "Tokens per class concept n_v (n_c in the paper's Table 5).",
                                           "check": at_least(1)})
     concept_epochs: int = field(default=50, metadata={
-        "help": "Concept-training epochs over the client's data ([D] §5.1: 50; App. A: 30).", "check": at_least(1)})
+        "help": "Concept-training epochs over the client's data (paper §5.1: 50; App. A: 30).", "check": at_least(1)})
     concept_steps: int | None = field(default=None, metadata={
         "help": "Exact concept-training steps (overrides concept_epochs).", "check": at_least(1)})
-    concept_lr: float = field(default=0.1, metadata={"help": "Adam learning rate of the concepts ([D] App. A: 0.1).",
+    concept_lr: float = field(default=0.1, metadata={"help": "Adam learning rate of the concepts (paper App. A: 0.1).",
                                                      "check": positive()})
-    concept_batch_size: int = field(default=8, metadata={"help": "Concept-training batch size ([C]: 8).",
+    concept_batch_size: int = field(default=8, metadata={"help": "Concept-training batch size (the authors' code: 8).",
                                                          "check": at_least(1)})
     concept_init: str = field(default="random", metadata={
-        "help": "random ([D]: N(0, s^2) at the scale of the token embeddings) | words (from the real domain/class "
+        "help": "random (the paper: N(0, s^2) at the scale of the token embeddings) | words (from the real domain/class "
                 "words, as the authors' code).", "check": one_of("random", "words")})
     concept_space: str = field(default="input", metadata={
-        "help": "input: concepts replace token embeddings ([D], textual inversion) | output: replace the text "
-                "encoder's output states ([C]).", "check": one_of("input", "output")})
+        "help": "input: concepts replace token embeddings (the paper, textual inversion) | output: replace the text "
+                "encoder's output states (the authors' code).", "check": one_of("input", "output")})
     prompt_template: str = field(default="A [S] style of a [V]", metadata={
         "help": "Prompt with one domain placeholder ([S] or [STY]) and one class placeholder ([V] or [CLS]) "
-                "([D] Algorithm 1).", "check": _TEMPLATE})
+                "(paper Algorithm 1).", "check": _TEMPLATE})
     concept_noise_sigma: float = field(default=0.1, metadata={
-        "help": "Std of the perturbation eta of the domain concept, S^ = S + eta, per image ([D] App. A: 0.1); in "
+        "help": "Std of the perturbation eta of the domain concept, S^ = S + eta, per image (paper App. A: 0.1); in "
                 "output-space units when concept_scale=auto.", "check": non_negative()})
     concept_scale: str = field(default="auto", metadata={
-        "help": "auto: concept_lr and concept_noise_sigma are the authors' output-space settings ([C]) and are "
+        "help": "auto: concept_lr and concept_noise_sigma are the authors' output-space settings and are "
                 "multiplied by std(token embeddings)/std(encoder outputs) when the concepts live in the input space "
                 "(1.0 in output space) | none: use them literally in whatever space the concepts live.",
         "check": one_of("auto", "none")})
@@ -151,7 +151,7 @@ class FedBiPConfig:
                 "for the tiny LDM's 8x8 latents with 20 PNDM steps, sampler_start on SD itself. More style reaches "
                 "the synthetics, but on the tiny LDM they come closer to the client's images than its own test "
                 "images are, with a 5-9x membership-inference gap: CHANGELOG.md) | max "
-                "(num_train_timesteps-1 = 999, [D]'s literal T; with leading spacing the sampler then starts at a "
+                "(num_train_timesteps-1 = 999, the paper's literal T; with leading spacing the sampler then starts at a "
                 "lower timestep than the noise level) | an integer (the first sampler timestep at or above it: clients noise "
                 "there and the sampler starts there; scripts/fedbip_noise_sweep.py measures style against closeness per "
                 "timestep, CHANGELOG.md).", "check": _NOISE_TIMESTEP})
@@ -159,26 +159,26 @@ class FedBiPConfig:
         "help": "Sampler timestep spacing override: leading (the SD-v1 config) | trailing (the first step is T=999, "
                 "so sampler_start and max coincide) | linspace; default: the LDM's scheduler config.",
         "check": one_of("leading", "trailing", "linspace")})
-    sampler: str = field(default="pndm", metadata={"help": "Server sampler: pndm ([D] App. A) | ddim | ddpm.",
+    sampler: str = field(default="pndm", metadata={"help": "Server sampler: pndm (paper App. A) | ddim | ddpm.",
                                                    "check": _SAMPLER})
-    num_inference_steps: int = field(default=50, metadata={"help": "Reverse-diffusion steps (not stated in [D]).",
+    num_inference_steps: int = field(default=50, metadata={"help": "Reverse-diffusion steps (not stated in the paper).",
                                                            "check": at_least(1)})
     guidance_scale: float = field(default=1.0, metadata={
-        "help": "Classifier-free guidance scale; 1.0 = the pure conditional Eq. 5 (not stated in [D]).",
+        "help": "Classifier-free guidance scale; 1.0 = the pure conditional Eq. 5 (not stated in the paper).",
         "check": at_least(1)._replace(allowed=">= 1 (1 = no guidance)")})
     class_average: bool = field(default=False, metadata={
-        "help": "Instance level from class-average latents (categorical prototypes, [D] §5.6 stricter privacy) "
+        "help": "Instance level from class-average latents (categorical prototypes, the paper's §5.6 stricter privacy) "
                 "instead of pairwise interpolation."})
     singleton_classes: str = field(default="error", metadata={
         "help": "A class with one image on a client has no same-class partner for Eq. 3: error (default: the paper "
-                "requires i' != i) | self (spec B7.8 fallback i' = i: that latent is not interpolated, only noised; "
+                "requires i' != i) | self (fallback i' = i: that latent is not interpolated, only noised; "
                 "logged) | drop (no latent for it; its concepts are still trained). Label-skew (Dirichlet) splits "
                 "need self or drop, or class_average.", "check": one_of("error", "self", "drop")})
     gamma_std: float = field(default=0.1, metadata={
-        "help": "Std of the interpolation weight gamma ~ N(0.5, std^2) clipped to [0, 1] ([D] Eq. 3: 0.1).",
+        "help": "Std of the interpolation weight gamma ~ N(0.5, std^2) clipped to [0, 1] (paper Eq. 3: 0.1).",
         "check": non_negative()})
     classifier_epochs: int = field(default=50, metadata={
-        "help": "Server classifier epochs on the synthetic set ([D] App. A: 50); optimizer, lr, momentum and batch "
+        "help": "Server classifier epochs on the synthetic set (paper App. A: 50); optimizer, lr, momentum and batch "
                 "size come from --optimizer/--lr/--momentum/--batch_size.", "check": at_least(1)})
     synthesis_batch_size: int = field(default=64, metadata={"help": "Latents denoised together on the server.",
                                                             "check": at_least(1)})
@@ -491,7 +491,7 @@ class FedBiP(Algorithm):
         return images.clamp(-1, 1).contiguous(), out.labels.long()
 
     def receive(self, upd: Update, round_idx: int) -> None:
-        """One client's D_syn, as soon as its upload arrives ([D]: the server may synthesise per client,
+        """One client's D_syn, as soon as its upload arrives (the paper: the server may synthesise per client,
         asynchronously): the engine calls this where the upload is, so N processes synthesise N clients at once;
         each client's images come from its own seeded generator, the same on any process."""
         self.check_upload(upd)

@@ -1,7 +1,7 @@
 """FedDAT (Chen et al., AAAI 2024; dissertation ch. 3): federated dual-adapter teacher, and its PEFT baselines.
 
 Method card: ``docs/methods/feddat.md``. Methods (all on :class:`hfpfl.models.vqa.VQAModel`, a frozen pretrained
-ViLT or BLIP; the ViLT head is per client and private in every method, spec 2.3):
+ViLT or BLIP; the ViLT head is per client and private in every method, as the paper's Algorithm 1):
 
 ==========================  =========================================================================================
 ``feddat``                  A_s (global: the only thing that travels, 1/K mean), A_c + head private, Â_s = frozen copy
@@ -9,23 +9,23 @@ ViLT or BLIP; the ViLT head is per client and private in every method, spec 2.3)
                             CE(z_s) + alpha KD(z_s <- z_DAT), (2) A_c step on CE(z_DAT) + beta KD(z_DAT <- z_s);
                             inference with A_s. ``--mutual false``: the "w/o MKD" ablation (beta = 0, only DAT -> A_s).
                             ``--teacher local|frozen``: Table 4's "w/o Â_s" / "w/o A_c" teachers.
-``vqa_adapter``             Adapter: one adapter per block (= A_s), FedAvg (spec Eq. 2-3, 1/K as [C]), head private.
+``vqa_adapter``             Adapter: one adapter per block (= A_s), FedAvg (Eq. 2-3, 1/K as the authors' code), head private.
 ``vqa_adapter_local``       Adapter-L: the same adapter trained locally only (nothing travels).
 ``vqa_peft``                ``--peft lora|prompt|bias|full|head``: LoRA / prompt / bias / full fine-tuning / clf-L with
                             FedAvg of the PEFT module (the head stays local); ``--local_only true`` for the -L variants.
 ==========================  =========================================================================================
 
-Choices (spec 2.10; where spec and paper disagree the paper wins and it is said here):
+Choices where the paper is silent (the authors' code decides, and it is said here):
 
-* KD: standard KD with teacher detached, ``T^2 KL(softmax(teacher/T) || softmax(student/T))``, T = 3 ([C]; #1, #2).
-* alpha = beta = exp(-5 (1 - t/T0)) [D App. B.2], t = the client's cumulative local steps, T0 = R x steps per round
-  (#3); ``--kd_schedule round`` restarts t every round, ``constant`` is [C]'s fixed 1 with the global 1/2.
-* Update order as [C] (#4): A_s first (teacher = DAT before the update), then A_c (teacher = the z_s of step 1).
+* KD: standard KD with teacher detached, ``T^2 KL(softmax(teacher/T) || softmax(student/T))``, T = 3 (the authors' code).
+* alpha = beta = exp(-5 (1 - t/T0)) (the paper's App. B.2), t = the client's cumulative local steps, T0 = R x steps per
+  round; ``--kd_schedule round`` restarts t every round, ``constant`` is the authors' code's fixed 1 with the global 1/2.
+* Update order as the authors' code: A_s first (teacher = DAT before the update), then A_c (teacher = the z_s of step 1).
 * Two AdamW optimizers (A_s + head, A_c + head), betas (0.9, 0.98), weight decay 0.01, each with warm-up 10% + linear
-  decay to 0 over exactly one round's local steps, restarted every round ([D]; #5, #11). The baselines use the same
+  decay to 0 over exactly one round's local steps, restarted every round (the paper). The baselines use the same
   optimizer and schedule, passed to the engine's loop as ``ctx.train(optimizer=..., schedule=...)``.
-* Server mean 1/K (Alg. 1, #9); ``--weighting samples`` for N_k.
-* CE on the single answer (easy-vqa has one answer per question; #10).
+* Server mean 1/K (Alg. 1); ``--weighting samples`` for N_k.
+* CE on the single answer (easy-vqa has one answer per question).
 """
 from __future__ import annotations
 
@@ -59,14 +59,14 @@ class VQAPeftConfig:
                                                    "check": one_of(*PEFT_KINDS)})
     local_only: bool = field(default=False, metadata={"help": "Train locally only, nothing travels (Adapter-L, ...)."})
     weighting: str = field(default="uniform", metadata={
-        "help": "Server mean: uniform (1/K, Alg. 1 and [C]) | samples (N_k, Eq. 3).",
+        "help": "Server mean: uniform (1/K, Alg. 1 and the authors' code) | samples (N_k, Eq. 3).",
         "check": one_of("uniform", "samples")})
     reduction: int = field(default=16, metadata={"help": "Adapter reduction factor (r = d / reduction).",
                                                  "check": at_least(1)})
-    adapter_init: str = field(default="normal", metadata={"help": "normal (N(0,0.02), [C]) | zero (W_up = 0).",
+    adapter_init: str = field(default="normal", metadata={"help": "normal (N(0,0.02), the authors' code) | zero (W_up = 0).",
                                                           "check": one_of("normal", "zero")})
     head_init: str = field(default="random", metadata={
-        "help": "ViLT client head: random (spec 2.5 init_head) | pretrained (the foundation model's pool head).",
+        "help": "ViLT client head: random (Algorithm 1's init_head) | pretrained (the foundation model's pool head).",
         "check": one_of("random", "pretrained")})
     warmup: float = field(default=0.1, metadata={
         "help": "LR warm-up fraction of each round's local steps.",
@@ -78,11 +78,11 @@ class VQAPeftConfig:
 
 @register
 class VQAPeft(Algorithm):
-    """PEFT of a frozen VQA foundation model with FedAvg of the PEFT module (head local); spec 2.6 baselines."""
+    """PEFT of a frozen VQA foundation model with FedAvg of the PEFT module (head local); the paper's baselines."""
 
     name = "vqa_peft"
     Config = VQAPeftConfig
-    has_global_model = False      # every client scores with its own head (spec 2.7: client-local test accuracy)
+    has_global_model = False      # every client scores with its own head (the paper reports client-local test accuracy)
     uses_client_hparams = Algorithm.uses_client_hparams - {"momentum"}  # AdamW (``optimizer``): no momentum
 
     # ----------------------------------------------------------------- model and roles
@@ -164,7 +164,7 @@ class VQAPeft(Algorithm):
 
 @register
 class VQAAdapter(VQAPeft):
-    """Adapter: FedAvg of one bottleneck adapter per block (spec Eq. 2-3), head local."""
+    """Adapter: FedAvg of one bottleneck adapter per block (Eq. 2-3), head local."""
 
     name = "vqa_adapter"
 
@@ -185,11 +185,11 @@ class VQAAdapterLocal(VQAAdapter):
 
 @dataclass
 class FedDATConfig(VQAPeftConfig):
-    temperature: float = field(default=3.0, metadata={"help": "KD temperature T ([C]: 3; the paper gives none).",
+    temperature: float = field(default=3.0, metadata={"help": "KD temperature T (the authors' code: 3; the paper gives none).",
                                                       "check": positive()})
     kd_schedule: str = field(default="ramp", metadata={
-        "help": "alpha = beta: ramp (exp(-5(1-t/T0)), t over all rounds, [D]) | round (t restarts each round) | "
-                "constant ([C]: (CE + KD) / 2).", "check": one_of(*KD_SCHEDULES)})
+        "help": "alpha = beta: ramp (exp(-5(1-t/T0)), t over all rounds, the paper) | round (t restarts each round) | "
+                "constant (the authors' code: (CE + KD) / 2).", "check": one_of(*KD_SCHEDULES)})
     mutual: bool = field(default=True, metadata={
         "help": "Mutual KD; false = the 'w/o MKD' ablation (only DAT -> A_s, no A_s -> DAT term)."})
     teacher: str = field(default="dat", metadata={

@@ -5,7 +5,7 @@ p_i = n_i/n and tau_eff = sum_i p_i ||a_i||_1 (the paper's choice; the official 
 momentum is on). With equal steps this is exactly FedAvg.
 
 Only trainable parameters are normalized; buffers (BN running statistics) are averaged; a client whose update is
-non-finite is skipped and logged (adapters spec A7.12: the paper reports NaN events with FedNova).
+non-finite is skipped and logged (the adapters paper reports NaN events with FedNova).
 """
 import logging
 import math
@@ -30,7 +30,7 @@ class FedNova(Algorithm):
     """FedNova: client updates normalized by their local step counts before averaging."""
 
     name = "fednova"
-    on_non_finite = "skip"  # a diverged client is skipped and logged (spec A7.12), not a run-ending error
+    on_non_finite = "skip"  # a diverged client is skipped and logged (as the adapters paper observes), not a run-ending error
     uses_server_hparams = frozenset()  # aggregate applies tau_eff * the normalized mean itself: no FedOpt step
 
     def __init__(self, ctx, config):

@@ -11,7 +11,7 @@ protocol, hence these variants.
 Choices where the paper is silent or where spec and paper differ (the paper wins where they disagree):
 * v_n = e^(n) for n <= E, else 0 (paper, with n = client_id + 1). A new client's v starts at 0
   (``new_client_init="zero"``, spec section 6 #1 alternative) or at the mean of this process's clients' embeddings
-  (``"mean"``, the spec's suggested default; with several processes each process sees only its own clients).
+  (``"mean"``, a choice the paper leaves open; with several processes each process sees only its own clients).
   Default "zero": it needs no embedding to leave any client and gives the same numbers for any number of processes.
 * gamma = 1 + MLP output, beta = MLP output (spec section 6 #3); the paper does not say how gamma is parameterized.
 * Learning rates: paper 1e-4 base / 1e-2 MLP / 0.1 embedding (1e-2 for new clients), cosine to 1e-6 (1e-4 for v).

@@ -1,10 +1,10 @@
 """FRAug (Chen et al., ICCV 2023; dissertation ch. 2): federated representation augmentation under feature shift.
 
-Method card: ``docs/methods/fraug.md``. Where the spec's defaults
-(taken partly from the authors' code, [C]) and the dissertation text disagree, the dissertation wins here:
+Method card: ``docs/methods/fraug.md``. Where the authors' code
+and the dissertation text disagree, the dissertation wins here:
 z ~ N(0, I) (not U[0,1)); L_cls = L_real + L_syn (plain sum, Eq. 1); lambda_c ramps up (Eq. 4 + App. A.2); the RTNet
 sees v_hat only; the server takes the unweighted 1/K mean (Alg. 1); L_gen uses the batch labels y (Eq. 5 text; the
-spec's default is the code's class-balanced labels: ``--balanced_gen_labels``); FedBN-style local BatchNorm
+the authors' code uses class-balanced labels: ``--balanced_gen_labels``); FedBN-style local BatchNorm
 (affine + statistics) in the classifier, the generator's BN shared. Spec defaults adopted where the paper is silent:
 sum over classes as a class-balanced batch of B_syn cyclic labels (1.10 #3), detached u and v_hat (#5), the code's
 multi-kernel Gaussian MMD (#7), EMA skips absent classes (#9), prototypes start at zero and persist (#11), eval-mode
@@ -43,7 +43,7 @@ from .base import FROZEN, GLOBAL, MODEL, OPTIM, PRIVATE, Algorithm, Update, regi
 @dataclass
 class FRAugConfig:
     d_z: int = field(default=32, metadata={"help": "Noise dimension d_z (also the RTNet's hidden width); paper 128/256, "
-                                                   "spec CPU scale 32.", "check": at_least(1)})
+                                                   "CPU scale 32.", "check": at_least(1)})
     syn_batch_size: int = field(default=32, metadata={"help": "B_syn: class-balanced synthetic batch for u_hat_c.",
                                                       "check": at_least(2)._replace(allowed=">= 2 (BatchNorm)")})
     gen_lr: float = field(default=0.005, metadata={"help": "eta_g, generator SGD learning rate (paper Digits 0.005).",
@@ -74,7 +74,7 @@ class FRAugConfig:
     uniform_aggregation: bool = field(default=True, metadata={
         "help": "Server mean 1/K (paper Alg. 1); false: weighted by client sizes (authors' code)."})
     keep_optimizer_state: bool = field(default=True, metadata={
-        "help": "Keep each client's momentum buffers across rounds (authors' code; spec 1.10 #18)."})
+        "help": "Keep each client's momentum buffers across rounds (the authors' code)."})
     plot_embeddings: bool = field(default=True, metadata={
         "help": "At the end, write fraug_embeddings.png (2-D PCA of real vs generated embeddings per client)."})
 
@@ -102,7 +102,7 @@ def lambda_c(r: int, R: int, lambda_0: float = 0.3, ramp_fraction: float = 0.05)
 
 @torch.no_grad()
 def ema_update(prototypes: torch.Tensor, u: torch.Tensor, labels: torch.Tensor, lam: float, eps: float = 1e-8) -> None:
-    """Eq. 4 in place, for the classes present in the batch only (spec 1.10 #9)."""
+    """Eq. 4 in place, for the classes present in the batch only (a choice the paper leaves open; docs/methods/fraug.md)."""
     onehot = F.one_hot(labels, prototypes.shape[0]).to(u.dtype)
     counts = onehot.sum(0)
     means = onehot.t() @ u / (counts[:, None] + eps)
@@ -168,7 +168,7 @@ class FRAugStages:
         return loss
 
     def real_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """u_ref = f(X) with theta fixed: no graph, BatchNorm in eval mode (spec 1.10 #17)."""
+        """u_ref = f(X) with theta fixed: no graph, BatchNorm in eval mode (as the authors' code)."""
         if "u_ref" not in self.step:
             was = self.m.net.training
             self.m.net.eval()

@@ -7,15 +7,15 @@ frozen pretrained backbone (``--adapter residual``: PerAda's residual adapters; 
 Each round a sampled client
   1. trains v_i (slot ``personal``, persistent, v_i^0 = w^0) on CE + prox(v_i, w^t) toward the received w^t;
   2. trains w_i (slot ``default``, initialised from w^t) on CE and uploads exactly w_i (the adapter travel keys).
-The server averages the w_i (uniform 1/K, spec 6.5 / PerAda code; ``weighting=samples`` for n_i weights) and
+The server averages the w_i (uniform 1/K, as the PerAda code; ``weighting=samples`` for n_i weights) and
 distils the average from the logit ensemble of the uploaded w_i on ``sim.data.public`` (:mod:`.distill`).
 v_i never leaves the client; personal evaluation uses v_i, global evaluation uses w.
 
 Choices where spec and paper differ (paper wins where it says something):
 * prox term: the paper's Ditto form (lambda/2)||v - w||^2 (``prox_half=True``, default); ``prox_half=False`` is the
-  code form lambda * ||v - w||^2 (spec 6.1).
+  code form lambda * ||v - w||^2 (as the PerAda code).
 * KD every round unless ``kd_rounds`` is set (paper; the code's kd_max_round cutoff is the flag); teachers in eval
-  mode; no validation-based KD checkpoint selection unless ``kd_val_fraction`` > 0 (spec 6.9/6.10 defaults).
+  mode; no validation-based KD checkpoint selection unless ``kd_val_fraction`` > 0 (the code's defaults).
 * Frozen BatchNorms stay in eval mode (adapters' ``frozen_norms_eval``); the trainable BN copies and
   their running statistics travel with the adapter and are averaged. Server distillation trains the adapter's
   parameters only: the student's BNs run in eval mode, so the averaged running statistics come back unchanged
@@ -130,7 +130,7 @@ class PerAda(Algorithm):
                              "--model hfpfl/tiny-resnet-ood (recipes/perada.py sets both)")
         model.add_adapter(PERSONAL_SLOT, copy.deepcopy(model.peft_config[GLOBAL_SLOT]))
         sd = model.state_dict()
-        with torch.no_grad():  # v_i^0 = w^0 (spec 2.6 Init)
+        with torch.no_grad():  # v_i^0 = w^0 (Algorithm 1's initialisation)
             for k, v in sd.items():
                 if f".{GLOBAL_SLOT}." in k:
                     sd[_to_personal(k)].copy_(v)

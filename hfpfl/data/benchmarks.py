@@ -152,7 +152,7 @@ def with_new_client_budget(fed: FederatedData, per_class: int | None, seed: int 
 def pflbed(domains=("mnist", "usps", "mnistm", "syn"), clients_per_domain: int = 4, new_per_domain: int = 2,
            alpha: float = 0.3, max_per_domain: int | None = 600, image_size: int = 28, num_channels: int = 3,
            seed: int = 0) -> FederatedData:
-    """FedBasis' PFLBED protocol (paper 004 section 5, spec B2.9/B3.4) on Digits domains: per domain, the source's
+    """FedBasis' PFLBED protocol (the FedBasis paper, Sec. 5) on Digits domains: per domain, the source's
     train split is divided 75/25 (stratified) into participated / unparticipated pools, each Dirichlet(alpha)-split
     by class over its clients (Hsu et al. 2019); every client of a domain is tested on that domain's whole,
     shared test split. Score with :func:`label_weighted_accuracy` (re-weighted by the client's training labels)."""
@@ -194,7 +194,7 @@ def pflbed(domains=("mnist", "usps", "mnistm", "syn"), clients_per_domain: int =
 
 def label_weighted_accuracy(model, client: ClientData, num_labels: int, batch_size: int = 256) -> float:
     """PFLBED's metric: accuracy on the shared domain test set with sample i weighted by P_client(y_i), the
-    client's training label distribution (spec B2.9)."""
+    client's training label distribution (the paper, Sec. 5)."""
     import torch
     p = np.bincount(np.asarray(client.train.with_format(None)["labels"]), minlength=num_labels).astype(np.float64)
     p /= p.sum()

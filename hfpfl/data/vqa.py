@@ -11,7 +11,7 @@ and Hub/local VQA datasets through the same loader as the image sources (:mod:`h
   :func:`hfpfl.data.sources._load_external` -- offline and uncached it fails at once with the command that fixes it.
   Columns are normalised (``multiple_choice_answer`` / ``answers`` -> ``answer``; no ``question_type`` -> ``all``).
 
-:func:`vqa_benchmark` builds the federated splits of FedDAT's benchmarks at CPU scale (spec 2.11):
+:func:`vqa_benchmark` builds the federated splits of FedDAT's benchmarks at CPU scale (docs/methods/feddat.md):
 
 * ``function``: one question family per client, shared visual style (textual shift);
 * ``scene``: one visual style per client (skimage textures, skimage photo backgrounds, a palette shift, blur,

@@ -5,17 +5,17 @@
   to the maximum timestep T = num_train_timesteps - 1 (999 for SD v1).
 * Concept level (Eq. 4): domain concept S (n_s x d_w) and class concepts V (C x n_v x d_w) trained with the LDM
   denoising loss on the client's real (non-interpolated) images, every LDM weight frozen; Adam, lr 0.1,
-  betas (0.9, 0.999) ([D] App. A).
+  betas (0.9, 0.999) (paper App. A).
 * Upload: exactly {"latents", "labels", "domain_concept", "class_concepts"}; the names match the arguments of
   ``FedBiPPipeline.__call__`` so the server can call ``pipe(**upload)``.
 
-Decisions where [D] and the spec differ or [D] is silent:
-* A class with a single image has no partner (Eq. 3 requires i' != i): we raise a ValueError instead of the spec's
+Decisions where the paper (dissertation ch. 5) is silent or its code differs:
+* A class with a single image has no partner (Eq. 3 requires i' != i): we raise a ValueError instead of the
   fallback i' = i, which would upload an un-interpolated latent. ``class_average=True`` (the paper's
   stricter-privacy "categorical prototype" variant, Sec. 5.6 / future work) needs no partner.
 * Latents use the VAE posterior mean for the instance level (E(x) as a deterministic encoder) and posterior samples
   for concept training (as in SD / textual-inversion training); both are multiplied by ``vae.config.scaling_factor``.
-* Concept training length: ``num_epochs`` (default 50, [D] Sec. 5.1; App. A says 30) or ``num_steps``; batch 8 ([C]).
+* Concept training length: ``num_epochs`` (default 50, the paper's Sec. 5.1; App. A says 30) or ``num_steps``; batch 8 (the authors' code).
 * Random init (the paper): N(0, s^2) with s the std of the text encoder's token-embedding table (input space) or of
   its output states (output space), so random concepts sit at the scale of real tokens. ``init="words"`` initialises
   from real words (textual-inversion initializer tokens / the authors' code for the output space).
@@ -148,7 +148,7 @@ def noise_to_max_timestep(z, noise_scheduler, generator=None, timestep: int | No
     """delta(T, z) = sqrt(alpha_bar_T) z + sqrt(1 - alpha_bar_T) eps (Eq. 1) at T = num_train_timesteps - 1.
 
     ``noise_scheduler`` is any diffusers scheduler with ``alphas_cumprod`` (the LDM's schedule; PNDM/DDIM/DDPM share
-    it). [D] noises to the *maximum* timestep (not an SDEdit strength); ``timestep`` overrides it for experiments.
+    it). The paper noises to the *maximum* timestep (not an SDEdit strength); ``timestep`` overrides it for experiments.
     """
     t = max_timestep(noise_scheduler) if timestep is None else int(timestep)
     a = noise_scheduler.alphas_cumprod[t].to(torch.float32)
@@ -175,7 +175,7 @@ def instance_level_latents(
     sampler's first timestep, :func:`sampler_start_timestep`).
 
     ``latents_per_image`` M > 1 gives M independent draws (new partner, gamma and noise) per image: how FedBiP-S/M/L
-    (2x/5x/10x synthetic data) are produced here (spec B7.4 option (a)).
+    (2x/5x/10x synthetic data) are produced here (one reading of Sec. 5.1's 2x/5x/10x).
     """
     x = images_to_tensor(images, _vae_size(vae))
     labels = torch.as_tensor(labels).long()
@@ -218,7 +218,7 @@ def _restore(modules, flags):
 def init_concepts(pipe, num_classes: int, n_s: int = 1, n_v: int = 1, prompt_template: str = "A [S] style of a [V]",
                   init: str = "random", init_std: float | None = None, domain_word: str | None = None,
                   class_words: list[str] | None = None, concept_space: str = "input", generator=None):
-    """Initial S (n_s, d_w), V (C, n_v, d_w). ``init="random"`` ([D]) or ``"words"`` (real words' embeddings)."""
+    """Initial S (n_s, d_w), V (C, n_v, d_w). ``init="random"`` (the paper) or ``"words"`` (real words' embeddings)."""
     te, tok = pipe.text_encoder, pipe.tokenizer
     d = te.config.hidden_size
     table = te.get_input_embeddings().weight
@@ -245,7 +245,7 @@ def init_concepts(pipe, num_classes: int, n_s: int = 1, n_v: int = 1, prompt_tem
         S = table[word_ids(domain_word, n_s)].detach().float().cpu().clone()
         V = torch.stack([table[word_ids(w, n_v)] for w in class_words]).detach().float().cpu().clone()
         return S, V
-    # output space ([C]): encoder outputs of the template with the real words at the placeholder positions
+    # output space (the authors' code): encoder outputs of the template with the real words at the placeholder positions
     ids, s_pos, v_pos = tokenize_concept_template(tok, prompt_template, n_s, n_v)
     S_acc, V = None, []
     for w in class_words:
@@ -264,7 +264,7 @@ def concept_space_scale(text_encoder, tokenizer, prompt_template: str = "A [S] s
     """std(space the concepts act in) / std(text-encoder output states).
 
     The paper's Adam lr 0.1 and perturbation sigma 0.1 come from the authors' code, where the concepts replace the
-    text encoder's *output* states ([C]); Adam's step size and an additive sigma are absolute, so in the token-
+    text encoder's *output* states (the authors' code); Adam's step size and an additive sigma are absolute, so in the token-
     embedding (input) space, whose scale is the embedding table's std, the same numbers are far too large (measured
     on the MNIST-only tiny LDM: a domain concept 35x the norm of a real token after 40 steps, a perturbation 4x the
     initial concept). Multiplying lr and sigma by this ratio keeps them relative to the space they act in
@@ -319,7 +319,7 @@ def train_concepts(
     (their parameters get requires_grad=False for the duration and are never written).
 
     ``train_domain=False`` / ``train_class=False`` keep S / V at their initial value (the "V only" / "S only"
-    ablations of [D] Table 3 pass the real words' embeddings as the fixed part)."""
+    ablations of the paper's Table 3 pass the real words' embeddings as the fixed part)."""
     from diffusers import DDPMScheduler
 
     expand_template(prompt_template, n_s, n_v)

@@ -1,7 +1,7 @@
 """The FedBiP comparison behind ``recipes/fedbip.py``: argument parsing, the variant runner, the table printer and the
 mean +- std aggregation over seeds (the recipe itself only calls :func:`main`).
 
-Default setting (feature-space heterogeneity, [D] §5.1 scaled down): 3 clients, one Digits domain each among
+Default setting (feature-space heterogeneity, the paper's §5.1 scaled down): 3 clients, one Digits domain each among
 ``usps``, ``mnistm``, ``syn`` (source ``digits-nomnist``), ``shots_per_class`` real train images per class per client,
 each client's own real test split for per-domain accuracy, and the global test set. The frozen tiny LDM
 (``hfpfl/tiny-ldm-digits-broad``, pretrained on the broad public pool of :mod:`hfpfl.fedbip.pool`; the snapshot ships
@@ -14,10 +14,10 @@ it (the pool must share nothing with the clients).
 
 With ``--compare true`` (default) every variant is one ``Simulation`` on the same federated data and the same
 classifier recipe (model, optimizer, lr, batch, epochs), and one table + ``comparison.json`` report:
-  prompt-only | V-only | S-only | concept-only | instance-only | FedBiP-S (2x) | FedBiP-L (10x)   ([D] Table 3 / 1)
+  prompt-only | V-only | S-only | concept-only | instance-only | FedBiP-S (2x) | FedBiP-L (10x)   (paper Table 3 / 1)
   [+ FedBiP-M (5x), FedBiP-S without S perturbation with --all_variants]
   FedAvg (multi-round, real data) | Local-only | Central (oracle: the classifier on the union of the train sets).
-Ablations synthesise ``--multiplier`` (default 10) images per real image, FedBiP-L's amount: [D] Table 3's
+Ablations synthesise ``--multiplier`` (default 10) images per real image, FedBiP-L's amount: the paper's Table 3's
 full-FedBiP row is Table 1's FedBiP-L (PACS 62.67 and OfficeHome 61.52 in both tables), so its ablation rows are
 read at 10x.
 """
@@ -52,13 +52,13 @@ DEFAULTS = {
     "method": "fedbip", "model": "tiny-resnet", "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "batch_size": 32,
     "checkpoint_every": 0,  # output_dir default: outputs/fedbip-<timestamp> (hfpfl.runtime)
     # FedBiP, scaled down for 2 CPU cores (paper: 50 concept epochs, 50 classifier epochs; steps and guidance are
-    # not stated in [D]). 20 PNDM steps (the authors' validation setting, [C] train.py; the steps the shipped LDM's
+    # not stated in the paper). 20 PNDM steps (the authors' validation setting in their train.py; the steps the shipped LDM's
     # plain-prompt fidelity was certified at) and guidance 3, chosen on the public judge's fidelity of FedBiP-L's
     # synthetic set (no client test data): guidance 1 / 10 steps 0.414 and 5 / 10 0.361 (seeds 0-2), seed 0
     # probes 1 / 20 0.382 and 3 / 20 0.661 (CHANGELOG.md). Concepts stay randomly
-    # initialised as in [D] (the authors' code initialises them from words: --concept_init words, 0.739 at 3 / 20).
+    # initialised as in the paper (the authors' code initialises them from words: --concept_init words, 0.739 at 3 / 20).
     "concept_epochs": 20, "classifier_epochs": 20, "num_inference_steps": 20, "guidance_scale": 3.0,
-    # the ablation rows (and a --compare false run) at FedBiP-L's 10x: [D] Table 3 compares its ablations with the
+    # the ablation rows (and a --compare false run) at FedBiP-L's 10x: the paper's Table 3 compares its ablations with the
     # full FedBiP at 10x (its full row equals Table 1's FedBiP-L); FedBiP-S / -M / -L set their own 2 / 5 / 10
     "multiplier": 10,
     # the tiny LDM was pretrained on captions "a [style word] photo of the digit seven": a Table-5-style template
@@ -80,7 +80,7 @@ class RecipeArguments:
     all_variants: bool = option(False, "Also FedBiP-M (5x) and FedBiP-S without the perturbation of S (slower); "
                                 "needs --compare true.")
     shots_per_class: int | None = option(5, "Keep this many real train images per class on each client (few-shot, "
-                                         "[D]: 16); None = all.", check=at_least(1))
+                                         "the paper: 16); None = all.", check=at_least(1))
     seeds: str | None = option(None, "Comma-separated run seeds (e.g. 0,1,2): the comparison per seed under "
                                "<output_dir>/seed<k>/, then a mean +- std table (summary.json); needs --compare true. "
                                "Default: the single --seed.",
@@ -275,7 +275,7 @@ def format_comparison(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PAPER_ORDER = ("[D] Table 3: prompt-only < V-only < S-only < instance-only < instance+concept (no perturb.) < FedBiP; "
+PAPER_ORDER = ("the paper's Table 3: prompt-only < V-only < S-only < instance-only < instance+concept (no perturb.) < FedBiP; "
                "Table 1: FedBiP-S < -M < -L, FedBiP-L above FedAvg on average, below Central")
 
 

@@ -570,7 +570,7 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
     vae.eval().requires_grad_(False)
     t_vae = time.time() - t_start
 
-    # latents of the whole pool: keep posterior mean/std, sample per step; unit-variance scaling (spec B7.7)
+    # latents of the whole pool: keep posterior mean/std, sample per step; unit-variance scaling (as Stable Diffusion's VAE scaling)
     with torch.no_grad():
         means, stds = [], []
         for i in range(0, n, 256):

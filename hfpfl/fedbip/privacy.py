@@ -1,6 +1,6 @@
-"""Privacy measures for FedBiP and any other method of the engine ([D] §5.5-5.6, Table 4).
+"""Privacy measures for FedBiP and any other method of the engine (paper §5.5-5.6, Table 4).
 
-* Membership-inference gap (Yeom et al. 2018; Salem et al. 2018), as [D] Table 4: the difference between the final
+* Membership-inference gap (Yeom et al. 2018; Salem et al. 2018), as the paper's Table 4: the difference between the final
   model's average cross-entropy loss (and average prediction entropy) on *members* (the clients' real train images)
   and on *non-members* (the clients' real test images). Smaller is better. Each client is evaluated with the model
   the method gives it (``algo.load_personal``), so the same function measures FedBiP, FedAvg and Local-only.

@@ -35,7 +35,7 @@ def resolution_matched_timestep(scheduler, latent_side: int, reference_side: int
 def noising_timestep(pipe, config) -> tuple[int, int]:
     """(t clients noise to, t the server's sampler starts at) for ``config.noise_timestep``.
 
-    [D] noises to "the maximum timestep T"; with SD-v1's PNDM (leading spacing, steps_offset=1) and 10 steps the
+    The paper noises to "the maximum timestep T"; with SD-v1's PNDM (leading spacing, steps_offset=1) and 10 steps the
     sampler's first step is t=901, not 999, so latents noised to 999 (alpha_bar 0.0047) would be denoised as if at
     901 (alpha_bar 0.0140): the instance signal enters at the wrong SNR. ``sampler_start``: noise to the sampler's
     first timestep (with ``timestep_spacing=trailing`` that *is* T = 999, the paper's literal choice).
@@ -75,8 +75,8 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
 def concept_settings(pipe, config) -> tuple[float, float, float]:
     """(Adam lr, perturbation sigma, space scale) of the concepts; see :func:`hfpfl.fedbip.client.concept_space_scale`.
 
-    The spec (B2.3/B2.5) reads lr 0.1 / sigma 0.1 as given in whatever space the concepts live; the authors' code
-    applies them in the text encoder's *output* space ([C]). The paper ([D]) places the concepts in the input
+    lr 0.1 / sigma 0.1 (dissertation ch. 5, App. A) may be read as given in whatever space the concepts live; the authors' code
+    applies them in the text encoder's *output* space (the authors' code). The paper (the paper) places the concepts in the input
     (token-embedding) space, which we follow, so ``concept_scale=auto`` converts the two numbers to that space."""
     from .client import concept_space_scale
 

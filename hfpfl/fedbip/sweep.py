@@ -1,7 +1,7 @@
 """How noisy should the clients' instance latents be? A sweep of ``--noise_timestep`` read without client test data.
 
-[D] noises the instance latents to the maximum timestep T. On SD v1's 64 x 64 latents enough of a client's style
-survives T to lift instance-only over prompt-only ([D] Table 3); on the tiny LDM's 8 x 8 latents much less does
+The paper noises the instance latents to the maximum timestep T. On SD v1's 64 x 64 latents enough of a client's style
+survives T to lift instance-only over prompt-only (paper Table 3); on the tiny LDM's 8 x 8 latents much less does
 (CHANGELOG.md). This sweep measures, for each noising timestep of the sampler's schedule (clients noise there and
 the sampler starts there), what a row's synthetic set (FedBiP-L's by default: what the method hands the server;
 instance-only: the level alone) carries of the client and how close it comes to the client's images:
@@ -68,7 +68,7 @@ def check_sweepable(fed, extra: list[str]) -> None:
 
 def choose_noise_timestep(rows: list[dict], floor: float) -> dict | None:
     """The row (one per timestep: ``timestep``, ``style``, ``nn_dist``) with the most style among those whose
-    ``nn_dist`` >= ``floor``; ties go to the higher timestep (more noise, nearer [D]'s T). None when no row keeps the
+    ``nn_dist`` >= ``floor``; ties go to the higher timestep (more noise, nearer the paper's T). None when no row keeps the
     floor."""
     kept = [r for r in rows if r["nn_dist"] >= floor]
     if not kept:
@@ -90,7 +90,7 @@ def plot_sweep(rows: list[dict], floor: float, path, chosen: int | None = None, 
     if all(r.get("class_fidelity") is not None for r in rows):  # an LDM without a quality judge has none
         ax.plot(t, [r["class_fidelity"] for r in rows], "s--", color="tab:green",
                 label="class fidelity (class judge)")
-    ax.set_xlabel("noising timestep (sampler starts there; [D]: T = the top)")
+    ax.set_xlabel("noising timestep (sampler starts there; the paper: T = the top)")
     ax.set_ylabel("share of synthetic images")
     ax.set_ylim(0, 1)
     ax2 = ax.twinx()

@@ -55,12 +55,12 @@ class RTNet(nn.Module):
 
 
 def generator_num_parameters(d_z: int, num_labels: int, d_u: int) -> int:
-    """|g| = (d_z+C) d_u + d_u + 2 d_u + d_u^2 + d_u + 2 d_u (spec 1.11 check 2; BN affine counted)."""
+    """|g| = (d_z+C) d_u + d_u + 2 d_u + d_u^2 + d_u + 2 d_u (the paper's generator; BN affine counted)."""
     return (d_z + num_labels) * d_u + d_u + 2 * d_u + d_u * d_u + d_u + 2 * d_u
 
 
 def rtnet_num_parameters(d_u: int, d_z: int) -> int:
-    """|m| = d_u d_z + d_z + 2 d_z + d_z d_u + d_u + 2 d_u (spec 1.11 check 2)."""
+    """|m| = d_u d_z + d_z + 2 d_z + d_z d_u + d_u + 2 d_u (the paper's RTNet)."""
     return d_u * d_z + d_z + 2 * d_z + d_z * d_u + d_u + 2 * d_u
 
 
@@ -103,7 +103,7 @@ class FRAugModel(nn.Module):
 
 
 class DigitsCNN(nn.Module):
-    """The paper's Digits CNN (appendix Table 3) with FC(8192, 2048), i.e. 32x32 input (spec 1.9 item 1): 18,151,370
+    """The paper's Digits CNN (appendix Table 3) with FC(8192, 2048), i.e. 32x32 input (the table's FC size implies 32x32): 18,151,370
     parameters with 10 classes. Used for parameter accounting; the simulations use the engine's HF ResNet."""
 
     def __init__(self, num_labels: int = 10, flat: int = 8192):
@@ -123,9 +123,9 @@ class DigitsCNN(nn.Module):
 # ------------------------------------------------------------------------------------------------ losses
 def mmd(x: torch.Tensor, y: torch.Tensor, kernel_mul: float = 2.0, kernel_num: int = 5) -> torch.Tensor:
     """Biased squared MMD with a sum of ``kernel_num`` Gaussian kernels exp(-d^2 / (bw * mul^i)), bw = mean pairwise
-    squared distance / mul^(num // 2) (the authors' ``MMD_loss``, spec 1.3). Written with separate means
+    squared distance / mul^(num // 2) (the authors' ``MMD_loss``). Written with separate means
     (mean K_xx + mean K_yy - 2 mean K_xy), which equals the code's form for equal set sizes and stays valid when they
-    differ (spec 1.10 #7). The bandwidth is a statistic of the data, not a path for gradients (detached, as the
+    differ (a choice the paper leaves open; docs/methods/fraug.md). The bandwidth is a statistic of the data, not a path for gradients (detached, as the
     code's ``.data``)."""
     n = x.shape[0]
     total = torch.cat([x, y], dim=0)

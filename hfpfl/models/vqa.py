@@ -4,15 +4,15 @@
 architecture to ALBEF: a dual-stream image/text encoder with an answer decoder; ALBEF itself is not in
 transformers) and returns answer logits for one batch dict (``input_ids``, ``attention_mask``, ``pixels`` uint8).
 
-* ViLT: logits = the classifier head on the pooled output (``Linear -> LayerNorm -> GELU -> Linear`` as in [C]);
+* ViLT: logits = the classifier head on the pooled output (``Linear -> LayerNorm -> GELU -> Linear`` as in the authors' code);
   the head is client-specific (private) in every method.
 * BLIP: logits = the answer decoder's first-step scores of the answers (each answer is one token): ALBEF's ranking
   of a client's answer list, so BLIP has no trainable head.
 
-Adapters (Houlsby-type, spec Eq. 1): ``h' = h + ReLU(h W_down) W_up``, reduction factor 16, biases, N(0, 0.02)
-init as in [C] (:class:`BottleneckAdapter`), one per transformer block after the FFN: ViLT after ``ViltOutput``
-(dense + residual, [C]); BLIP after each vision block (post-residual, pre-LN like ViLT) and after ``BlipTextOutput``
-of every text-encoder and text-decoder layer (spec 2.10 #15). They are attached with **public torch forward hooks**
+Adapters (Houlsby-type, FedDAT Eq. 1): ``h' = h + ReLU(h W_down) W_up``, reduction factor 16, biases, N(0, 0.02)
+init as in the authors' code (:class:`BottleneckAdapter`), one per transformer block after the FFN: ViLT after ``ViltOutput``
+(dense + residual, the authors' code); BLIP after each vision block (post-residual, pre-LN like ViLT) and after ``BlipTextOutput``
+of every text-encoder and text-decoder layer (a choice the paper leaves open; docs/methods/feddat.md). They are attached with **public torch forward hooks**
 on the backbone's modules (no patching of peft or transformers, the backbone's state-dict keys are unchanged).
 
 Every block holds one :class:`DualAdapter`: the shared adapter ``A_s`` (``shared``), the local adapter ``A_c``
@@ -23,14 +23,14 @@ from ``A_s`` by :meth:`VQAModel.copy_shared_to_frozen`). ``VQAModel.mode`` picks
 mode       adapter delta                                        used by
 =========  ==================================================  ==========================================
 shared     A_s(h)                                               student, inference, Adapter baselines
-dat        1/2 Â_s(h) + 1/2 A_c(h)  (spec Eq. 4)                the dual-adapter teacher
+dat        1/2 Â_s(h) + 1/2 A_c(h)  (FedDAT Eq. 4)                the dual-adapter teacher
 local      A_c(h)                                               Table 4 inference row "A_c"; "w/o Â_s"
 frozen     Â_s(h)                                               "w/o A_c" teacher ablation
 none       0                                                    LoRA / prompt / bias / full / head baselines
 =========  ==================================================  ==========================================
 
-PEFT baselines (spec 2.4): ``lora`` (public ``peft.inject_adapter_in_model`` with ``LoraConfig`` on
-``query``/``value``), ``prompt`` (5 text prompt tokens after [CLS] through an MLP reparameterisation, [C]; ViLT
+PEFT baselines (the paper's baselines, dissertation ch. 3): ``lora`` (public ``peft.inject_adapter_in_model`` with ``LoraConfig`` on
+``query``/``value``), ``prompt`` (5 text prompt tokens after [CLS] through an MLP reparameterisation, the authors' code; ViLT
 only, text side only), ``bias`` (every backbone bias), ``full`` (every backbone weight), ``head`` (the head only).
 """
 from __future__ import annotations
@@ -66,9 +66,9 @@ class BottleneckAdapter(nn.Module):
         self.down = nn.Linear(d, r)
         self.up = nn.Linear(r, d)
         for lin in (self.down, self.up):
-            nn.init.normal_(lin.weight, std=0.02)     # [C]: N(0, 0.02), zero biases; W_up NOT zero-initialised
+            nn.init.normal_(lin.weight, std=0.02)     # the authors' code: N(0, 0.02), zero biases; W_up NOT zero-initialised
             nn.init.zeros_(lin.bias)
-        if init == "zero":                            # Houlsby near-identity (flag, spec 2.10 #7)
+        if init == "zero":                            # Houlsby near-identity (an option: the paper does not say)
             nn.init.zeros_(self.up.weight)
 
     def forward(self, h):
@@ -107,7 +107,7 @@ class DualAdapter(nn.Module):
 
 
 class TextPrompt(nn.Module):
-    """[C]'s reparameterised prompt: ``Embedding(n, d) -> Linear(d, d/4) -> Tanh -> Linear(d/4, d)``."""
+    """the authors' code's reparameterised prompt: ``Embedding(n, d) -> Linear(d, d/4) -> Tanh -> Linear(d/4, d)``."""
 
     def __init__(self, d: int, n: int = 5):
         super().__init__()
@@ -154,7 +154,7 @@ class VQAModel(nn.Module):
             self.bos_id = backbone.config.text_config.bos_token_id
         elif head_init == "random":
             gen_state = torch.random.get_rng_state()
-            for m in backbone.classifier.modules():   # spec 2.5: head[k] = init_head(|A^k|)
+            for m in backbone.classifier.modules():   # head[k] = init_head(|A^k|), the paper's Algorithm 1
                 if isinstance(m, nn.Linear):
                     nn.init.normal_(m.weight, std=0.02)
                     nn.init.zeros_(m.bias)
@@ -338,7 +338,7 @@ def pretrain_vqa_backbone(kind: str, cfg: dict, out_dir: str) -> dict:
 
 
 def _warmup_linear(total: int, warmup: float = 0.1):
-    """LR factor: linear warm-up over the first 10% of ``total`` steps, then linear decay to 0 (spec 2.7)."""
+    """LR factor: linear warm-up over the first 10% of ``total`` steps, then linear decay to 0 (the paper's schedule, dissertation ch. 3 appendix)."""
     w = max(1, int(round(warmup * total)))
 
     def f(step):
@@ -397,7 +397,7 @@ class AnswerAccuracy(Metric):
 
 
 def kd_loss(student_logits, teacher_logits, temperature: float = 3.0):
-    """[C]'s KD: ``T^2 KL(softmax(teacher/T) || softmax(student/T))``, batchmean, teacher detached."""
+    """the authors' code's KD: ``T^2 KL(softmax(teacher/T) || softmax(student/T))``, batchmean, teacher detached."""
     t = temperature
     return t * t * nn.functional.kl_div(nn.functional.log_softmax(student_logits / t, -1),
                                         nn.functional.softmax(teacher_logits.detach() / t, -1),

@@ -1,4 +1,4 @@
-"""The paper's baselines on FedPop's driver, at the same budget R_t = N_c * R_c rounds (spec A4):
+"""The paper's baselines on FedPop's driver, at the same budget R_t = N_c * R_c rounds (dissertation ch. 4, Sec. 4.1 baselines):
 
 * RS: N_c configurations (alpha, beta^0) sampled once, each trained R_c rounds with fixed hyperparameters.
 * SHA: 27 configurations, keep the best 1/3 after each of 3 stages (27 -> 9 -> 3 -> 1); each stage spends about

@@ -1,4 +1,4 @@
-"""FedPop (spec PART A; dissertation ch. 4): population-based hyperparameter tuning *while* federated training runs,
+"""FedPop (Chen 2025, dissertation ch. 4; AAAI 2025): population-based hyperparameter tuning *while* federated training runs,
 over any registered method. The RS / SHA / FedEx baselines run on the same driver (``baselines.py``).
 
 A population member is a whole :class:`~hfpfl.federated.engine.Simulation` of the chosen method (FedAvg, FedProx,
@@ -15,7 +15,7 @@ attribute; no engine change): right after the method's local update it loads the
 on the model its update leaves. Evaluation is in eval mode and changes no weights or statistics.
 With several accelerate processes each member's clients are sharded by the engine and the scores are all-gathered.
 
-Where the spec and the paper differ, the paper is followed, and each place says so:
+Where the paper is silent or ambiguous, the choice made is said in each place:
 * FedPop-L runs only in the first r_0 = 0.2 T_g rounds of a new/perturbed configuration (appendix l.1936, "early
   stopping of FedPop-L"), eps annealed over that window; at toy scale 0.2 T_g < 1, so the window is at least 1 round
   (our deviation; ``local_window_frac=0`` runs FedPop-L every round as Algorithm 1, eps annealed over R_c).
@@ -71,7 +71,7 @@ class TunerArguments:
     fedpop_l: bool = option(True, "Enable FedPop-L (ablation switch).")
     fedpop_g: bool = option(True, "Enable FedPop-G (ablation switch).")
     search_space: str | None = option(None, "YAML search space (server:/client: blocks, see "
-                                      "hfpfl/tuning/search_space.py); default: the spec's.")
+                                      "hfpfl/tuning/search_space.py); default: the paper's (appendix).")
     sha_start: int = option(27, "SHA: initial configurations (27 -> 9 -> 3 -> 1).", check=at_least(1))
     sha_eta: int = option(3, "SHA: elimination rate (each stage keeps ceil(n / sha_eta)).", check=at_least(2))
     fedex_configs: int = option(27, "FedEx: client configurations per member.", check=at_least(1))

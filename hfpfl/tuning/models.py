@@ -1,4 +1,4 @@
-"""A tiny MLP with a dropout layer (spec A8's toy model, MLP 64-64-10): FedPop tunes the dropout rate, and the
+"""A tiny MLP with a dropout layer (a CPU-scale stand-in, MLP 64-64-10): FedPop tunes the dropout rate, and the
 library's tiny ResNet/ViT have no ``nn.Dropout``. ``--model tiny-mlp`` selects it for any method: the tuner registers
 ``<method>+tiny-mlp``, the method with only ``build_model`` replaced (the engine builds models through the method;
 no engine change)."""

@@ -1,4 +1,4 @@
-"""FedPop's search space (spec PART A2.2 = dissertation appendix l.2017-2033) as a YAML file, plus the operations
+"""FedPop's search space (the dissertation's appendix, ch. 4's search space) as a YAML file, plus the operations
 that act on hyperparameter vectors: sampling, Evo (Eq. 3), the Delta-box around beta^0 and its projection.
 
 A vector is a dict ``{name: coordinate}`` in *sampling space*: a continuous coordinate is the number the uniform
@@ -44,7 +44,7 @@ _PARAM_KEYS = {"type", "low", "high", "values"}
 SERVER_FIELDS = {f.name for f in dataclasses.fields(ServerHParams)}
 CLIENT_FIELDS = {"lr", "momentum", "weight_decay", "local_epochs", "batch_size", "dropout"}
 
-# spec A2.2 (dissertation appendix). Client momentum U[0, 1.0] as printed; log2(batch) U{3..7} -> 8..128.
+# the dissertation's appendix (ch. 4). Client momentum U[0, 1.0] as printed; log2(batch) U{3..7} -> 8..128.
 DEFAULT_SPACE = {
     "server": {
         "server_lr": {"type": "log10", "low": -1.0, "high": 1.0},
@@ -135,7 +135,7 @@ class SearchSpace:
     """Server (alpha) and client (beta) hyperparameters with their sampling distributions."""
 
     def __init__(self, spec: dict | None = None):
-        self.is_default = spec is None   # the spec's space: fit_method may drop what a method ignores
+        self.is_default = spec is None   # the paper's space: fit_method may drop what a method ignores
         spec = copy.deepcopy(DEFAULT_SPACE if spec is None else spec)
         unknown = set(spec) - {"server", "client", "method"}
         if unknown:

@@ -24,7 +24,7 @@ def resnet26_like_config(num_labels: int = 10, width: float = 1.0, **kwargs):
     first block of every stage strided).  transformers' ResNet cannot express three details of the reference model:
     its stem is a 7x7 stride-2 conv + max-pool (Rebuffi: 3x3 stride 1), its shortcuts are 1x1 conv + BN (Rebuffi:
     parameter-free avg-pool + zero padding) and it has no final BN before the pooling.  Counts therefore differ
-    slightly from the spec's; ``rebuffi_resnet26_counts`` gives the exact reference-model numbers."""
+    slightly from the paper's; ``rebuffi_resnet26_counts`` gives the exact reference-model numbers."""
     from transformers import ResNetConfig
 
     def w(c):
@@ -37,7 +37,7 @@ def resnet26_like_config(num_labels: int = 10, width: float = 1.0, **kwargs):
 def rebuffi_resnet26_counts(num_labels: int = 10, width: float = 1.0, in_channels: int = 3) -> dict:
     """Exact parameter/float counts of Rebuffi et al.'s ResNet-26 (``ResNet(BasicBlock, [4,4,4])``: stem
     conv_task(3->32), stages 64/128/256 x 4 blocks, parameter-free shortcuts, final BN + Linear) with one parallel
-    1x1 adapter per 3x3 conv (25).  Reproduces spec A2.6 / A8 (10 classes: base convs 5,806,944, adapters 645,216,
+    1x1 adapter per 3x3 conv (25).  Reproduces the paper's counts (Sec. III) (10 classes: base convs 5,806,944, adapters 645,216,
     trainable 655,530, ratios 8.874 / 8.782)."""
 
     def w(c):

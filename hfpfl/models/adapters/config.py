@@ -122,7 +122,7 @@ class ResidualAdapterConfig(ConvAdapterConfig):
     (``layer.0`` = conv1/bn1, ``layer.1`` = conv2/bn2), trainable stem BN (``norm_modules`` = stem), trainable block
     BNs, classifier head; frozen: all backbone convs and the shortcut (downsample) path.
 
-    ``init_std``: the paper is silent on the init; spec 2.4 (from the code) says "N(0, 1e-4)", read as the standard
+    ``init_std``: the paper is silent on the init; the authors' code uses "N(0, 1e-4)", read as the standard
     deviation (``nn.init.normal_(w, 0, 1e-4)``), which makes the adapter ~identity at init (spec check 7.3).
     """
 
@@ -141,10 +141,10 @@ class ResidualAdapterConfig(ConvAdapterConfig):
 class ParallelAdapterConfig(ConvAdapterConfig):
     """Parallel adapter (Elvebakken et al., following Rebuffi et al. 2018): a 1x1 conv with the same stride as the
     kxk conv, in parallel: ``y = act(BN(W*x + a*x))``.  Trainable and communicated: adapters + BN of every adapted
-    layer + head (spec A2.4).  Default targets on transformers' ResNet: the stem and every block conv (the reference
-    code adapts all 25 3x3 convs of ResNet-26 including the stem, spec A7.3); shortcuts stay frozen.
+    layer + head (the paper, Sec. III).  Default targets on transformers' ResNet: the stem and every block conv (the reference
+    code adapts all 25 3x3 convs of ResNet-26 including the stem); shortcuts stay frozen.
 
-    ``init``: "zeros" (default, spec A7.4: initial function == pretrained base), "normal" (N(0, init_std^2)) or
+    ``init``: "zeros" (default: the initial function is the pretrained base's), "normal" (N(0, init_std^2)) or
     "he" (Kaiming-normal, the reference code).
     """
 

@@ -248,7 +248,7 @@ class ParallelAdapterLayer(ConvUnitAdapterLayer):
         return h + self.padapter_conv[name](x)
 
     def delta_weight(self, name: str) -> torch.Tensor:
-        """The 1x1 kernel placed at the centre of a zero kxk kernel (spec A2.7)."""
+        """The 1x1 kernel placed at the centre of a zero kxk kernel (merging at inference, the paper's Sec. III)."""
         base = self.base_layer.convolution.weight
         k = base.shape[-1]
         delta = torch.zeros_like(base)
