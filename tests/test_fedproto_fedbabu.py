@@ -254,6 +254,34 @@ def test_fedbabu_finetuning_is_one_sgd_step_by_hand(run_sim, part):
     assert not torch.allclose(V, torch.tensor(V0, dtype=torch.float64))  # the step is not trivially zero
 
 
+def _sgd_steps(x, y, lr, n):
+    """``n`` full-batch SGD steps of :func:`_one_sgd_step`'s gradients, from W0, V0, B0."""
+    W, V, b = (torch.tensor(t, dtype=torch.float64) for t in (W0, V0, B0))
+    x = torch.tensor(x, dtype=torch.float64)
+    for _ in range(n):
+        f = x @ W.T
+        p = torch.softmax(f @ V.T + b, dim=1)
+        dz = (p - torch.eye(3, dtype=torch.float64)[y]) / len(y)
+        W, V, b = W - lr * (dz @ V).T @ x, V - lr * dz.T @ f, b - lr * dz.sum(0)
+    return W, V, b
+
+
+@pytest.mark.parametrize("tau", [0, 2])
+def test_fedbabu_finetunes_exactly_tau_epochs_at_the_runs_lr(run_sim, tau):
+    """tau = --finetune_epochs, not the run's local epochs (1 here), and without --finetune_lr the client's own lr
+    (0.3): tau = 2 is two hand-computed full-batch SGD steps; tau = 0 is no fine-tuning at all (the received model,
+    not one epoch: the engine's loop reads epochs=0 as "one epoch", so the method must not call it)."""
+    cfg = FedBABUConfig(finetune_epochs=tau, finetune_part="full")
+    sim, _ = run_sim("tiny_fedbabu", method_config=cfg, run=False, momentum=0.0, lr=0.3, batch_size=16,
+                     local_epochs=1)
+    algo = with_data(sim, {0: data([[1, 0], [0, 1]], [0, 2])}).algorithm
+    model = algo.load_personal(0, algo.init_server_state(), None, 1)
+    W, V, b = _sgd_steps([[1.0, 0.0], [0.0, 1.0]], [0, 2], lr=0.3, n=tau)
+    assert torch.allclose(model.body.weight.double(), W, atol=1e-6)
+    assert torch.allclose(model.classifier.weight.double(), V, atol=1e-6)
+    assert torch.allclose(model.classifier.bias.double(), b, atol=1e-6)
+
+
 def test_fedbabu_runs_end_to_end_head_fixed_and_never_sent(run_sim):
     """Two rounds on Digits with the tiny ResNet (its evaluation fine-tunes every client's head): no head key is ever
     uploaded, downloaded or in the server state; every client's head, after training and after the fine-tuned
