@@ -182,6 +182,73 @@ def test_fedproto_only_prototypes_and_counts_travel(run_sim):
     assert set(up.private["model"]) == {"body.weight", "classifier.weight", "classifier.bias"}
 
 
+def _proto_steps(x, y, protos: dict, lam, lr, n, d_scale):
+    """``n`` full-batch SGD steps from W0, V0, B0 on FedProto's local objective, written from the paper's equation
+    with autograd in float64 (an independent implementation): CE(V f + b, y) + lam * mean_batch(has[y] *
+    ||f - C[y]||^2 / d_scale), f = W x."""
+    W, V, b = (torch.tensor(t, dtype=torch.float64, requires_grad=True) for t in (W0, V0, B0))
+    x, y = torch.tensor(x, dtype=torch.float64), torch.tensor(y)
+    for _ in range(n):
+        f = x @ W.T
+        ce = nn.functional.cross_entropy(f @ V.T + b, y)
+        dist = torch.stack([((f[i] - torch.tensor(protos[str(int(c))], dtype=torch.float64)) ** 2).sum() / d_scale
+                            if str(int(c)) in protos else f[i].sum() * 0 for i, c in enumerate(y)])
+        loss = ce + lam * dist.mean()
+        gW, gV, gb = torch.autograd.grad(loss, (W, V, b))
+        with torch.no_grad():
+            W, V, b = (t - lr * g for t, g in ((W, gW), (V, gV), (b, gb)))
+        W, V, b = (t.requires_grad_() for t in (W, V, b))
+    return W.detach(), V.detach(), b.detach()
+
+
+def test_fedproto_client_update_trains_on_ce_plus_the_global_prototype_distance(run_sim):
+    """A round-2 client update (global prototypes C0 = (0,0), C2 = (2,3) downloaded): one full-batch SGD step, lr 0.1,
+    lambda 0.5, 'mse' (||.||^2 / 2), on x = (1,0), (0,1), y = 0, 2: the private weights equal the hand step of CE +
+    the prototype term (a step on CE alone differs)."""
+    cfg = FedProtoConfig(proto_lambda=0.5)
+    sim, _ = run_sim("tiny_fedproto", method_config=cfg, run=False, momentum=0.0, lr=0.1, batch_size=16)
+    algo = with_data(sim, {0: data([[1, 0], [0, 1]], [0, 2])}).algorithm
+    protos = {"0": [0.0, 0.0], "2": [2.0, 3.0]}
+    down = {"protos": {c: torch.tensor(p) for c, p in protos.items()}}
+    up = algo.client_update(0, down, algo.init_private_state(0), 2)
+    W, V, b = _proto_steps([[1.0, 0.0], [0.0, 1.0]], [0, 2], protos, 0.5, 0.1, 1, 2)
+    got = up.private["model"]
+    assert torch.allclose(got["body.weight"].double(), W, atol=1e-6)
+    assert torch.allclose(got["classifier.weight"].double(), V, atol=1e-6)
+    assert torch.allclose(got["classifier.bias"].double(), b, atol=1e-6)
+    W_ce, _, _ = _proto_steps([[1.0, 0.0], [0.0, 1.0]], [0, 2], {}, 0.5, 0.1, 1, 2)
+    assert not torch.allclose(W, W_ce, atol=1e-4)  # the prototype term moved the body
+
+
+def test_fedproto_uniform_weights_upload_prototypes_only(run_sim):
+    """--proto_weights uniform: the server needs no class counts, so none travel: 2 classes x 2 floats x 4 B."""
+    sim, _ = run_sim("tiny_fedproto", method_config=FedProtoConfig(proto_weights="uniform"), run=False)
+    algo = with_data(sim, {0: data([[1, 0], [0, 1], [1, 1]], [0, 0, 1])}).algorithm
+    up = algo.client_update(0, {"protos": {}}, algo.init_private_state(0), 1)
+    assert set(up.upload) == {"protos"} and tensor_bytes(up.upload) == 2 * 2 * 4
+
+
+@pytest.mark.parametrize("epochs", [0, 1, 2])
+def test_fedproto_new_client_trains_new_client_epochs_on_its_data_with_the_prototypes_fixed(run_sim, epochs):
+    """A new client starts from the initial model and runs --new_client_epochs full-batch SGD steps (lr 0.1, the run's
+    local epochs are 1) of CE + lambda * distance to the *global* prototypes on the data it is given (not a training
+    client's data); 0 epochs: the initial model. Its predictor is the nearest global prototype."""
+    cfg = FedProtoConfig(proto_lambda=0.5, proto_distance="sq_l2")
+    sim, _ = run_sim("tiny_fedproto", method_config=cfg, run=False, momentum=0.0, lr=0.1, batch_size=16,
+                     new_client_epochs=epochs, local_epochs=1)
+    algo = with_data(sim, {0: data([[5, 5]], [1])}).algorithm   # a training client's data: must not be used
+    protos = {"0": [0.0, 0.0], "2": [2.0, 3.0]}
+    state = algo.init_server_state()
+    for c, p in protos.items():
+        state["prototypes"]["table"][int(c)], state["prototypes"]["known"][int(c)] = torch.tensor(p), True
+    personal = algo.personalize_new_client(0, state, data([[1, 0], [0, 1]], [0, 2]), 3)
+    assert isinstance(personal, NearestPrototype)
+    W, V, b = _proto_steps([[1.0, 0.0], [0.0, 1.0]], [0, 2], protos, 0.5, 0.1, epochs, 1)
+    assert torch.allclose(sim.model.body.weight.double(), W, atol=1e-6)
+    assert torch.allclose(sim.model.classifier.weight.double(), V, atol=1e-6)
+    assert torch.allclose(sim.model.classifier.bias.double(), b, atol=1e-6)
+
+
 def test_fedproto_runs_end_to_end_sending_no_weights(run_sim):
     """Two rounds on Digits with the tiny ResNet: no model part ever travels; every round's upload per client is its
     classes' prototypes (4 B per float) and counts (8 B each); round 1 downloads nothing, round 2 every class."""
