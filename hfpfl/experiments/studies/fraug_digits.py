@@ -21,8 +21,8 @@ across rounds, FedBN's own code re-creates its optimizer every round; "kept" and
 methods (``--keep_optimizer_state``), and the FRAug-vs-FedBN claims compare rows of one policy."""
 from hfpfl.experiments import Study, Variant, controls, greater, margin
 
-T2 = "Table 2, Digits avg"
-T5 = "Table 5, Digits"
+T2 = "Chen 2025, FRAug chapter, Table 2, Digits avg"
+T5 = "Chen 2025, FRAug chapter, Table 5, Digits"
 HOOK = "hfpfl.experiments.studies.fraug_digits:domain_accuracies"
 #: FRAug's own step sizes (the classifier's lr and momentum are the shared --lr / --momentum); no embedding plot
 FRAUG = ("--method", "fraug", "--gen_lr", "0.025", "--rtnet_lr", "0.025", "--plot_embeddings", "false")
@@ -75,14 +75,15 @@ STUDY = Study(
         greater("fraug", "fedavg_ft", paper=f"89.59 vs 87.03 ({T2}, pFedAvg)"),
         greater("fraug", "fedavg", paper=f"89.59 vs 85.62 ({T2})"),
         greater("fraug", "fedprox", paper=f"89.59 vs 84.96 ({T2})"),
-        margin("fraug", "fedbn_kept", 0.023, paper="FRAug +2.3 points over every alternative on Digits (section "
-                                                   "4.1.4); Table 2: +2.48 over FedBN"),
+        margin("fraug", "fedbn_kept", 0.023, paper="FRAug +2.3 points over every alternative on Digits (FRAug "
+                                                   "chapter, section 4.1.4); Table 2: +2.48 over FedBN"),
         margin("fraug_fresh_optim", "fedbn", 0.023, paper="as above, both restarting the optimizer each round"),
         # section 4.1.4: the largest gains on the hardest domains (MNIST-M and SVHN), above 3 points
         margin("fraug", "fedbn_kept", 0.03, metric="mnistm_accuracy",
-               paper="gain above 3 points on MNIST-M (section 4.1.4); Table 2: 81.65 vs 77.02"),
+               paper="gain above 3 points on MNIST-M (FRAug chapter, section 4.1.4); Table 2: 81.65 vs 77.02"),
         margin("fraug", "fedbn_kept", 0.03, metric="syn_accuracy",
-               paper="gain above 3 points on SVHN (section 4.1.4; SYN stands in); Table 2: 81.24 vs 77.59"),
+               paper="gain above 3 points on SVHN (FRAug chapter, section 4.1.4; SYN stands in); Table 2: 81.24 vs "
+                     "77.59"),
         # Table 2: the baselines' order
         greater("fedbn", "fedavg", paper=f"87.11 vs 85.62 ({T2})"),
         greater("fedavg_ft", "fedavg", paper=f"87.03 vs 85.62 ({T2}); lr 0.05 / momentum 0.9 here, not the "
@@ -98,8 +99,8 @@ STUDY = Study(
         greater("fraug_rtnet_ema", "fraug_rtnet_only", paper=f"86.60 vs 86.23 ({T5})"),
         greater("fraug_g_only", "fraug_rtnet_only", paper=f"87.25 vs 86.23 ({T5}): the shared generator matters "
                                                          "more than the local RTNet"),
-        greater("fedbn_kept", "fraug_rtnet_only", paper="87.11 (Table 2) vs 86.23 (Table 5): the RTNet alone, on "
-                                                        "local data, is ineffective (section 4.3.3)"),
+        greater("fedbn_kept", "fraug_rtnet_only", paper="87.11 (FRAug chapter, Table 2) vs 86.23 (Table 5): the RTNet "
+                                                        "alone, on local data, is ineffective (section 4.3.3)"),
         # controls
         greater("fraug", "untrained", paper="(control) federated training beats the initial model"),
         greater("fraug", "majority", paper="(control) above the label-majority rate"),
