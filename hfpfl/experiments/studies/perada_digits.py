@@ -23,7 +23,7 @@ ROUNDS, KD_STEPS = 6, 30
 
 HOOK = "hfpfl.experiments.studies.perada_digits:corrupted_accuracy"
 T1 = "PerAda (Xie et al., CVPR 2024), Table 1, CIFAR-10 local test"
-ADAPTER = ("--adapter", "residual")
+ADAPTER = ("--adapter", "residual", "--kd_steps", str(KD_STEPS))
 FULL = ("--adapter", "none")
 PERADA = Variant("perada", ("--method", "perada", *ADAPTER), label="PerAda", paper="91.82 (C10-L)",
                  metrics_hook=HOOK)
@@ -57,8 +57,7 @@ STUDY = Study(
             "--min_partition_size", "10", "--max_per_domain", "200", "--image_size", "28",
             "--model", "hfpfl/tiny-resnet-ood", "--num_rounds", str(ROUNDS), "--clients_per_round", "4",
             "--local_epochs", "1", "--batch_size", "32", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0",
-            "--weight_decay", "0", "--kd_steps", str(KD_STEPS),
-            "--eval_every", str(ROUNDS)),
+            "--weight_decay", "0", "--eval_every", str(ROUNDS)),
     metrics={"personal_accuracy": "mean per-client accuracy (own test set)",
              "personal_accuracy_corrupted": "the same, test sets with Gaussian noise (severity 1 + id mod 5)",
              "global_accuracy": "global model / adapter on the global test set"},
