@@ -77,7 +77,8 @@ def test_chance_is_one_over_the_answers_each_client_trains_on():
 
 def test_ablation_controls_train_with_their_ablation_and_refuse_a_variant_without_it():
     """question_only(adapter) adds --image_ablation blank, shuffled_image(adapter) shuffle; a variant of kind
-    question_only built by hand without the flag is refused before anything trains."""
+    question_only built by hand without the flag, or with --image_ablation shuffle, is refused before anything
+    trains."""
     adapter = Variant("adapter", ("--method", "vqa_adapter"), recipe=vqa.RECIPE)
     qo, sh = vqa.question_only(adapter), vqa.shuffled_image(adapter)
     assert qo.argv[-2:] == ("--image_ablation", "blank") and qo.kind == "question_only"
@@ -86,6 +87,10 @@ def test_ablation_controls_train_with_their_ablation_and_refuse_a_variant_withou
     st = Study(name="t", title="t", paper="p", variants=(bad,), seeds=(0,))
     with pytest.raises(ValueError, match="--image_ablation blank"):
         vqa._run_ablated(st, bad, 0, None)
+    wrong = Variant("question_only", ("--method", "vqa_adapter", "--image_ablation", "shuffle"), kind="question_only",
+                    recipe=vqa.RECIPE)   # the flag is there, with the other ablation's value
+    with pytest.raises(ValueError, match="--image_ablation blank"):
+        vqa._run_ablated(Study(name="t", title="t", paper="p", variants=(wrong,), seeds=(0,)), wrong, 0, None)
 
 
 def test_upload_bytes_hook_is_bytes_per_client_and_round():

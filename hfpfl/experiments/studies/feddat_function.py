@@ -7,7 +7,8 @@ pretrained on a disjoint image pool with the same 13 answers), {rounds} rounds o
 {test} test questions per client, batch 32, AdamW lr 1e-3 and weight decay 0.01 with the recipe's per-round warm-up
 and linear decay (the paper: lr 1e-4, batch 64, 20 rounds). Adapter-L trains one local epoch per round like the
 others (the paper: 20 epochs). The controls: chance (uniform over the client's own answers), each client's
-majority answer, the stand-in before federated training, and Adapter trained and tested on blank images
+majority answer, the Adapter model before training (its client head is random), the stand-in with its own
+pool-trained answer head before training, and Adapter trained and tested on blank images
 (question-only) or on images shuffled across questions (--image_ablation). If the question-only control matches the
 methods, this benchmark cannot rank them: the claims below are evaluated all the same. Matched by epochs: FedDAT
 takes two optimizer steps per batch (A_s, then A_c), Adapter one. Cut to fit the time: LoRA, prompt, bias, full,

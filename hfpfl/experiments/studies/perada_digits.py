@@ -3,9 +3,9 @@
 PerAda (Xie et al., CVPR 2024) Table 1 (personalized models, CIFAR-10 Dir(0.1), 20 clients, 40% per round, ResNet-18
 pretrained on ImageNet): PerAda 91.82 on the clients' own test sets, +1.08 over the best baseline; PerAda w/o KD
 91.27; on CIFAR-10-C PerAda 48.53 vs Ditto 44.32. Table 2 (global models): PerAda's global adapter 76.77 vs
-74.22 without KD. Here, scaled to 2 shared CPU cores: the built-in Digits pool (MNIST, USPS, MNIST-M, SYN; at most 200 images per domain;
+74.22 without KD. Here, scaled to 2 shared CPU cores: the built-in Digits pool (MNIST, USPS, MNIST-M, SYN; at most 300 images per domain;
 10 classes, 28 px)
-under Dir(0.1) over 8 clients, 4 per round (the paper's 40%, rounded up), {rounds} rounds of one local epoch, plain SGD
+under Dir(0.1) over 10 clients, 4 per round (the paper's 40%), {rounds} rounds of one local epoch, plain SGD
 (no momentum, PerAda's code) at a constant lr 0.05, batch 32, weight decay 0, on the out-of-domain tiny ResNet
 stand-in (hfpfl/tiny-resnet-ood, pretrained on no Digits image). PerAda trains residual adapters (lambda 1) and
 distils {kd} steps per round on the unlabelled out-of-domain pool (the paper: R = 500 on CIFAR-100); every baseline
@@ -19,7 +19,7 @@ local epoch per round on each sampled client; PerAda and Ditto train two models 
 paper protocols), FedAvg+FT fine-tunes one extra epoch at evaluation."""
 from hfpfl.experiments import Study, Variant, controls, greater
 
-ROUNDS, KD_STEPS = 6, 30
+ROUNDS, KD_STEPS = 10, 30
 
 HOOK = "hfpfl.experiments.studies.perada_digits:corrupted_accuracy"
 T1 = "PerAda (Xie et al., CVPR 2024), Table 1, CIFAR-10 local test"
@@ -53,8 +53,8 @@ STUDY = Study(
     paper="PerAda (Xie et al., CVPR 2024), Tables 1 and 2",
     description=__doc__.split("\n\n", 1)[1].replace("\n", " ").format(rounds=ROUNDS, kd=KD_STEPS),
     seeds=(0, 1, 2),
-    common=("--dataset", "digits", "--partition", "dirichlet", "--alpha", "0.1", "--num_clients", "8",
-            "--min_partition_size", "10", "--max_per_domain", "200", "--image_size", "28",
+    common=("--dataset", "digits", "--partition", "dirichlet", "--alpha", "0.1", "--num_clients", "10",
+            "--min_partition_size", "10", "--max_per_domain", "300", "--image_size", "28",
             "--model", "hfpfl/tiny-resnet-ood", "--num_rounds", str(ROUNDS), "--clients_per_round", "4",
             "--local_epochs", "1", "--batch_size", "32", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0",
             "--weight_decay", "0", "--eval_every", str(ROUNDS)),
