@@ -25,6 +25,7 @@ def test_ablate_images_blank_is_one_grey_image_and_shuffle_is_the_generators_per
 
 @pytest.fixture(scope="module")
 def function_split():
+    """The function split built three times (no ablation, blank, shuffle): about 25 s on a loaded 2-core box."""
     kw = dict(seed=0, train_per_client=20, test_per_client=20)
     return {a: vqa_benchmark("function", image_ablation=a, **kw) for a in ("none", "blank", "shuffle")}
 
@@ -33,6 +34,7 @@ def _cols(split, which):
     return [getattr(c, which).with_format("numpy")[:] for c in split.clients]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["train", "test"])
 def test_blank_images_keep_every_question_and_answer_and_carry_no_image(function_split, which):
     """Blank: the same questions, masks and answers in the same order as without ablation; every pixel is 128, so
@@ -43,6 +45,7 @@ def test_blank_images_keep_every_question_and_answer_and_carry_no_image(function
         assert (blank["pixels"] == 128).all() and not (ref["pixels"] == 128).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["train", "test"])
 def test_shuffled_images_are_the_same_images_paired_with_other_questions(function_split, which):
     """Shuffle: the same questions and answers in order; each client split's images are a permutation of its own
