@@ -10,8 +10,8 @@ others (the paper: 20 epochs). The controls: chance (uniform over the client's o
 majority answer, the Adapter model before training (its client head is random), the stand-in with its own
 pool-trained answer head before training, and Adapter trained and tested on blank images
 (question-only) or on images shuffled across questions (--image_ablation). If the question-only control matches the
-methods, this benchmark cannot rank them: the claims below are evaluated all the same. Matched by epochs: FedDAT
-takes two optimizer steps per batch (A_s, then A_c), Adapter one. Cut to fit the time: LoRA, prompt, bias, full,
+methods, this benchmark cannot rank them: the claims below are evaluated all the same. Matched by epochs: the steps
+column counts local batches; FedDAT takes two optimizer steps on each (A_s, then A_c), Adapter one. Cut to fit the time: LoRA, prompt, bias, full,
 clf-L and the two teacher ablations (w/o A_s, w/o A_c); the BLIP stand-in."""
 from hfpfl.experiments.studies._feddat import feddat_study
 

@@ -16,7 +16,8 @@ The corrupted metric is each client's own test set with Gaussian noise of severi
 for every row (a metrics_hook): a robustness-of-personalization protocol, not the paper's corrupted global test set
 (CIFAR-10-C), so its claim is a qualitative comparison only. Rows are matched by epochs: every method trains one
 local epoch per round on each sampled client; PerAda and Ditto train two models per client in that epoch (their
-paper protocols), FedAvg+FT fine-tunes one extra epoch at evaluation."""
+paper protocols), FedAvg+FT fine-tunes one extra epoch at evaluation (not counted in its steps); FedRep reports no
+budget, so its claim states why it is compared all the same."""
 from hfpfl.experiments import Study, Variant, controls, greater
 
 ROUNDS, KD_STEPS = 10, 30
