@@ -12,7 +12,8 @@ first use, ~1-3 min on one CPU core).
     python recipes/feddat.py --help
 
 The benchmark's own options (--backbone vilt|blip: the stand-in whose tiny checkpoint is the default --model;
---vqa_split function|scene|domain; --train_per_client / --test_per_client) are listed by --help with the run and
+--vqa_split function|scene|domain; --train_per_client / --test_per_client; --image_ablation none|blank|shuffle: the
+question-only and shuffled-image controls) are listed by --help with the run and
 method options; they go in a --config file and config.yaml like any other.
 Defaults (a few minutes on 2 cores): 8 rounds, 1 local epoch, batch 32, AdamW lr 1e-3, weight decay 0.01, warm-up
 10% + linear decay per round. Results contract: config.yaml, results.json (per-client accuracy, bytes per part,
@@ -35,6 +36,9 @@ class VQABenchmark:
                             "style per client (visual shift) | domain: both.", choices=["function", "scene", "domain"])
     train_per_client: int = option(300, "Training questions per client.", check=at_least(20))
     test_per_client: int = option(200, "Test questions per client.", check=at_least(20))
+    image_ablation: str = option("none", "A control, not a method: blank (every client image one constant grey "
+                                 "image, train and test: a question-only model) | shuffle (images permuted across "
+                                 "the questions of each client split) | none.", choices=["none", "blank", "shuffle"])
 
     def run_defaults(self) -> dict:
         """The run defaults these options choose: --backbone's stand-in is the default --model."""
@@ -46,10 +50,10 @@ RECIPE_OPTIONS = VQABenchmark  # this recipe's own options (docs/reference/optio
 
 
 def benchmark_data(run, data, opts: VQABenchmark):
-    return build_data(run, data, opts.vqa_split, opts.train_per_client, opts.test_per_client)
+    return build_data(run, data, opts.vqa_split, opts.train_per_client, opts.test_per_client, opts.image_ablation)
 
 
-def build_data(run, data, split, train_n, test_n):
+def build_data(run, data, split, train_n, test_n, image_ablation="none"):
     from hfpfl.data.vqa import vqa_benchmark, vqa_tokenizer
     from hfpfl.models.builders import TINY_VQA_MODELS, build_vqa_tokenizer
     from hfpfl.models.vqa import BACKBONES
@@ -58,7 +62,7 @@ def build_data(run, data, split, train_n, test_n):
     tok = vqa_tokenizer() if local else build_vqa_tokenizer(run.model)
     tok = getattr(tok, "tokenizer", tok)
     return vqa_benchmark(split, tokenizer=tok, seed=run.seed, train_per_client=train_n, test_per_client=test_n,
-                         image_size=data.image_size)
+                         image_size=data.image_size, image_ablation=image_ablation)
 
 
 def main(argv=None):

@@ -65,6 +65,19 @@ def test_summarize_rows_gives_means_sample_stds_domains_and_budgets():
     assert s["order"] == ["a", "b"]
 
 
+def test_a_study_without_per_domain_reports_no_domain_columns():
+    """per_domain=False: the rows' per-domain accuracies stay in rows.jsonl, the summary has none (so the doc shows no
+    domain column); per-client means are still summarized (0.4 and 0.6 -> 0.5)."""
+    st = _study(per_domain=False)
+    rows = {("a", s): {**_row("a", s, 0.5, domain={"mnist": 1.0}), "per_client": {"0": 0.4 + 0.2 * s}}
+            for s in (0, 1)}
+    s = runner.summarize(st, rows)
+    assert s["variants"]["a"]["per_domain"] == {}
+    assert s["variants"]["a"]["per_client"]["0"]["mean"] == pytest.approx(0.5)
+    assert "mnist" not in render(s)
+    assert runner.summarize(_study(), rows)["variants"]["a"]["per_domain"]["mnist"]["mean"] == 1.0
+
+
 # ---------------------------------------------------------------------------------------------- claims
 def _entry(mean, seeds=(0, 1, 2), steps=10, kind="run"):
     return {"kind": kind, "seeds": list(seeds), "budget": {"optimizer_steps_per_model": steps},
@@ -94,6 +107,24 @@ def test_within_is_two_sided():
     assert _verdict(w, {"a": _entry(0.68), "b": _entry(0.65)})["verdict"] == "held"
     assert _verdict(w, {"a": _entry(0.70), "b": _entry(0.65)})["verdict"] == "not held"
     assert _verdict(w, {"a": _entry(0.60), "b": _entry(0.65)})["verdict"] == "not held"
+
+
+def test_a_claim_between_two_metrics_compares_a_metric_of_a_with_metric_b_of_b():
+    """One row with inference_shared 0.61 and inference_dat 0.58: shared >= dat + 0 held (0.61 vs 0.58), dat >= shared
+    + 0 not held; comparing one metric with itself (metric_b ignored) would give 0.61 vs 0.61 and hold both ways.
+    A missing metric_b is not measured; metric_b without metric is refused when the study is built."""
+    row = {"kind": "run", "seeds": [0, 1, 2], "budget": {"optimizer_steps_per_model": 10},
+           "metrics": {"inference_shared": {"mean": 0.61, "seeds": [0, 1, 2]},
+                       "inference_dat": {"mean": 0.58, "seeds": [0, 1, 2]}}}
+    v = _verdict(margin("f", "f", 0.0, metric="inference_shared", metric_b="inference_dat"), {"f": row})
+    assert v["verdict"] == "held" and (v["mean_a"], v["mean_b"]) == (0.61, 0.58)
+    assert v["claim"] == "f.inference_shared >= f.inference_dat + 0" and v["metric_b"] == "inference_dat"
+    v = _verdict(margin("f", "f", 0.0, metric="inference_dat", metric_b="inference_shared"), {"f": row})
+    assert v["verdict"] == "not held" and v["detail"] == "0.5800 vs 0.6100 (-0.0300)"
+    v = _verdict(greater("f", "f", metric="inference_dat", metric_b="inference_local"), {"f": row})
+    assert v["verdict"] == "not measured" and "no inference_local" in v["detail"]
+    with pytest.raises(ValueError, match="must name metric"):
+        _study(claims=(greater("a", "b", metric_b="x"),))
 
 
 def test_missing_rows_are_not_measured_never_not_held():

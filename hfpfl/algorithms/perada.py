@@ -253,7 +253,7 @@ def corrupted_test_data(sim, client_id: int, kind: str, severity: int) -> Tensor
 
 def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, spec: str = "noise:client") -> dict:
     """Mean per-client accuracy of the personal models (``algo.load_personal``) on corrupted client test sets.
-    Works for any method (the compare script attaches it to FedAvg+FT as ``extra_metrics``)."""
+    Works for any method (the perada_digits study scores every row with it through a metrics_hook)."""
     sim = algo.sim
     kind, severity = parse_corruption(spec)
     rows = []

@@ -22,6 +22,11 @@ The images are split once into a *pretraining pool* (30%, rendered only in the p
 ``jitter``, held by no client) and the client images (70%); clients get disjoint images, and each client's test
 images are disjoint from its training images. Client splits are in model-input format with numeric columns only:
 ``input_ids``, ``attention_mask``, ``pixels`` (uint8 [3, H, W]) and ``answer`` (int).
+
+``image_ablation`` (controls that say how much of a score the image explains): ``blank`` replaces every client
+image (train and test) by one constant grey image, so a model trained and tested on it is a question-only model;
+``shuffle`` permutes the images across the questions of each client split, so images keep their style but no longer
+belong to their questions. The pretraining pool is left as it is (the foundation model is the same).
 """
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ CLIENT_STYLES = ("texture", "photo", "palette", "blur", "noise")
 POOL_STYLES = ("plain", "jitter")
 SPLITS = ("function", "scene", "domain")
 POOL_FRACTION = 0.3
+IMAGE_ABLATIONS = ("none", "blank", "shuffle")
+#: the blank image's value: mid-grey, the centre of the [-1, 1] pixel normalisation
+BLANK_VALUE = 128
 #: the domain-like split: (style, question family) per client
 DOMAIN_CLIENTS = (("texture", "shape"), ("photo", "color"), ("palette", "yesno-color"), ("blur", "yesno-shape"),
                   ("noise", "color"))
@@ -194,6 +202,18 @@ def apply_style(images: np.ndarray, style: str, seed: int) -> np.ndarray:
     raise ValueError(f"unknown style {style!r}; expected one of {POOL_STYLES + CLIENT_STYLES}")
 
 
+def ablate_images(images: np.ndarray, how: str, rng: np.random.Generator) -> np.ndarray:
+    """``images`` (uint8 [N, H, W, 3], one per question) under an image ablation: ``none`` as they are, ``blank``
+    every one the constant grey :data:`BLANK_VALUE`, ``shuffle`` permuted across the N questions by ``rng``."""
+    if how == "none":
+        return images
+    if how == "blank":
+        return np.full_like(images, BLANK_VALUE)
+    if how == "shuffle":
+        return images[rng.permutation(len(images))]
+    raise ValueError(f"--image_ablation must be one of {', '.join(IMAGE_ABLATIONS)}, got {how!r}")
+
+
 # ------------------------------------------------------------------------------------------------ tokenizer
 def vqa_words() -> list[str]:
     rows, answers = _easy_vqa_raw()
@@ -276,9 +296,13 @@ def pretraining_pool(tokenizer, image_size: int = 32, max_questions: int | None 
 
 
 def vqa_benchmark(split: str = "scene", *, tokenizer=None, seed: int = 0, train_per_client: int = 400,
-                  test_per_client: int = 200, image_size: int = 32):
+                  test_per_client: int = 200, image_size: int = 32, image_ablation: str = "none"):
     """A :class:`~hfpfl.data.federated.FederatedData` for one of FedDAT's heterogeneity splits (see module doc).
-    Each client draws its own images (disjoint between clients and between its train and test splits)."""
+    Each client draws its own images (disjoint between clients and between its train and test splits).
+    ``image_ablation``: ``none`` | ``blank`` | ``shuffle`` (module doc); the questions, answers and their order do
+    not depend on it."""
+    if image_ablation not in IMAGE_ABLATIONS:
+        raise ValueError(f"--image_ablation must be one of {', '.join(IMAGE_ABLATIONS)}, got {image_ablation!r}")
     from .federated import ClientData
 
     tokenizer = tokenizer or vqa_tokenizer()
@@ -304,6 +328,8 @@ def vqa_benchmark(split: str = "scene", *, tokenizer=None, seed: int = 0, train_
             if len(sel) < min(cap, 20):
                 raise ValueError(f"VQA client {cid} ({spec.name}) has only {len(sel)} {which} questions")
             imgs = apply_style(all_imgs[[r[3] for r in sel]], spec.style, seed=seed * 1000 + cid * 10 + (which == "test"))
+            # its own generator: the benchmark's draws (rng) stay the same under every ablation
+            imgs = ablate_images(imgs, image_ablation, np.random.default_rng([seed, 78, cid, which == "test"]))
             parts[which] = encode(tokenizer, [r[0] for r in sel], [r[1] for r in sel], answers, imgs)
         clients.append(ClientData(cid, parts["train"], parts["test"], None, spec.name))
         tests.append(parts["test"])
@@ -324,4 +350,4 @@ class VQAFederatedData(FederatedData):
 
 __all__ = ["load_vqa_source", "vqa_benchmark", "pretraining_pool", "apply_style", "easy_vqa_images",
            "easy_vqa_answers", "vqa_tokenizer", "client_specs", "question_type", "SPLITS", "QUESTION_TYPES",
-           "CLIENT_STYLES", "POOL_STYLES"]
+           "CLIENT_STYLES", "POOL_STYLES", "IMAGE_ABLATIONS", "ablate_images"]

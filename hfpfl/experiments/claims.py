@@ -39,15 +39,18 @@ def evaluate(claim, summary: dict, *, primary: str, seeds, matched_by: str) -> d
     """The verdict of ``claim`` on ``summary["variants"]`` (each: kind, metrics{name: {mean, std, n, seeds}},
     budget{...}). Returns the claim's fields plus ``verdict``, ``detail`` and the two means."""
     metric = claim.metric or primary
+    metric_b = claim.metric_b or metric
     out = {"claim": claim.text(), "kind": claim.kind, "a": claim.a, "b": claim.b, "value": claim.value,
            "metric": metric, "paper": claim.paper, "mean_a": None, "mean_b": None}
+    if claim.metric_b:
+        out["metric_b"] = metric_b
     variants = summary.get("variants", {})
     ea, eb = variants.get(claim.a), variants.get(claim.b)
-    for side, entry in ((claim.a, ea), (claim.b, eb)):
-        why = _measured(entry, metric, seeds)
+    for side, entry, m in ((claim.a, ea, metric), (claim.b, eb, metric_b)):
+        why = _measured(entry, m, seeds)
         if why:
             return {**out, "verdict": NOT_MEASURED, "detail": f"{side}: {why}"}
-    ma, mb = ea["metrics"][metric]["mean"], eb["metrics"][metric]["mean"]
+    ma, mb = ea["metrics"][metric]["mean"], eb["metrics"][metric_b]["mean"]
     out.update(mean_a=ma, mean_b=mb)
     controls = [n for n, e in ((claim.a, ea), (claim.b, eb)) if e.get("control", e.get("kind", "run") != "run")]
     key = BUDGET_KEY[matched_by]

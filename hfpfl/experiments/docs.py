@@ -83,7 +83,7 @@ def render(summary: dict) -> str:
     if s.get("claims"):
         lines += ["| claim | paper | ours | budgets | verdict |", "|---|---|---|---|---|"]
         for c in s["claims"]:
-            what = c["claim"] + ("" if c["metric"] == primary else f" ({c['metric']})")
+            what = c["claim"] + ("" if c["metric"] == primary or c.get("metric_b") else f" ({c['metric']})")
             cells = [what, c["paper"], c["detail"], c.get("budgets", ""), f"**{c['verdict']}**"]
             lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
         lines.append("")

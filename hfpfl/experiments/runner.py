@@ -211,6 +211,8 @@ def summarize(study, rows: dict) -> dict:
             entry["metrics"][m] = {**mean_std([r["metrics"][m] for r in have]), "seeds": [r["seed"] for r in have],
                                    "values": [r["metrics"][m] for r in have]}
         for part in ("per_domain", "per_client"):
+            if part == "per_domain" and not study.per_domain:
+                continue   # a partition that mixes domains: a client's "domain" is no domain the paper reports
             keys = sorted({k for r in rs for k in (r.get(part) or {})}, key=lambda k: (len(k), k))
             entry[part] = {k: mean_std([(r.get(part) or {}).get(k) for r in rs]) for k in keys}
         for k in ("optimizer_steps_per_model", "examples_seen_per_model", "epochs_per_model", "trained_models"):

@@ -44,7 +44,9 @@ class Claim:
 
     ``kind``: ``"greater"`` (a > b), ``"margin"`` (a >= b + value), ``"within"`` (|a - b| <= value, two-sided).
     ``paper``: what the paper says, with where (table / section). ``budgets_differ_because``: the reason a claim
-    between rows trained with different budgets is still meaningful (without it such a claim is refused)."""
+    between rows trained with different budgets is still meaningful (without it such a claim is refused).
+    ``metric_b``: ``b``'s metric when it is not ``a``'s, for a claim between two metrics (e.g. two inference paths of
+    one trained row: ``margin("feddat", "feddat", 0, metric="inference_shared", metric_b="inference_dat")``)."""
     kind: str
     a: str
     b: str
@@ -52,13 +54,17 @@ class Claim:
     metric: str | None = None
     paper: str = ""
     budgets_differ_because: str | None = None
+    metric_b: str | None = None
 
     def text(self) -> str:
+        a, b = self.a, self.b
+        if self.metric_b is not None:
+            a, b = f"{a}.{self.metric}", f"{b}.{self.metric_b}"
         if self.kind == "greater":
-            return f"{self.a} > {self.b}"
+            return f"{a} > {b}"
         if self.kind == "margin":
-            return f"{self.a} >= {self.b} + {self.value:g}"
-        return f"|{self.a} - {self.b}| <= {self.value:g}"
+            return f"{a} >= {b} + {self.value:g}"
+        return f"|{a} - {b}| <= {self.value:g}"
 
 
 def greater(a: str, b: str, **kw) -> Claim:
@@ -106,6 +112,9 @@ class Study:
         for c in self.claims:
             if c.kind not in ("greater", "margin", "within"):
                 raise ValueError(f"study {self.name!r}: unknown claim kind {c.kind!r}")
+            if c.metric_b is not None and c.metric is None:
+                raise ValueError(f"study {self.name!r}: claim {c.a!r} vs {c.b!r} names metric_b, so it must name "
+                                 "metric (a's) too")
             for side in (c.a, c.b):
                 if side not in names:
                     raise ValueError(f"study {self.name!r}: claim {c.text()!r} names {side!r}, not a variant "
