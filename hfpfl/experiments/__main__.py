@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if a.cmd == "docs":
             from .docs import write_docs
-            for path in write_docs(a.store, a.out, a.studies or None):
+            # the README's short table follows the default store only (a scratch store must not rewrite it)
+            readme = "README.md" if a.store == STORE and a.out is None and os.path.exists("README.md") else None
+            for path in write_docs(a.store, a.out, a.studies or None, readme=readme):
                 print(f"wrote {path}")
             return 0
         study = load_study(a.study)
