@@ -157,11 +157,16 @@ def test_label_weighted_majority_is_pflbeds_metric_of_the_majority_label():
 def test_fedpce_embedding_silhouette_by_hand():
     """1-D points 0, 1 (group a) and 10, 11 (group b): each point's own-group distance a = 1; the other group's mean
     distance b is 10.5 for the outer points (0, 11) and 9.5 for the inner ones, so s = 9.5 / 10.5 and 8.5 / 9.5, mean
-    (9.5 / 10.5 + 8.5 / 9.5) / 2. Swapping the labels of 1 and 10 makes the groups overlap: s < 0."""
+    (9.5 / 10.5 + 8.5 / 9.5) / 2. Swapping the labels of 1 and 10 makes the groups overlap: s < 0. A third group c at
+    100, 101: b is the NEAREST other group's mean distance (for 0: b's 10.5, not c's 100.5; for 100: b's 89.5), so
+    the points score 9.5 / 10.5, 8.5 / 9.5, 8.5 / 9.5, 9.5 / 10.5, 88.5 / 89.5, 89.5 / 90.5."""
     sil = runner._load_recipe(str(REPO / "recipes" / "fedpce.py")).silhouette
     X = np.array([[0.0], [1.0], [10.0], [11.0]])
     assert sil(X, ["a", "a", "b", "b"]) == pytest.approx((9.5 / 10.5 + 8.5 / 9.5) / 2, abs=1e-12)
     assert sil(X, ["a", "b", "a", "b"]) < 0
+    X3 = np.array([[0.0], [1.0], [10.0], [11.0], [100.0], [101.0]])
+    want = (2 * 9.5 / 10.5 + 2 * 8.5 / 9.5 + 88.5 / 89.5 + 89.5 / 90.5) / 6
+    assert sil(X3, ["a", "a", "b", "b", "c", "c"]) == pytest.approx(want, abs=1e-12)
 
 
 def test_registered_kinds_are_controls_unless_they_train():
