@@ -46,6 +46,7 @@ STUDY = Study(
              "new_start_accuracy_lw": "new clients before adapting (label-re-weighted)",
              "personal_accuracy_lw": "participants (label-re-weighted)",
              "new_client_accuracy": "new clients, adapted (unweighted)",
+             "basis_update_cosine": "mean pairwise cosine of the bases' updates",
              "basis_cosine": "mean pairwise basis cosine",
              "alpha_entropy": "mean coefficient entropy"},
     variants=(FEDBASIS, NAIVE, FEDAVG_FT,
@@ -62,9 +63,11 @@ STUDY = Study(
                 paper=f"the improved training's designs help new clients: without coordinate descent 83.5 vs 87.5 "
                       f"(Office-Home), 85.8 vs 87.6 (GLD) ({T3}); naive training 'can hardly achieve better "
                       "performance than using a single basis' (section 4.2)", budgets_differ_because=WHY_ROUNDS),
-        greater("fedbasis_naive", "fedbasis", metric="basis_cosine",
+        greater("fedbasis_naive", "fedbasis", metric="basis_update_cosine",
                 paper="naive training: 'the bases gradually collapse to similar parameters' (section 4.2, Fig. 2: "
-                      "pairwise cosine similarity rises); the improved training prevents it",
+                      "pairwise cosine similarity rises); the improved training prevents it. Measured on the bases' "
+                      "updates since the warm start: every basis starts from the same FedAvg warm start, so the "
+                      "parameters' own pairwise cosine is above 0.99 in both trainings",
                 budgets_differ_because=WHY_ROUNDS),
         greater("fedbasis_naive", "fedbasis", metric="alpha_entropy",
                 paper="naive training: 'the combination vectors of all clients nearly collapse to uniform "
