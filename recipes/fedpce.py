@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from hfpfl.cli import run_recipe
 from hfpfl.options import at_least, option
 
-# the setting of the README's FedPCE table (scripts/compare_fedpce.py --rounds 10 --local_steps 10 --widths 8,16,32,64
-# --new_client_steps 50): a few minutes on 2 CPU cores
+# the setting of the FedPCE study (hfpfl/experiments/studies/fedpce_degradation.py): a few minutes on 2 CPU cores
 DEFAULTS = dict(dataset="mnist", degradations="noise,color,rotation", num_clients=12, num_new_clients=3,
                 max_per_domain=3000, image_size=16, num_rounds=10, local_steps=10, batch_size=32, optimizer="adam",
                 lr=1e-3, weight_decay=1e-4, widths="8,16,32,64", depths="1,1,1,1", new_client_steps=50)
@@ -36,6 +35,11 @@ class BenchmarkOptions:
     levels: str = option("paper", "Degradation strength: paper (the paper's per-client settings: noise variances "
                          "linspace(0.005, 1, M), jitter factors linspace(0.5, 1.5, M), hue +-0.5) | cycled (the "
                          "earlier milder cycled levels, hfpfl/data/benchmarks.py).", choices=["paper", "cycled"])
+    few_shot: int | None = option(None, "Also adapt each new client on only this many training images per class "
+                                  "and report it (final new_few_shot_accuracy), with the new clients' accuracy per "
+                                  "degradation group (new_<group>_accuracy), before adaptation (new_start_accuracy) "
+                                  "and, for fedpce, the embeddings' silhouette by group (embedding_silhouette): the "
+                                  "columns of the paper's Table 2 and Fig. 3-4.", check=at_least(1))
 
 
 RECIPE_OPTIONS = BenchmarkOptions  # this recipe's own options (docs/reference/options.md lists them)
@@ -63,7 +67,75 @@ def build_data(data, seed, benchmark, budget, held_out, levels="paper"):
 
 def main(argv=None):
     return run_recipe(method="fedpce", argv=argv, defaults=DEFAULTS, script="recipes/fedpce.py", description=__doc__,
-                      recipe_options=BenchmarkOptions, data_fn=benchmark_data, after=embeddings_figure)
+                      recipe_options=BenchmarkOptions, data_fn=benchmark_data, after=after)
+
+
+def after(sim, results):
+    few_shot = sim.recipe_settings.get("few_shot")
+    if few_shot:
+        results["final"].update(study_metrics(sim, results, few_shot))
+    embeddings_figure(sim, results)
+
+
+def study_metrics(sim, results, few_shot: int) -> dict:
+    """Table 2's per-group new-client accuracy (from the engine's own new-client scores), the new clients before
+    adaptation (0 steps: the embedding init for fedpce, the global model's norms for the others), after adapting on
+    ``few_shot`` images per class (Fig. 4), and the silhouette of the fedpce embeddings by degradation group (Fig. 3,
+    in the embedding space itself)."""
+    import numpy as np
+
+    from hfpfl.data.benchmarks import with_new_client_budget
+    fed, algo, n = sim.data, sim.algorithm, sim.num_clients
+    out = {}
+    groups: dict = {}
+    for cid, acc in (results.get("new_client_accuracy") or {}).items():
+        groups.setdefault(str(fed.new_clients[int(cid) - n].domain).split("-")[0], []).append(acc)
+    out.update({f"new_{g}_accuracy": float(np.mean(v)) for g, v in sorted(groups.items())})
+
+    def adapt_all(data_of, steps):
+        saved = algo.config.new_client_steps
+        algo.config.new_client_steps = steps
+        try:
+            accs = []
+            for j in range(len(fed.new_clients)):
+                cid = n + j
+                sim.seed_torch(sim.seed_for(sim.round, cid, "new-client"))
+                sim.ctx.load(sim.initial_private)
+                model = algo.personalize_new_client(cid, sim.server_state, data_of(j), sim.round)
+                accs.append(sim.ctx.evaluate(model, sim.test_data(cid))["accuracy"])
+            return float(np.mean(accs))
+        finally:
+            algo.config.new_client_steps = saved
+
+    from hfpfl.training import TensorData
+    out["new_start_accuracy"] = adapt_all(lambda j: sim.train_data(n + j), 0)
+    small = with_new_client_budget(fed, few_shot, seed=sim.args.seed)
+    out["new_few_shot_accuracy"] = adapt_all(lambda j: TensorData.from_dataset(small.new_clients[j].train),
+                                             algo.config.new_client_steps)
+    if sim.args.method == "fedpce":
+        emb = algo.embeddings()
+        ids = sorted(emb)
+        X = np.stack([emb[i].numpy().reshape(-1) for i in ids])
+        out["embedding_silhouette"] = silhouette(X, [str(fed.clients[i].domain).split("-")[0] for i in ids])
+    return out
+
+
+def silhouette(X, labels) -> float:
+    """Mean silhouette (Rousseeuw 1987) of the rows of X under ``labels``, Euclidean: per point (b - a) / max(a, b),
+    a = mean distance to its own group's other points, b = the smallest mean distance to another group."""
+    import numpy as np
+    labels = np.asarray(labels)
+    d = np.sqrt(((X[:, None, :] - X[None, :, :]) ** 2).sum(-1))
+    s = []
+    for i in range(len(X)):
+        same = (labels == labels[i]) & (np.arange(len(X)) != i)
+        if not same.any():
+            s.append(0.0)
+            continue
+        a = d[i, same].mean()
+        b = min(d[i, labels == g].mean() for g in set(labels.tolist()) if g != labels[i])
+        s.append(float((b - a) / max(a, b)) if max(a, b) > 0 else 0.0)
+    return float(np.mean(s))
 
 
 def embeddings_figure(sim, results):

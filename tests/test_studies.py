@@ -155,6 +155,51 @@ def test_claims_between_different_budgets_are_refused_unless_the_study_says_why(
     assert _verdict(greater("a", "b"), ep, matched_by="steps")["verdict"] == "refused"
 
 
+def test_tuners_are_matched_by_the_rounds_they_spent():
+    """matched_by="rounds" compares rounds_used (a tuner's rounds over all its candidates), not steps: 80 vs 80 rounds
+    at 400 vs 900 steps is evaluated; 80 vs 60 rounds is refused (a steps match does not rescue it); a study may
+    declare it; the summary averages rounds_used over seeds (80, 80, 77 -> 79) and docs show a rounds column."""
+    def tuned(mean, rounds, steps):
+        return {**_entry(mean, steps=steps, kind="hp_tuner"), "control": False,
+                "budget": {"optimizer_steps_per_model": steps, "rounds_used": rounds}}
+    v = _verdict(greater("a", "b"), {"a": tuned(0.5, 80, 400), "b": tuned(0.4, 80, 900)}, matched_by="rounds")
+    assert v["verdict"] == "held" and "matched (80 rounds used)" in v["budgets"]
+    v = _verdict(greater("a", "b"), {"a": tuned(0.5, 80, 400), "b": tuned(0.4, 60, 400)}, matched_by="rounds")
+    assert v["verdict"] == "refused" and "80" in v["detail"] and "60" in v["detail"]
+    assert _study(matched_by="rounds").matched_by == "rounds"
+    st = _study(matched_by="rounds")
+    rows = {("a", s): {**_row("a", s, 0.5), "budget": {"rounds_used": r}} for s, r in ((0, 80), (1, 80), (2, 77))}
+    summary = runner.summarize(st, rows)
+    assert summary["variants"]["a"]["budget"]["rounds_used"] == 79
+    assert summary["variants"]["a"]["budget"]["rounds_used_varies"] is True
+    doc = render(summary)
+    assert "| rounds (all) |" in doc and "| 79 (varies) |" in doc
+
+
+def test_label_weighted_majority_is_pflbeds_metric_of_the_majority_label():
+    """PFLBED weights each test image by the client's training label frequency p. Train counts [6, 3, 1] -> p = [0.6,
+    0.3, 0.1], majority label 0; test counts [5, 10, 20]: weights 0.6 * 5 + 0.3 * 10 + 0.1 * 20 = 8, of which label 0
+    holds 3: 3 / 8 = 0.375 (the unweighted majority rate would be 5 / 35)."""
+    from hfpfl.experiments.studies._recipe_controls import label_weighted_majority
+    assert label_weighted_majority([6, 3, 1], [5, 10, 20]) == pytest.approx(0.375, abs=1e-12)
+    assert label_weighted_majority([0, 4, 0], [3, 1, 0]) == pytest.approx(1.0)   # only label 1 weighs: 1 / 1
+
+
+def test_fedpce_embedding_silhouette_by_hand():
+    """1-D points 0, 1 (group a) and 10, 11 (group b): each point's own-group distance a = 1; the other group's mean
+    distance b is 10.5 for the outer points (0, 11) and 9.5 for the inner ones, so s = 9.5 / 10.5 and 8.5 / 9.5, mean
+    (9.5 / 10.5 + 8.5 / 9.5) / 2. Swapping the labels of 1 and 10 makes the groups overlap: s < 0. A third group c at
+    100, 101: b is the NEAREST other group's mean distance (for 0: b's 10.5, not c's 100.5; for 100: b's 89.5), so
+    the points score 9.5 / 10.5, 8.5 / 9.5, 8.5 / 9.5, 9.5 / 10.5, 88.5 / 89.5, 89.5 / 90.5."""
+    sil = runner._load_recipe(str(REPO / "recipes" / "fedpce.py")).silhouette
+    X = np.array([[0.0], [1.0], [10.0], [11.0]])
+    assert sil(X, ["a", "a", "b", "b"]) == pytest.approx((9.5 / 10.5 + 8.5 / 9.5) / 2, abs=1e-12)
+    assert sil(X, ["a", "b", "a", "b"]) < 0
+    X3 = np.array([[0.0], [1.0], [10.0], [11.0], [100.0], [101.0]])
+    want = (2 * 9.5 / 10.5 + 2 * 8.5 / 9.5 + 88.5 / 89.5 + 89.5 / 90.5) / 6
+    assert sil(X3, ["a", "a", "b", "b", "c", "c"]) == pytest.approx(want, abs=1e-12)
+
+
 def test_registered_kinds_are_controls_unless_they_train():
     controls.register("question_only", lambda *a: {})
     controls.register("tuner", lambda *a: {}, control=False)

@@ -14,7 +14,7 @@ HELD, NOT_HELD, NOT_MEASURED, REFUSED = "held", "not held", "not measured", "ref
 EPS = 1e-12
 
 #: the budget figure compared under each matching rule
-BUDGET_KEY = {"steps": "optimizer_steps_per_model", "epochs": "epochs_per_model"}
+BUDGET_KEY = {"steps": "optimizer_steps_per_model", "epochs": "epochs_per_model", "rounds": "rounds_used"}
 
 
 def _budget(entry: dict, key: str):

@@ -54,12 +54,16 @@ def render(summary: dict) -> str:
               f"- **Runtime**: {s.get('seconds', 0) / 60:.1f} min for all rows, one process",
               f"- **Every row**: `{' '.join(s['common'])}`",
               f"- **Budgets** matched by {s['matched_by']}: optimizer steps and examples seen per trained model "
-              "(each client's model, summed over its rounds), mean over seeds", ""]
+              "(each client's model, summed over its rounds), mean over seeds"
+              + ("; rounds (all): the communication rounds a tuner spent over all its candidates" if s["matched_by"]
+                 == "rounds" else ""), ""]
     metrics = dict(s["metrics"])
     domains = sorted({d for e in variants.values() for d in e.get("per_domain", {})}) if any(
         e.get("per_domain") for e in variants.values()) else []
+    # a driver (a tuner) spends communication rounds over many candidate models: its rows show rounds in all
+    rounds = any((e.get("budget") or {}).get("rounds_used") is not None for e in variants.values())
     head = ["row", "kind", *[f"{label} (mean ± std)" for label in metrics.values()], *domains,
-            "steps / model", "examples / model", "seeds", "paper"]
+            "steps / model", "examples / model", *(["rounds (all)"] if rounds else []), "seeds", "paper"]
     lines += [f"Mean ± sample standard deviation (n - 1) over seeds {seeds}; per-domain columns: the mean personal "
               "accuracy of the domain's clients.", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -69,7 +73,7 @@ def render(summary: dict) -> str:
         cells += [_mean_std(e["metrics"].get(m)) if m in e["metrics"] else "n/a" for m in metrics]
         cells += [_num((e.get("per_domain", {}).get(d) or {}).get("mean")) for d in domains]
         cells += [_budget(e["budget"], "optimizer_steps_per_model"), _budget(e["budget"], "examples_seen_per_model"),
-                  str(len(e["seeds"])), e.get("paper") or ""]
+                  *([_budget(e["budget"], "rounds_used")] if rounds else []), str(len(e["seeds"])), e.get("paper") or ""]
         lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
     lines.append("")
     order = s.get("ordering") or {}

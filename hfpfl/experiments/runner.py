@@ -215,7 +215,8 @@ def summarize(study, rows: dict) -> dict:
                 continue   # a partition that mixes domains: a client's "domain" is no domain the paper reports
             keys = sorted({k for r in rs for k in (r.get(part) or {})}, key=lambda k: (len(k), k))
             entry[part] = {k: mean_std([(r.get(part) or {}).get(k) for r in rs]) for k in keys}
-        for k in ("optimizer_steps_per_model", "examples_seen_per_model", "epochs_per_model", "trained_models"):
+        for k in ("optimizer_steps_per_model", "examples_seen_per_model", "epochs_per_model", "trained_models",
+                  "rounds_used"):
             vals = [(r.get("budget") or {}).get(k) for r in rs]
             entry["budget"][k] = None if any(x is None for x in vals) else sum(vals) / len(vals)
             entry["budget"][k + "_varies"] = len({x for x in vals}) > 1

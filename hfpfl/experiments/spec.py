@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 #: how a study matches its variants' training budgets
-MATCHED_BY = ("steps", "epochs")
+MATCHED_BY = ("steps", "epochs", "rounds")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,8 @@ class Study:
     """One paper table. ``common``: flags every run gets (the data and the shared settings); ``metrics``: result
     keys (of ``results.json``'s ``final``) shown as columns, the first being the primary metric claims default to;
     ``matched_by``: how the variants' budgets are matched (``"steps"``: the same optimizer steps per trained model,
-    ``"epochs"``: the same passes over each model's data); ``paper_ordering``: the paper's rows best first on the
+    ``"epochs"``: the same passes over each model's data; ``"rounds"``: the same communication rounds spent in all,
+    for drivers such as tuners whose candidates train with different local steps); ``paper_ordering``: the paper's rows best first on the
     primary metric, shown beside ours; ``per_domain``: report per-domain means (the paper reports them)."""
     name: str
     title: str
