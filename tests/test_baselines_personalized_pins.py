@@ -198,7 +198,6 @@ def test_local_and_fedper_key_roles():
     from hfpfl.algorithms.fedper import FedPer
     from hfpfl.algorithms.local import LocalOnly
 
-
     roles = [(k, d) for k in ("body.weight", "classifier.weight") for d in (GLOBAL, PRIVATE, FROZEN)]
     assert [LocalOnly.key_role(None, k, d) for k, d in roles] == [PRIVATE, PRIVATE, FROZEN] * 2
     assert [FedPer.key_role(None, k, d) for k, d in roles] == [GLOBAL, PRIVATE, FROZEN, PRIVATE, PRIVATE, FROZEN]
