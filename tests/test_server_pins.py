@@ -200,3 +200,17 @@ def test_aggregate_runs_the_server_step_of_the_round_on_parameters_only(tmp_path
         assert out["bn.running_mean"].item() == pytest.approx(0.4 * 1.0 + 0.6 * 6.0)
         assert out["bn.running_var"].item() == pytest.approx(0.4 * 2.0 + 0.6 * 7.0)
         assert out["bn.num_batches_tracked"].item() == 3
+
+
+def test_add_stacked_chunks_accumulate_totals_sums_and_integer_maxima():
+    """Two vectorized chunks folded into one part: chunk 1 uploads x = (1, 2) and (3, 4) with weights 1 and 2, chunk 2
+    uploads (5, 6) with weight 3: the sums are (1 + 6 + 15, 2 + 8 + 18) = (22, 28), the total weight 6, the mean
+    (22/6, 28/6). The counters 3, 7 then 5: the running max over both chunks is 7 (chunk 2's own max is 5)."""
+    sums = WeightedSums(denominator=6.0)
+    sums.add_stacked("model", {"x": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "n": torch.tensor([3, 7])}, [1.0, 2.0])
+    sums.add_stacked("model", {"x": torch.tensor([[5.0, 6.0]]), "n": torch.tensor([5])}, [3.0])
+    assert sums.total == {"model": 6.0}
+    assert sums.sums["model"]["x"].tolist() == [22.0, 28.0] and sums.sums["model"]["x"].dtype == torch.float64
+    got = sums.get("model", {"x": f32(0.0, 0.0), "n": torch.tensor(0)})
+    torch.testing.assert_close(got["x"], f32(22 / 6, 28 / 6))
+    assert got["n"].item() == 7
