@@ -215,3 +215,33 @@ def test_central_trains_config_epochs_on_the_union(tmp_path):
     close(sim.server_state["model"], state(p))
     with pytest.raises(ValueError, match="--epochs"):
         CentralConfig(epochs=0)
+
+
+# ------------------------------------------------------------------------------------------------ random streams
+def _spy_generators(sim, monkeypatch):
+    calls = []
+    real = sim.generator
+    monkeypatch.setattr(sim, "generator", lambda r, c, tag="": calls.append((r, c, tag)) or real(r, c, tag))
+    return calls
+
+
+def test_each_training_phase_shuffles_from_its_own_named_stream(tmp_path, monkeypatch):
+    """Every training phase draws its batch order from the stream seeded by (seed, round, client, phase name): FedAvg
+    + FT's fine-tune at evaluation ("finetune", not the client's training stream "" of that round, whose batch order
+    it would replay), FedRep's "head" then "body" phases per client, Central's "central" stream of the server
+    (client -1). A renamed phase changes every run's results; these names are the reproducibility contract."""
+    sim = make_sim(tmp_path, "fedavg_ft", FineTuneConfig(finetune_epochs=1))
+    sim.step()
+    calls = _spy_generators(sim, monkeypatch)
+    sim.algorithm.load_personal(1, sim.server_state, sim.store.get(1), 1)
+    assert calls == [(1, 1, "finetune")]
+
+    sim = make_sim(tmp_path, "fedrep", FedRepConfig(head_epochs=1, body_epochs=1))
+    calls = _spy_generators(sim, monkeypatch)
+    sim.step()
+    assert [c for c in calls if c[1] in (0, 1)] == [(1, 0, "head"), (1, 0, "body"), (1, 1, "head"), (1, 1, "body")]
+
+    sim = make_sim(tmp_path, "central", CentralConfig(epochs=1), num_rounds=1)
+    calls = _spy_generators(sim, monkeypatch)
+    sim.run()
+    assert (1, -1, "central") in calls and not [c for c in calls if c[1] == 1 and c[2] == "central"]
