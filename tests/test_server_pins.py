@@ -7,6 +7,8 @@ the round's weighted mean ``m_t`` of the uploads, the pseudo-gradient ``d_t = x_
 ``v_t = beta v_{t-1} + d_t`` and ``x_{t+1} = x_t - lr_t v_t`` with ``lr_t = server_lr * server_lr_decay^(t - 1)``.
 Model buffers (BatchNorm statistics) and integer tensors take the mean itself.
 """
+import threading
+
 import pytest
 import torch
 
@@ -214,3 +216,90 @@ def test_add_stacked_chunks_accumulate_totals_sums_and_integer_maxima():
     got = sums.get("model", {"x": f32(0.0, 0.0), "n": torch.tensor(0)})
     torch.testing.assert_close(got["x"], f32(22 / 6, 28 / 6))
     assert got["n"].item() == 7
+
+
+class _TwoProcesses:
+    """Two processes' collectives, simulated by two threads in lockstep: each call deposits this process's value,
+    waits for the other's, and computes the collective's result by hand (SUM: a + b, MAX: max(a, b); gather: the two
+    lists concatenated in rank order)."""
+
+    def __init__(self):
+        self.barrier = threading.Barrier(2, timeout=20)
+        self.slots = [None, None]
+        self.rank = {}
+
+    def exchange(self, value):
+        self.slots[self.rank[threading.get_ident()]] = value
+        self.barrier.wait()
+        both = list(self.slots)
+        self.barrier.wait()
+        return both
+
+    def gather_object(self, obj):
+        a, b = self.exchange(list(obj))
+        return a + b
+
+    def all_reduce(self, t, op=torch.distributed.ReduceOp.SUM):
+        a, b = self.exchange(t.clone())
+        if op == torch.distributed.ReduceOp.SUM:
+            t.copy_(a + b)
+        elif op == torch.distributed.ReduceOp.MAX:
+            t.copy_(torch.maximum(a, b))
+        else:
+            raise ValueError(f"unexpected reduce op {op!r}")
+
+    def run(self, *fns):
+        errors = []
+
+        def target(rank, fn):
+            self.rank[threading.get_ident()] = rank
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r, fn)) for r, fn in enumerate(fns)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+
+def test_all_reduce_sums_floats_maxes_integers_and_joins_missing_keys_and_parts(monkeypatch):
+    """Two processes' partial sums, all-reduced (sum for float sums, totals and counts; max for integer counters):
+    process 0 folded x = (1, 2) (weight 1) and (3, 4) (weight 2), counter 3, and a part "extra" (y = 1.5, weight 1)
+    that process 1 never saw; process 1 folded x = (5, 6) (weight 3), counter 5 and an integer z = -4 that process 0
+    never saw. Both end with x = (1 + 6 + 15, 2 + 8 + 18) = (22, 28), counter max(3, 5) = 5, z = -4 (the absent side
+    joins with the integer minimum, not 0), y = 1.5 (the absent side joins with zeros), totals model 3 + 3 = 6 and
+    extra 1, and 2 + 1 = 3 uploads counted. One process: nothing to do."""
+    import types
+
+    import accelerate.utils
+
+    sim = _TwoProcesses()
+    monkeypatch.setattr(accelerate.utils, "gather_object", sim.gather_object)
+    monkeypatch.setattr(torch.distributed, "all_reduce", sim.all_reduce)
+    acc = types.SimpleNamespace(num_processes=2, device=torch.device("cpu"))
+    p0, p1 = WeightedSums(), WeightedSums()
+    p0.add("model", {"x": f32(1.0, 2.0), "n": torch.tensor(3)}, 1.0)
+    p0.add("model", {"x": f32(3.0, 4.0), "n": torch.tensor(1)}, 2.0)
+    p0.add("extra", {"y": f32(1.5)}, 1.0)
+    p0.count = 2
+    p1.add("model", {"x": f32(5.0, 6.0), "n": torch.tensor(5), "z": torch.tensor(-4)}, 3.0)
+    p1.count = 1
+    sim.run(lambda: p0.all_reduce(acc), lambda: p1.all_reduce(acc))
+    for p in (p0, p1):
+        assert p.sums["model"]["x"].tolist() == [22.0, 28.0] and p.sums["model"]["x"].dtype == torch.float64
+        assert p.sums["model"]["n"].item() == 5 and p.sums["model"]["n"].dtype == torch.int64
+        assert p.sums["model"]["z"].item() == -4
+        assert p.sums["extra"]["y"].item() == 1.5 and p.sums["extra"]["y"].dtype == torch.float64
+        assert p.total == {"model": 6.0, "extra": 1.0}
+        assert p.count == 3
+    alone = WeightedSums()
+    alone.add("model", {"x": f32(1.0)}, 2.0)
+    alone.count = 1
+    alone.all_reduce(types.SimpleNamespace(num_processes=1, device=torch.device("cpu")))
+    assert alone.sums["model"]["x"].tolist() == [2.0] and alone.total == {"model": 2.0} and alone.count == 1
