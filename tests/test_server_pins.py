@@ -2,7 +2,7 @@
 shortcut's exact mean, the momentum buffer's reset, buffers and integer tensors, dtypes, weights that sum to 1 or
 less, integer running maxima, and ``Algorithm.aggregate`` called directly on hand-made uploads.
 
-FedOpt (Reddi et al. 2021, Algorithm 2 with SGD-momentum as the server optimizer; FedAvgM of Hsu et al. 2019): with
+FedOpt (Reddi et al. 2021) with SGD-momentum as the server optimizer (FedAvgM, Hsu et al. 2019): with
 the round's weighted mean ``m_t`` of the uploads, the pseudo-gradient ``d_t = x_t - m_t``, the momentum buffer
 ``v_t = beta v_{t-1} + d_t`` and ``x_{t+1} = x_t - lr_t v_t`` with ``lr_t = server_lr * server_lr_decay^(t - 1)``.
 Model buffers (BatchNorm statistics) and integer tensors take the mean itself.
