@@ -84,6 +84,7 @@ TARGETS: dict[str, Target] = {
     # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
     "server": Target(["hfpfl/federated/protocol.py"],
                      ["tests/test_protocol.py", "tests/test_baselines*.py", "tests/test_baseline_pins.py",
+                      "tests/test_server_pins.py",
                       "tests/test_vectorized.py::test_add_stacked_equals_one_add_per_client",
                       "tests/test_vectorized.py::test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes",
                       "tests/test_vectorized.py::test_finite_checks_are_exact_when_the_sum_overflows"],
