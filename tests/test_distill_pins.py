@@ -300,3 +300,27 @@ def test_feddf_pushes_the_round_model_and_clears_kd_metrics(tmp_path, monkeypatc
     assert algo is sim.algorithm and r == 1 and repo == "me/feddf-global"
     close(st, state(P(FEDAVG1)), atol=1e-6)
     assert sim.algorithm.last_kd == {}
+
+
+def test_push_global_adapter_publishes_the_given_state_as_the_round_revision(monkeypatch):
+    """push_global_adapter(algo, state, r, repo): the state is loaded into the model, which is published as revisions
+    'round-<r>' and 'main' of repo (the snapshot path comes back); other processes publish nothing; a model without
+    adapters is a clear error."""
+    import hfpfl.models.adapters as adapters
+    import hfpfl.models.adapters.io as io
+
+    published = []
+    monkeypatch.setattr(io, "publish_adapter", lambda model, repo, revisions: published.append(
+        ({k: v.clone() for k, v in model.state_dict().items()}, repo, revisions)) or "/snap")
+    monkeypatch.setattr(adapters, "is_adapter_model", lambda model: isinstance(model, Tiny))
+    algo = _algo()
+    algo.sim.model, algo.sim.accelerator.is_main_process = algo.model, True
+    st = _state(TEACHERS[1])
+    assert distill.push_global_adapter(algo, st, 3, "me/g") == "/snap"
+    (sd, repo, revisions), = published
+    assert repo == "me/g" and revisions == ["round-3", "main"] and all(torch.equal(sd[k], v) for k, v in st.items())
+    algo.sim.accelerator.is_main_process = False
+    assert distill.push_global_adapter(algo, st, 4, "me/g") == "" and len(published) == 1
+    algo.sim.model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="needs an adapter model"):
+        distill.push_global_adapter(algo, st, 5, "me/g")
