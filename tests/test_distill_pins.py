@@ -324,3 +324,22 @@ def test_push_global_adapter_publishes_the_given_state_as_the_round_revision(mon
     algo.sim.model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="needs an adapter model"):
         distill.push_global_adapter(algo, st, 5, "me/g")
+
+
+def test_feddf_distils_with_its_own_model_and_config(tmp_path, monkeypatch):
+    """FedDF hands ensemble_distill itself (its model and simulation) and its own KD options."""
+    from test_baseline_pins import make_sim
+
+    seen = []
+
+    def fake_distill(algo, avg, teachers, config, round_idx):
+        seen.append((algo, config))
+        return {}, {"kd_steps": 0}
+
+    monkeypatch.setattr(feddf, "ensemble_distill", fake_distill)
+    cfg = KDConfig(kd_steps=7)
+    sim = make_sim(tmp_path, "feddf", cfg)
+    sim.step()
+    (algo, config), = seen
+    assert algo is sim.algorithm and config is sim.algorithm.config and config.kd_steps == 7
+    assert sim.algorithm.last_kd == {"kd_steps": 0}
