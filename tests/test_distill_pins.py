@@ -133,6 +133,20 @@ def test_two_kd_steps_by_hand(pool, T):
     assert set(out) == set(STUDENT) | {"bn.num_batches_tracked"}
 
 
+def test_kd_batches_are_drawn_from_the_runs_kd_generator(pool):
+    """With batches smaller than the pool (2 of 4 rows) the batch order comes from the simulation's generator for
+    (round, -1, 'kd'), not from torch's global RNG: two distillations under different global seeds agree."""
+    outs = []
+    for global_seed in (1, 2):
+        algo, asked = _algo(), []
+        algo.sim.generator = lambda r, c, tag: asked.append((r, c, tag)) or torch.Generator().manual_seed(0)
+        torch.manual_seed(global_seed)
+        cfg = KDConfig(kd_steps=2, kd_lr=0.1, kd_batch_size=2)
+        outs.append(ensemble_distill(algo, _state(STUDENT), [_state(t) for t in TEACHERS], cfg, 4)[0])
+        assert asked == [(4, -1, "kd")]
+    assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
+
+
 def test_kd_student_bn_train_uses_and_rewrites_batch_statistics(pool):
     """kd_student_bn='train' (the PerAda / FedDF code): the student normalises with the pool's batch statistics, and
     its running statistics move by BatchNorm's momentum 0.1: mu <- 0.9 mu + 0.1 mean(x), var <- 0.9 var + 0.1 *
@@ -163,13 +177,16 @@ def test_checkpoint_selection_keeps_the_best_scored_state(pool, monkeypatch, acc
     pool["val"] = "VAL"
     seen = []
 
+    steps_seen = []
+
     def fake_evaluate(model, data, batch_size=None, device=None):
         seen.append(({k: v.detach().clone() for k, v in model.state_dict().items()}, data, batch_size, device))
+        scored_after.append(len(steps_seen))
         return {"accuracy": accs[len(seen) - 1]}
 
+    scored_after = []
     monkeypatch.setattr(distill, "evaluate", fake_evaluate)
     algo = _algo(eval_batch_size=7)
-    steps_seen = []
     real_train_local = distill.train_local
 
     def spy_train_local(*a, after_step=None, **k):
@@ -179,7 +196,7 @@ def test_checkpoint_selection_keeps_the_best_scored_state(pool, monkeypatch, acc
     cfg = KDConfig(kd_steps=3, kd_lr=0.1, kd_val_fraction=0.5, kd_eval_every=every)
     student = _state(STUDENT)
     out, metrics = ensemble_distill(algo, student, [_state(t) for t in TEACHERS], cfg, 1)
-    assert len(seen) == 1 + len(evaluated_after) and steps_seen == [1, 2, 3]
+    assert scored_after == [0] + evaluated_after and steps_seen == [1, 2, 3]
     assert all(s[1:] == ("VAL", 7, "cpu") for s in seen)
     assert all(torch.equal(seen[0][0][k], v) for k, v in student.items())   # the average, scored before any step
     assert all(torch.equal(out[k], seen[best][0][k]) for k in student)
