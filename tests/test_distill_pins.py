@@ -262,10 +262,19 @@ def test_public_pool_out_of_domain(monkeypatch):
     assert len(pixels) == 6 and len(val.labels) == 2
 
 
-def test_public_pool_needs_the_public_split_when_asked():
-    for cfg in (KDConfig(kd_pool="public"), KDConfig(kd_val_fraction=0.2)):
-        with pytest.raises(ValueError, match="needs the dataset's public split"):
-            public_pool(_pool_sim(n_public=0), cfg)
+def test_public_pool_needs_the_public_split_only_when_asked(monkeypatch):
+    """An in-domain pool or a selection split needs a non-empty public split (None or 0 rows: a clear error; 1 row is
+    enough); the default out-of-domain pool without selection needs none."""
+    monkeypatch.setattr(distill, "ood_kd_pixels", lambda n, size, ch: torch.zeros(n, ch, size, size))
+    empty = _pool_sim(n_public=1)
+    empty.data.public = empty.data.public.select([])
+    for sim in (_pool_sim(n_public=0), empty):
+        for cfg in (KDConfig(kd_pool="public"), KDConfig(kd_val_fraction=0.2)):
+            with pytest.raises(ValueError, match="needs the dataset's public split"):
+                public_pool(sim, cfg)
+    pixels, val = public_pool(_pool_sim(n_public=0), KDConfig(kd_pool_size=3))
+    assert pixels.shape == (3, 1, 8, 8) and val is None
+    assert _ids(public_pool(_pool_sim(n_public=1), KDConfig(kd_pool="public"))[0]) == [0]
 
 
 def test_ood_pixels_are_the_ood_pool_as_model_inputs():
