@@ -243,6 +243,7 @@ def test_public_pool_in_domain_splits_selection_and_kd_rows():
     assert len(few) == 4 and set(_ids(few)) <= set(_ids(pixels)) and torch.equal(val2.labels, val.labels)
     assert public_pool(sim, cfg)[0] is few                         # cached
     assert len(public_pool(sim, KDConfig(kd_pool="public", kd_public_fraction=0.01))[0]) == 2
+    assert len(public_pool(sim, KDConfig(kd_pool="public", kd_val_fraction=0.1))[1].labels) == 1   # round(1.0)
     again = public_pool(_pool_sim(), cfg)[0]
     assert torch.equal(again, few)                                 # the same seed, the same rows
     others = [public_pool(_pool_sim(seed=s), KDConfig(kd_pool="public"))[0] for s in (1, 2)]
@@ -286,7 +287,7 @@ def test_ood_pixels_are_the_ood_pool_as_model_inputs():
     raw, _ = ood_arrays("kd", 3)
     expect = torch.stack([torch.tensor(np.asarray(Image.fromarray(a).convert("L").resize((8, 8), Image.BILINEAR)),
                                        dtype=torch.float32)[None] * (2.0 / 255.0) - 1.0 for a in raw])
-    assert torch.allclose(x, expect, atol=1e-6)
+    assert x.shape == (3, 1, 8, 8) and torch.allclose(x, expect, atol=1e-6)
     assert ood_kd_pixels(2, 6, 3).shape == (2, 3, 6, 6)
 
 
