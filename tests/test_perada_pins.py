@@ -302,3 +302,47 @@ def test_new_client_with_zero_epochs_is_the_global_adapter(adapter_sim, monkeypa
     model = algo.personalize_new_client(4, server, adapter_sim.train_data(0), 1)
     sd = model.state_dict()
     assert all(torch.equal(sd[_personal(k)], v) for k, v in server[MODEL].items())
+
+
+def test_client_update_trains_personal_then_local_and_uploads_only_w(adapter_sim, monkeypatch):
+    """Alg. 1 Lines 10 and 15 on a client: first v_i (personal slot active, --personal_epochs, its own 'personal' batch
+    stream, CE + lambda/2 ||v - w||^2 toward the received w: value by hand as above), then w_i from w (global slot active,
+    the run's schedule, 'local' stream, plain CE); the upload is exactly the global slot, the private state exactly
+    the personal slot, both as they were when each training ended."""
+    algo = adapter_sim.algorithm
+    algo.config = PerAdaConfig(kd_steps=1, lam=1.0, personal_epochs=2)
+    down = _known_global(algo, 0.5)
+    seen = []
+
+    def record(client_id, round_idx, **kw):
+        model = algo.model
+        seen.append((client_id, round_idx, {k: v for k, v in kw.items() if k != "regularizer"}, model.active_adapter))
+        if kw.get("regularizer") is not None:
+            trainable = {n: p for n, p in model.named_parameters() if ".personal." in n and p.requires_grad}
+            with torch.no_grad():
+                for n, p in trainable.items():
+                    p.copy_(down[MODEL][n.replace(".personal.", ".default.")] + 0.5)
+            n_params = sum(p.numel() for p in trainable.values())
+            seen.append((float(kw["regularizer"](model).detach()), 0.5 * 0.25 * n_params))
+        else:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if ".default." in n and p.requires_grad:
+                        p.add_(1.0)
+        return {"train_loss": 0.25 if kw.get("tag") == "personal" else 0.75}
+
+    monkeypatch.setattr(algo, "local_train", record)
+    upd = algo.client_update(1, down, None, 2)
+    (c1, r1, kw1, a1), (value, by_hand), (c2, r2, kw2, a2) = seen
+    assert (c1, r1, a1, kw1) == (1, 2, "personal", {"epochs": 2, "tag": "personal"})
+    assert value == pytest.approx(by_hand, rel=1e-5)
+    assert (c2, r2, a2, kw2) == (1, 2, "default", {"tag": "local"})
+    params = dict(algo.model.named_parameters())
+    v0 = algo.init_private_state(1)[MODEL]               # a first-time client's v_i^0 (Line 10 starts from v_i)
+    for k, v in down[MODEL].items():
+        trained = k in params and params[k].requires_grad
+        assert torch.equal(upd.upload[MODEL][k], v + 1.0 if trained else v), k     # w + the local step only
+        assert torch.equal(upd.private[MODEL][_personal(k)], v + 0.5 if trained else v0[_personal(k)]), k
+    assert set(upd.upload[MODEL]) == set(down[MODEL]) and set(upd.private[MODEL]) == {_personal(k) for k in down[MODEL]}
+    assert upd.num_samples == len(adapter_sim.train_data(1))
+    assert upd.metrics == {"train_loss": 0.75, "personal_train_loss": 0.25}
