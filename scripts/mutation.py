@@ -67,7 +67,7 @@ TARGETS: dict[str, Target] = {
     "fedavg_ft": Target(["hfpfl/algorithms/fedavg_ft.py"], BASELINE_TESTS),
     "local": Target(["hfpfl/algorithms/local.py", "hfpfl/algorithms/central.py"], BASELINE_TESTS),
     "feddf": Target(["hfpfl/algorithms/feddf.py", "hfpfl/algorithms/distill.py"],
-                    BASELINE_TESTS + ["tests/test_fedadapter.py", "tests/test_distill.py"]),
+                    ["tests/test_baseline_pins.py", "tests/test_distill*.py"]),
     "perada": Target(["hfpfl/algorithms/perada.py"], ["tests/test_perada*.py", "tests/test_distill.py"]),
     "fedproto": Target(["hfpfl/algorithms/fedproto.py"], ["tests/test_fedproto_fedbabu.py"], k="proto"),
     "fedbabu": Target(["hfpfl/algorithms/fedbabu.py"], ["tests/test_fedproto_fedbabu.py"], k="babu"),

@@ -13,7 +13,6 @@ from hfpfl.algorithms.perada import PerAdaConfig
 from hfpfl.federated.state import load_into
 from hfpfl.models.pretrained import default_repo_id
 
-pytestmark = pytest.mark.usefixtures("pretrained_backbone")
 BACKBONE = default_repo_id("tiny-resnet")
 
 
@@ -49,11 +48,13 @@ def _bn_buffers(state):
 
 
 @pytest.fixture
-def kd_round(run_sim):
+def kd_round(run_sim, request):
     """One round of ``method`` without KD: its uploads are the teachers and the average is the student. Dropout off
-    (the adapter's default 0.3) so that the student's logits are a function of its weights."""
+    (the adapter's default 0.3) so that the student's logits are a function of its weights. PerAda runs on the
+    pretrained stand-in backbone (temporary Hub cache), FedDF on the plain tiny ResNet."""
     def make(method):
         if method == "perada":
+            request.getfixturevalue("pretrained_backbone")
             cfg = PerAdaConfig(use_kd=False)
             kw = dict(model=BACKBONE, adapter="residual")
         else:

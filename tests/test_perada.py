@@ -94,20 +94,16 @@ def test_large_lambda_pulls_personal_adapter_onto_received_global(perada):
     assert dbig < 0.3 * d_start and dbig < 0.3 * d0 and d1 < d0
 
 
-def test_no_kd_is_plain_uniform_average_and_kd_changes_it(perada):
+def test_no_kd_is_plain_uniform_or_sample_weighted_average(perada):
+    """PerAda w/o KD: the server state is the uniform mean of the uploaded local adapters (default), or the n_i-weighted
+    mean with weighting=samples. (The KD step itself is pinned by hand in test_distill.py, the averaging-then-KD
+    wiring in test_perada_pins.py.)"""
     off, _ = perada(PerAdaConfig(use_kd=False), output_dir="nokd")
     ups = off.last_updates
     avg = weighted_average([u.upload["model"] for u in ups], [1.0] * len(ups))
     for k, v in avg.items():
         assert torch.equal(off.server_state["model"][k], v), k
-    on, _ = perada(PerAdaConfig(kd_steps=10), output_dir="kd")
-    for a, b in zip(off.last_updates, on.last_updates):  # same local training, so the same average ...
-        assert all(torch.equal(a.upload["model"][k], b.upload["model"][k]) for k in a.upload["model"])
-    changed = [k for k in avg if avg[k].is_floating_point() and not torch.equal(on.server_state["model"][k], avg[k])]
-    assert changed  # ... which KD moves
-    kd = on.algorithm.last_kd
-    assert kd["kd_steps"] == 10 and kd["kd_loss_first"] > 0
-    # samples weighting is the FedAvg weighted mean
+    assert off.algorithm.last_kd == {}
     w, _ = perada(PerAdaConfig(use_kd=False, weighting="samples"), output_dir="w")
     ref = weighted_average([u.upload["model"] for u in w.last_updates], [u.num_samples for u in w.last_updates])
     assert all(torch.equal(w.server_state["model"][k], ref[k]) for k in ref)
@@ -122,11 +118,12 @@ def test_kd_rounds_cutoff(perada):
 
 
 def test_kd_loss_is_zero_when_teacher_equals_student():
+    """KL(p || p) = 0, and its gradient (softmax(z_s / T) - softmax(z_t / T)) / (T B) vanishes (paper Eq. 11): the
+    value by hand is in test_distill.py."""
     x = torch.randn(8, 10, requires_grad=True)
     loss = kd_loss(x, x.detach(), 1.0)
     loss.backward()
     assert abs(float(loss)) < 1e-6 and float(x.grad.abs().max()) < 1e-6
-    assert float(kd_loss(x, torch.randn(8, 10), 2.0)) > 0
 
 
 def test_unsampled_client_keeps_its_personal_adapter(perada):
