@@ -296,3 +296,36 @@ def test_the_final_global_shared_adapter_is_saved(sim_for, monkeypatch):
     model, folder, state = calls[0]
     assert model is sim.model and folder == str(sim.output_dir / "shared_adapter")
     assert state is sim.server_state[MODEL]
+
+
+@pytest.mark.parametrize("method", ["vqa_adapter", "vqa_peft"])
+def test_baseline_client_update_trains_from_and_keeps_the_clients_head(sim_for, method):
+    """The PEFT baselines' client update: A_s <- the download, the head <- this client's private head (it never
+    travels), the loss is the model's own CE on the adapter path; the update uploads the global keys and keeps the
+    private ones as trained, with the loop's metrics."""
+    sim = sim_for(method, **({"peft": "lora"} if method == "vqa_peft" else {}))
+    sim.setup()
+    algo, m = sim.algorithm, sim.model
+    head = m.head_keys()
+    assert head and set(head) <= set(algo.private_keys)
+    down = {MODEL: {k: torch.full_like(sim.model_state[k], 0.01) for k in algo.global_keys}}
+    private = {MODEL: {k: torch.full_like(sim.model_state[k], 0.02) for k in algo.private_keys}}
+    seen = {}
+
+    def record(client_id, r, param_sets, loss_fns):
+        state = m.state_dict()
+        seen["loaded"] = all(torch.equal(state[k], down[MODEL][k]) for k in algo.global_keys) and all(
+            torch.equal(state[k], private[MODEL][k]) for k in algo.private_keys)
+        seen["mode"] = m.mode
+        with torch.no_grad():
+            for k in algo.private_keys + algo.global_keys:
+                state[k].add_(1.0)                     # "training" moves every trainable tensor by 1
+        return {"steps": 1, "train_loss": 0.5}
+
+    algo.run_local = record
+    upd = algo.client_update(2, down, private, 1)
+    assert seen == {"loaded": True, "mode": "shared" if method == "vqa_adapter" else "none"}
+    assert set(upd.upload) == {MODEL} and set(upd.private) == {MODEL}
+    assert all(torch.allclose(upd.upload[MODEL][k].cpu(), down[MODEL][k] + 1) for k in algo.global_keys)
+    assert all(torch.allclose(upd.private[MODEL][k].cpu(), private[MODEL][k] + 1) for k in algo.private_keys)
+    assert upd.metrics == {"steps": 1, "train_loss": 0.5} and upd.num_samples == 16
