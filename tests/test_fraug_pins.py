@@ -426,3 +426,17 @@ def test_final_round_plots_every_clients_embeddings(run_sim, monkeypatch):
     run_sim("fraug", num_rounds=1, local_steps=1, output_dir="off", method_config=FRAugConfig(d_z=16,
                                                                                             plot_embeddings=False))
     assert calls == []
+
+
+@pytest.mark.parametrize("k, grid", [(1, (1, 1)), (4, (1, 4)), (5, (2, 4))])
+def test_plot_embeddings_grid(tmp_path, monkeypatch, k, grid):
+    """ceil(K / 4) rows of min(4, K) panels: one client is one panel (no squeezed axes), four fill one row."""
+    import matplotlib.pyplot as plt
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig: figs.append(fig))
+    rng = np.random.default_rng(1)
+    sets = [(c, {"real": rng.normal(size=(8, 3)), "labels": np.arange(8) % 2, "u_hat": rng.normal(size=(8, 3))})
+            for c in range(k)]
+    plot_embeddings(sets, {}, tmp_path / "p.png")
+    shape = figs[0].axes[0].get_subplotspec().get_gridspec().get_geometry()
+    assert shape == grid and len(figs[0].axes) == grid[0] * grid[1]
