@@ -329,3 +329,39 @@ def test_baseline_client_update_trains_from_and_keeps_the_clients_head(sim_for, 
     assert all(torch.allclose(upd.upload[MODEL][k].cpu(), down[MODEL][k] + 1) for k in algo.global_keys)
     assert all(torch.allclose(upd.private[MODEL][k].cpu(), private[MODEL][k] + 1) for k in algo.private_keys)
     assert upd.metrics == {"steps": 1, "train_loss": 0.5} and upd.num_samples == 16
+
+
+def test_inference_variants_score_each_clients_own_adapters(sim_for):
+    """Table 4's rows evaluate, for each client in turn, its own A_c and head (from its stored private state) with
+    Â_s = A_s = the final global A_s, on its own test set, on the paths A_s, DAT, A_c in that order; each row is the
+    mean over clients of what the evaluation returned (here a code of client and path)."""
+    sim = sim_for("feddat", rounds=1, eval_variants=False)
+    sim.run()
+    algo, m = sim.algorithm, sim.model
+    calls = []
+
+    def fake_evaluate(model, data, metric=None):
+        s = model.adapters[0]
+        cid = len(calls) // 3
+        calls.append({"mode": model.mode, "local": s.local.up.weight.detach().clone(),
+                      "shared": s.shared.up.weight.detach().clone(), "frozen": s.frozen_up_weight.clone(),
+                      "head": {k: v.clone() for k, v in model.state_dict().items() if k in m.head_keys()},
+                      "data": data.select(torch.arange(len(data)))["answer"].clone()})
+        return {"accuracy": cid / 10 + {"shared": 0.01, "dat": 0.02, "local": 0.03}[model.mode]}
+
+    algo.ctx.evaluate = fake_evaluate
+    rows = algo.inference_variants(sim.server_state)
+    assert [c["mode"] for c in calls] == ["shared", "dat", "local"] * 5
+    mean_cid = sum(range(5)) / 10 / 5
+    assert rows == pytest.approx({"inference_shared": mean_cid + 0.01, "inference_dat": mean_cid + 0.02,
+                                  "inference_local": mean_cid + 0.03}, abs=1e-12)
+    g = sim.server_state[MODEL]["adapters.0.shared.up.weight"].to(m.adapters[0].shared.up.weight.device)
+    for i, c in enumerate(calls):
+        cid, private = i // 3, sim.store.get(i // 3)[MODEL]
+        assert torch.equal(c["local"].cpu(), private["adapters.0.local.up.weight"].cpu())
+        assert torch.equal(c["shared"], g) and torch.equal(c["frozen"], g)
+        assert all(torch.equal(v.cpu(), private[k].cpu()) for k, v in c["head"].items()) and c["head"]
+        test = sim.test_data(cid)
+        assert torch.equal(c["data"], test.select(torch.arange(len(test)))["answer"])
+    assert not torch.equal(calls[0]["local"], calls[3]["local"])       # the clients' A_c differ
+    assert m.mode == "shared"
