@@ -371,7 +371,7 @@ def test_plot_embeddings_draws_each_clients_pca(tmp_path, monkeypatch):
             s["v_hat"] = rng.normal(size=(30, 6)) + 2
         return s
     sets = [(0, client(True)), (1, client(False)), (2, client(True)), (3, client(True)), (4, client(True))]
-    path = tmp_path / "new" / "emb.png"
+    path = tmp_path / "new" / "dir" / "emb.png"           # folders created, parents included
     plot_embeddings(sets, {0: "mnist", 1: "svhn", 3: "usps"}, path)
     assert path.stat().st_size > 0 and len(figs) == 1
     axes = figs[0].axes
