@@ -365,3 +365,7 @@ def test_inference_variants_score_each_clients_own_adapters(sim_for):
         assert torch.equal(c["data"], test.select(torch.arange(len(test)))["answer"])
     assert not torch.equal(calls[0]["local"], calls[3]["local"])       # the clients' A_c differ
     assert m.mode == "shared"
+    calls.clear()
+    algo.ctx.owned = lambda ids: [0]                                   # one client: its own accuracy, not halved
+    assert algo.inference_variants(sim.server_state) == pytest.approx(
+        {"inference_shared": 0.01, "inference_dat": 0.02, "inference_local": 0.03}, abs=1e-12)
