@@ -216,13 +216,13 @@ def test_ablations_change_exactly_their_term(sim_for, vqa_fed, mutual, teacher):
     assert float(loss_dat(m, b)) == pytest.approx(float(expected), rel=1e-5)
 
 
-def test_gradient_isolation_of_the_two_losses(sim_for, vqa_fed):
-    """Spec check 3 on FedDAT's own losses: L^s reaches A_s and the head only, L^DAT reaches A_c and the head only
-    (z_s is a detached teacher there); Â_s and the backbone never get a gradient. And the two optimizers are built
-    on exactly (A_s + head) and (A_c + head)."""
+def test_the_two_optimizers_hold_a_s_plus_head_and_a_c_plus_head(sim_for):
+    """Spec check 3, what each optimizer may move: FedDAT's client update builds its two optimizers on exactly
+    (A_s + head) and (A_c + head); Â_s (buffers) and the backbone are not trainable. The gradients each loss gives
+    every trainable tensor are pinned by value in test_feddat_pins.py (test_client_loss_gradients_are_those_of_the_
+    hand_loss)."""
     sim = sim_for("feddat", kd_schedule="constant")
     m, seen = _client_losses(sim)
-    loss_s, loss_dat = seen["fns"]
     named = dict(m.named_parameters())
     shared = [k for k in named if ".shared." in k]
     local = [k for k in named if ".local." in k]
@@ -233,15 +233,6 @@ def test_gradient_isolation_of_the_two_losses(sim_for, vqa_fed):
     frozen_bufs = [v for k, v in m.named_buffers() if "frozen_" in k.split(".")[-1]]
     assert frozen_bufs and all(not v.requires_grad for v in frozen_bufs)
     assert all(not named[k].requires_grad for k in backbone)
-    b = {k: v.to(sim.device) for k, v in batch_of(vqa_fed).items()}
-    m.zero_grad(set_to_none=True)
-    loss_s(m, b).backward()
-    assert all(named[k].grad is None for k in local + backbone)
-    assert all(named[k].grad is not None and named[k].grad.abs().sum() > 0 for k in shared + head)
-    m.zero_grad(set_to_none=True)
-    loss_dat(m, b).backward()
-    assert all(named[k].grad is None for k in shared + backbone)
-    assert all(named[k].grad is not None and named[k].grad.abs().sum() > 0 for k in local + head)
 
 
 # ------------------------------------------------------------------------------------------------ check 4 + 7
