@@ -224,3 +224,21 @@ def test_config_rejects_bad_values():
         pce.FedPCEConfig(embedding_dim=0)
     with pytest.raises(ValueError, match="--widths and --depths"):
         pce.FedPCEConfig(widths="4,4", depths="1")
+
+
+def test_pce_fedprox_anchor_is_a_copy_on_the_training_device():
+    """The proximal anchor w_global is the download as received, copied onto the training device (ctx.device): a
+    model on another device (meta here, standing in for an accelerator) gets its term there; on the CPU, with
+    mu = 4, w = (3, 0), w_global = (1, 2): 4/2 ((3 - 1)^2 + (0 - 2)^2) = 16, unchanged when the caller later edits
+    its download tensors in place."""
+    down = {MODEL: {"w": torch.tensor([1.0, 2.0])}}
+    algo = _stub(pce.PCEFedProx, mu=4.0)
+    algo.ctx.device = torch.device("meta")
+    net = torch.nn.Module()
+    net.w = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    assert algo.local_hooks(0, down, None)["regularizer"](net).device.type == "meta"
+    algo.ctx.device = torch.device("cpu")
+    reg = algo.local_hooks(0, down, None)["regularizer"]
+    net.w = torch.nn.Parameter(torch.tensor([3.0, 0.0]))
+    down[MODEL]["w"].add_(100.0)
+    assert float(reg(net).detach()) == 16.0
