@@ -186,13 +186,14 @@ def test_unweighted_mean_weights():
 
 
 def test_new_client_start_zero_and_mean_by_hand():
-    """zero: the initial private values; mean: the mean of the clients' states ((1, 0) and (0, 3) -> (0.5, 1.5);
-    a client without a state is skipped), in the model's dtype."""
+    """zero: the initial private values; mean: the per-coordinate mean over the clients' states ((1, 0), (0, 3) and
+    (2, 0) -> (1, 1); a client without a state is skipped), in the model's dtype."""
     privates = {0: {MODEL: {EMBEDDING_KEY: torch.tensor([1.0, 0.0])}}, 1: None,
-                2: {MODEL: {EMBEDDING_KEY: torch.tensor([0.0, 3.0])}}}
+                2: {MODEL: {EMBEDDING_KEY: torch.tensor([0.0, 3.0])}},
+                3: {MODEL: {EMBEDDING_KEY: torch.tensor([2.0, 0.0])}}}
     assert torch.equal(_stub(privates=privates).new_client_start(9)[EMBEDDING_KEY], torch.zeros(2))
     m = _stub(privates=privates, new_client_init="mean").new_client_start(9)[EMBEDDING_KEY]
-    assert torch.equal(m, torch.tensor([0.5, 1.5])) and m.dtype == torch.float32
+    assert torch.equal(m, torch.tensor([1.0, 1.0])) and m.dtype == torch.float32
     assert torch.equal(_stub(privates={0: None}, new_client_init="mean").new_client_start(9)[EMBEDDING_KEY],
                        torch.zeros(2))
 
