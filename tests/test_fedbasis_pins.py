@@ -376,9 +376,9 @@ def test_aggregate_after_warm_start_is_the_basis_wise_uniform_mean():
 
 def test_kmeans_by_hand():
     """Plain Lloyd: two clusters {0, 1}, {10, 11} -> centroids 0.5, 10.5 whatever the seed (some seeds start both
-    centroids in one cluster); three rows, k = 3 -> each row its own centroid; a duplicate-heavy set whose start leaves a cluster
-    empty still ends at {0, 6}; k > rows: the rows repeated in a seeded order (the same for the same seed,
-    whatever the global RNG)."""
+    centroids in one cluster); three rows, k = 3 -> each row its own centroid; a duplicate-heavy set whose start
+    leaves a cluster empty still ends at {0, 6}; k > rows: the rows repeated in a seeded order (the same for the
+    same seed, whatever the global RNG)."""
     two = torch.tensor([[0.0], [1.0], [10.0], [11.0]], dtype=torch.float64)
     three = torch.tensor([[0.0], [10.0], [20.0]], dtype=torch.float64)
     dup = torch.tensor([[0.0], [0.0], [0.0], [6.0]], dtype=torch.float64)
