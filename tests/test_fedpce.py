@@ -245,14 +245,18 @@ def test_resume_after_interruption_equals_straight_run(pce_sim, run_sim):
     cfg = get_algorithm("fedpce").Config(**TINY)
     kw = dict(method_config=cfg, optimizer="adam", lr=1e-3, weight_decay=1e-4, local_steps=2, num_rounds=3,
               checkpoint_every=1, eval_every=3)
-    _, straight = run_sim("fedpce", output_dir="straight", **kw)
+    straight_sim, straight = run_sim("fedpce", output_dir="straight", **kw)
     cut, _ = run_sim("fedpce", output_dir="cut", run=False, **kw)
     cut.step(), cut.step()                                 # "killed" after round 2 (its checkpoint is on disk)
     again, resumed = run_sim("fedpce", output_dir="cut", resume_from_checkpoint="latest", overwrite_output_dir=False,
                              **kw)
     for key in ("final", "per_client_accuracy", "new_client_accuracy", "communication"):
         assert resumed[key] == straight[key], key
-    assert len(again.algorithm.embeddings()) == again.num_clients    # the PCA map sees every client after resume
+    # the PCA map reads, for every client, exactly the embedding the straight run ended with (its stored private v)
+    emb, ref = again.algorithm.embeddings(), straight_sim.algorithm.embeddings()
+    assert sorted(emb) == list(range(again.num_clients)) == sorted(ref)
+    for c in emb:
+        assert torch.equal(emb[c], ref[c]) and torch.equal(emb[c], straight_sim.store.get(c)[MODEL][EMBEDDING_KEY])
 
 
 def test_paper_degradation_levels():
@@ -275,6 +279,13 @@ def test_paper_degradation_levels():
     ds = Dataset.from_dict({"pixel_values": x}, features=Features({"pixel_values": Array3D((3, 8, 8), "float32")}))
     out = np.asarray(add_input_noise(ds, 0.5, seed=1)[:]["pixel_values"])
     assert abs(out.std() - 1.0) < 0.03 and out.max() > 1.5           # 2 * 0.5 on [-1, 1]; not clamped
+    # exact: the same draw z per seed, added as 2 * std * z (std 0.25 -> half of std 0.5's noise, bit for bit) on
+    # top of the input, unclamped (inputs of 1 come out as 1 + the same noise)
+    quarter = np.asarray(add_input_noise(ds, 0.25, seed=1)[:]["pixel_values"])
+    assert np.array_equal(out, 2 * quarter)
+    ones = Dataset.from_dict({"pixel_values": x + 1}, features=ds.features)
+    np.testing.assert_allclose(np.asarray(add_input_noise(ones, 0.5, seed=1)[:]["pixel_values"]), 1 + out,
+                               rtol=0, atol=1e-6)
     assert np.array_equal(out, np.asarray(add_input_noise(ds, 0.5, seed=1)[:]["pixel_values"]))
     img = Image.fromarray((np.arange(48, dtype=np.uint8).reshape(4, 4, 3) * 5))
     pil = Dataset.from_dict({"image": [img, img]}, features=Features({"image": HFImage()}))
