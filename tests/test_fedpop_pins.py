@@ -293,3 +293,31 @@ def test_ditto_member_is_scored_on_its_uploaded_local_model_not_the_personal_one
             personal = F.cross_entropy(net(val.pixel_values).logits, val.labels).item()
         assert s == pytest.approx(uploaded, rel=1e-5, abs=1e-6)
         assert abs(uploaded - personal) > 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ baselines' entry points
+@pytest.mark.parametrize("fn,tuner", [("random_search", "rs"), ("successive_halving", "sha"), ("fedex", "fedex"),
+                                      ("fedpop", "fedpop")])
+def test_baseline_entry_points_run_the_driver_with_their_tuner(monkeypatch, fn, tuner):
+    """Each entry point runs the one driver with its tuner name, keeping every other tuner argument given (or the
+    defaults), passing the run / data / method arguments and keywords through, and returns run()'s results."""
+    from hfpfl.tuning import baselines
+
+    made = []
+
+    class FakeTuner:
+        def __init__(self, run_args, data_args, method_config, targs, **kw):
+            made.append((run_args, data_args, method_config, targs, kw))
+
+        def run(self):
+            return {"ran": len(made)}
+
+    monkeypatch.setattr(baselines, "Tuner", FakeTuner)
+    given = TunerArguments(tuner="fedpop", population_size=2, rounds_per_member=5)
+    assert getattr(baselines, fn)("R", "D", "M", given, fed_data="F") == {"ran": 1}
+    run_args, data_args, method_config, targs, kw = made[0]
+    assert (run_args, data_args, method_config, kw) == ("R", "D", "M", {"fed_data": "F"})
+    assert targs.tuner == tuner and (targs.population_size, targs.rounds_per_member) == (2, 5)
+    assert given.tuner == "fedpop"  # the caller's arguments are not modified
+    getattr(baselines, fn)("R", "D", "M")
+    assert made[1][3] == TunerArguments(tuner=tuner)
