@@ -321,3 +321,46 @@ def test_baseline_entry_points_run_the_driver_with_their_tuner(monkeypatch, fn, 
     assert given.tuner == "fedpop"  # the caller's arguments are not modified
     getattr(baselines, fn)("R", "D", "M")
     assert made[1][3] == TunerArguments(tuner=tuner)
+
+
+# ------------------------------------------------------------------------------------------------ search-space maps
+def test_coordinate_inverts_value_for_each_kind_by_hand():
+    """Sampling-space coordinates: uniform v -> v, log10 0.01 -> -2, log10_one_minus 0.999 -> log10(0.001) = -3,
+    choice 16 of (8, 16, 32) -> index 1; value() maps each back."""
+    space = ss.SearchSpace(SAFE_SPACE)
+    cases = [(space.server["server_momentum"], 0.3, 0.3), (space.client["lr"], 0.01, -2.0),
+             (space.server["server_lr_decay"], 0.999, -3.0), (space.client["batch_size"], 16, 1)]
+    for p, v, u in cases:
+        assert p.coordinate(v) == pytest.approx(u, abs=1e-12) and type(p.coordinate(v)) is type(u), p.name
+        assert p.value(u) == pytest.approx(v, abs=1e-12), p.name
+    assert space.params("server") is space.server and space.params("client") is space.client
+    assert space.params("method") is space.method
+
+
+# ------------------------------------------------------------------------------------------------ population checkpoint
+def test_population_checkpoint_restores_the_tuner_and_refuses_other_settings(make_tuner):
+    """save() then load() in a fresh tuner on the same output_dir gives back the round, events, random state (the
+    next draw is the same), the tried vectors, the budget counters, each member's vectors / history and its
+    simulation's server model; a tuner with other settings refuses the file; no file: load() is False."""
+    a = make_tuner(out="ckpt", tuner="fedpop", population_size=2, rounds_per_member=2, generation_rounds=1)
+    assert a.load() is False
+    for m in a.members:
+        a.member_round(m)
+    a.round = 1
+    a.events.append({"round": 1, "kind": "exploit", "dst": 1, "src": 0})
+    a.save()
+    b = make_tuner(out="ckpt", tuner="fedpop", population_size=2, rounds_per_member=2, generation_rounds=1)
+    assert b.load() is True
+    assert (b.round, b.events, b.tried, b.loc_calls, b.rounds_used) == (1, a.events, a.tried, a.loc_calls,
+                                                                          a.rounds_used)
+    assert all(isinstance(t, tuple) for t in b.tried) and b.rounds_used == 2 and b.loc_calls == 6
+    for ma, mb in zip(a.members, b.members):
+        for k in ("alpha", "beta0", "betas", "age", "hist", "curve", "rounds", "diverged", "alive"):
+            assert getattr(mb, k) == getattr(ma, k), k
+        assert mb.scores == {} and mb.sim.round == ma.sim.round == 1
+        for k, v in ma.sim.server_state[MODEL].items():
+            assert torch.equal(mb.sim.server_state[MODEL][k], v), k
+    assert b.rng.random() == a.rng.random()
+    c = make_tuner(out="ckpt", tuner="fedpop", population_size=2, rounds_per_member=3, generation_rounds=1)
+    with pytest.raises(ValueError, match="population.pt: the saved population was run with other settings"):
+        c.load()
