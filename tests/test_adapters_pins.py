@@ -200,16 +200,24 @@ def test_disabling_a_merged_layer_unmerges_and_runs_the_pretrained_unit(make):
 
 
 @pytest.mark.parametrize("cls,cfg", [(ResidualAdapterLayer, ResidualAdapterConfig(dropout=0.0)),
+                                     (ResidualAdapterLayer, ResidualAdapterConfig(dropout=0.0, adapter_bn=False)),
                                      (ParallelAdapterLayer, ParallelAdapterConfig(init="he"))])
 def test_adapter_tensors_take_the_base_convs_dtype(cls, cfg):
-    """A float64 base gets float64 adapter convs and BNs (a float32 adapter would fail on a float64 input)."""
+    """A float64 base gets float64 adapter convs and BNs (a float32 adapter would fail on a float64 input), and its
+    merge computes in float64 (the fold's s / c of a BN-less residual adapter included)."""
     layer = cls(_Unit(dtype=torch.float64))
     layer.update_layer("default", cfg, with_adapter=True)
     layer.set_adapter("default")
     assert {p.dtype for p in layer.parameters()} == {torch.float64}
     assert {b.dtype for n, b in layer.named_buffers() if "running" in n} == {torch.float64}
+    x = torch.ones(1, 2, 3, 3, dtype=torch.float64)
     with torch.no_grad():
-        assert layer.eval()(torch.ones(1, 2, 3, 3, dtype=torch.float64)).dtype == torch.float64
+        out = layer.eval()(x)
+    assert out.dtype == torch.float64
+    layer.merge("default")
+    assert layer.base_layer.convolution.weight.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), out, rtol=0, atol=1e-12)
 
 
 def test_adapter_slots_names_grads_and_delete():
