@@ -364,3 +364,27 @@ def test_population_checkpoint_restores_the_tuner_and_refuses_other_settings(mak
     c = make_tuner(out="ckpt", tuner="fedpop", population_size=2, rounds_per_member=3, generation_rounds=1)
     with pytest.raises(ValueError, match="population.pt: the saved population was run with other settings"):
         c.load()
+
+
+def test_in_ball_is_the_closed_delta_box():
+    """beta0 = 0.5 on [0, 1] (uniform) with the default delta 0.2: the box is [0.3, 0.7], closed up to 1e-12 slack
+    on both sides; delta 0.1 narrows it to [0.4, 0.6]."""
+    p = {"m": ss.Param("m", "uniform", 0.0, 1.0)}
+    lo, hi = 0.5 - 0.2 * 1.0, 0.5 + 0.2 * 1.0
+    c = {"m": 0.5}
+    assert ss.in_ball({"m": lo - 1e-12}, c, p) and ss.in_ball({"m": hi + 1e-12}, c, p)
+    assert not ss.in_ball({"m": lo - 1e-9}, c, p) and not ss.in_ball({"m": hi + 1e-9}, c, p)
+    assert ss.in_ball({"m": 0.65}, c, p) and not ss.in_ball({"m": 0.65}, c, p, delta=0.1)
+    assert ss.in_ball({"m": 0.6}, c, p, delta=0.1) and not ss.in_ball({"m": 0.25}, c, p)
+
+
+def test_method_values_apply_the_members_value_and_run_the_configs_checks():
+    """method: {mu: choice (0.5, -1)}: index 0 gives a new FedProx config with mu 0.5 (the given one untouched);
+    index 1 gives mu = -1, which FedProx's own check (mu >= 0) refuses."""
+    cfg = get_algorithm("fedprox").Config()
+    space = ss.SearchSpace({"method": {"mu": {"type": "choice", "values": [0.5, -1.0]}}})
+    new = space.method_values({"mu": 0}, cfg)
+    assert new.mu == 0.5 and cfg.mu == 0.01 and new is not cfg
+    with pytest.raises(ValueError, match="mu"):
+        space.method_values({"mu": 1}, cfg)
+    assert ss.SearchSpace(SAFE_SPACE).method_values({}, cfg) is cfg
