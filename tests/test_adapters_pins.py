@@ -221,12 +221,14 @@ def test_adapter_tensors_take_the_base_convs_dtype(cls, cfg):
 
 
 def test_adapter_slots_names_grads_and_delete():
-    """Two residual slots: adapter_names lists both; set_adapter makes only the active one's tensors trainable;
+    """Two residual slots (dropout 0.1: an nn.Dropout(0.1) inside each): adapter_names lists both; set_adapter makes only the active one's tensors trainable;
     deleting the inactive slot keeps the active one, deleting the active slot clears it (and its dropout)."""
     layer = ResidualAdapterLayer(_Unit())
     for n in ("a", "b"):
         layer.update_layer(n, ResidualAdapterConfig(dropout=0.1), with_adapter=True)
     assert layer.adapter_names() == {"a", "b"}
+    assert type(layer.radapter_dropout["a"]) is nn.Dropout and layer.radapter_dropout["a"].p == 0.1
+    assert type(_residual().radapter_dropout["default"]) is nn.Identity  # dropout 0: no dropout module
     layer.set_adapter("a")
     for c in ("radapter_conv", "radapter_bn", "radapter_norm"):
         assert all(p.requires_grad for p in getattr(layer, c)["a"].parameters())
