@@ -175,7 +175,8 @@ def test_sha_keeps_exactly_the_best_third_by_its_stage_scores(make_tuner):
     """SHA (9 -> 3 -> 1; R_t = 60: 3 rounds each in stage 1, 11 in stage 2) on known scores. Stage 1 keeps the three
     lowest by Eq. 5 (weights 0.81, 0.9, 1): member 5 ([1, 0, 0]: 0.81 / 2.71 = 0.299) over member 7 ([0, 0, 0.95]:
     0.95 / 2.71 = 0.351), which a plain mean would rank the other way (0.333 vs 0.317). Stage 2 re-scores only on
-    its own rounds: member 5, third after stage 1, is best there and is the one kept."""
+    its own rounds: member 5, third after stage 1, is best there and is the one kept. The stage counter (what a
+    resume starts from) ends at 2, so running SHA again trains nothing."""
     tuner = make_tuner(tuner="sha", sha_start=9, population_size=2, rounds_per_member=30)
     assert tuner.sha_schedule() == [(9, 3), (3, 11)]
     stage1 = {0: [0.7] * 3, 1: [0.2] * 3, 2: [0.9] * 3, 3: [0.1] * 3, 4: [0.5] * 3, 5: [1.0, 0.0, 0.0],
@@ -203,7 +204,12 @@ def test_sha_keeps_exactly_the_best_third_by_its_stage_scores(make_tuner):
     assert tuner.events[0]["kept"] == [3, 1, 5] and sorted(tuner.events[0]["dropped"]) == [0, 2, 4, 6, 7, 8]
     assert tuner.events[1]["kept"] == [5] and tuner.events[1]["rounds_each"] == 11
     assert [m.idx for m in tuner.members if m.alive] == [5]
+    assert all(m.alive is False for m in tuner.members if m.idx != 5)
     assert tuner.rounds_used == 9 * 3 + 3 * 11 <= 60
+    # the stage counter is what a resumed run starts from: both stages done, so a resume trains no more rounds
+    assert tuner.round == 2 and [(e["stage"], e["kind"]) for e in tuner.events] == [(0, "eliminate"), (1, "eliminate")]
+    tuner._run_sha()
+    assert tuner.rounds_used == 60 and len(tuner.events) == 2
 
 
 # ------------------------------------------------------------------------------------------------ server step
