@@ -375,3 +375,18 @@ def test_merge_and_unload_without_norm_copies_nan_guard_and_heads():
         else:
             plain = model.merge_and_unload()
             assert any(torch.isnan(p).any() for p in plain.parameters())
+
+
+@pytest.mark.parametrize("conv", [
+    dict(kernel_size=(3, 5), padding=(1, 2)),          # not square
+    dict(kernel_size=4, padding=2),                      # even: no centre tap
+    dict(kernel_size=3, padding=1, dilation=2),          # dilated: the centre tap sees another offset pattern
+    dict(kernel_size=3, padding=1, groups=2),            # grouped
+    dict(kernel_size=3, padding=1, padding_mode="reflect"),
+])
+def test_parallel_adapter_refuses_convs_a_same_stride_1x1_cannot_align_with(conv):
+    unit = _Unit()
+    unit.convolution = nn.Conv2d(2, 2, bias=False, **conv)
+    layer = ParallelAdapterLayer(unit)
+    with pytest.raises(ValueError, match="ParallelAdapter needs an odd square kxk conv"):
+        layer.update_layer("default", ParallelAdapterConfig(), with_adapter=True)
