@@ -22,6 +22,7 @@ changed; it cannot see edits to the tests themselves).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import fnmatch
 import glob
 import json
@@ -302,6 +303,16 @@ def main(argv=None) -> int:
     k = a.k if a.k is not None else (None if a.tests else t.k)
     if a.summarize and not (work / "mutants").is_dir():
         print(f"error: --summarize: no earlier run of {name} under {out}; run it first", file=sys.stderr)
+        return 2
+    # one run per work dir: a second run's prepare() deletes and recreates it under the first, whose mutmut then
+    # works in a deleted directory and dies on its next relative write (FileNotFoundError: mutants/<file>.meta)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / f"{name}.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"error: another scripts/mutation.py run of {name} is using {work}; wait for it to finish, or pass "
+              "--out DIR to run beside it", file=sys.stderr)
         return 2
     if not a.summarize:
         prepare(work, core, tests, k, a.resume)

@@ -278,14 +278,30 @@ def test_server_vector_reaches_the_fedopt_step(make_tuner, server_lr):
 
 
 # ------------------------------------------------------------------------------------------------ baselines
-def test_fedex_moves_probability_to_the_lower_loss_configuration(make_tuner):
-    tuner = make_tuner(tuner="fedex", population_size=1, fedex_configs=4)
-    m = tuner.members[0]
+def test_fedex_exponentiated_gradient_steps_by_hand():
+    """FedEx (Khodak et al. 2021) on 4 configurations, two rounds written out. Round 1: theta = 1/4 each, picks
+    (0, 1, 2), losses (0.5, 2, 1), no baseline yet so b = the round's mean 7/6; d = loss - b = (-2/3, 5/6, -1/6),
+    gradient g_j = sum over the slots that picked j of d / (K theta_j), K = 3: (-8/9, 10/9, -2/9, 0); step
+    eta_1 = sqrt(2 ln 4) / sqrt(1), scaled by max |d| = 5/6: theta_j <- theta_j exp(-eta g_j / (5/6)), normalised.
+    Round 2: b = 7/6 (round 1's mean), picks (3, 3, 0), losses (1, 1, 4): d = (-1/6, -1/6, 17/6), scale 17/6,
+    eta_2 = sqrt(2 ln 4) / sqrt(2)."""
+    from types import SimpleNamespace
+
+    m = SimpleNamespace(fedex={"configs": [{}] * 4, "theta": [0.25] * 4, "baseline": None, "t": 0})
     m.fedex["picks"] = [0, 1, 2]
-    tuner.fedex_update(m, [0.5, 2.0, 1.0])
-    th = m.fedex["theta"]
-    # baseline = the round's mean loss (7/6): configs below it gain, above it lose, the unused one sits between
-    assert sum(th) == pytest.approx(1.0) and th[0] > th[2] > th[3] > th[1]
+    Tuner.fedex_update(None, m, [0.5, 2.0, 1.0])
+    eta = math.sqrt(2 * math.log(4))
+    w = [0.25 * math.exp(-eta * g / (5 / 6)) for g in (-8 / 9, 10 / 9, -2 / 9, 0.0)]
+    th1 = [x / sum(w) for x in w]
+    assert m.fedex["theta"] == pytest.approx(th1, rel=1e-12)
+    assert m.fedex["baseline"] == pytest.approx(7 / 6) and m.fedex["t"] == 1
+    assert th1[0] > th1[2] > th1[3] > th1[1]
+    m.fedex["picks"] = [3, 3, 0]
+    Tuner.fedex_update(None, m, [1.0, 1.0, 4.0])
+    g = [(17 / 6) / (3 * th1[0]), 0.0, 0.0, 2 * (-1 / 6) / (3 * th1[3])]
+    w = [th1[j] * math.exp(-eta / math.sqrt(2) * g[j] / (17 / 6)) for j in range(4)]
+    assert m.fedex["theta"] == pytest.approx([x / sum(w) for x in w], rel=1e-12)
+    assert m.fedex["baseline"] == pytest.approx(2.0) and m.fedex["t"] == 2
 
 
 def test_sha_schedule_27_9_3_within_budget():

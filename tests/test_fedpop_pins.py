@@ -175,7 +175,8 @@ def test_sha_keeps_exactly_the_best_third_by_its_stage_scores(make_tuner):
     """SHA (9 -> 3 -> 1; R_t = 60: 3 rounds each in stage 1, 11 in stage 2) on known scores. Stage 1 keeps the three
     lowest by Eq. 5 (weights 0.81, 0.9, 1): member 5 ([1, 0, 0]: 0.81 / 2.71 = 0.299) over member 7 ([0, 0, 0.95]:
     0.95 / 2.71 = 0.351), which a plain mean would rank the other way (0.333 vs 0.317). Stage 2 re-scores only on
-    its own rounds: member 5, third after stage 1, is best there and is the one kept."""
+    its own rounds: member 5, third after stage 1, is best there and is the one kept. The stage counter (what a
+    resume starts from) ends at 2, so running SHA again trains nothing."""
     tuner = make_tuner(tuner="sha", sha_start=9, population_size=2, rounds_per_member=30)
     assert tuner.sha_schedule() == [(9, 3), (3, 11)]
     stage1 = {0: [0.7] * 3, 1: [0.2] * 3, 2: [0.9] * 3, 3: [0.1] * 3, 4: [0.5] * 3, 5: [1.0, 0.0, 0.0],
@@ -203,7 +204,12 @@ def test_sha_keeps_exactly_the_best_third_by_its_stage_scores(make_tuner):
     assert tuner.events[0]["kept"] == [3, 1, 5] and sorted(tuner.events[0]["dropped"]) == [0, 2, 4, 6, 7, 8]
     assert tuner.events[1]["kept"] == [5] and tuner.events[1]["rounds_each"] == 11
     assert [m.idx for m in tuner.members if m.alive] == [5]
+    assert all(m.alive is False for m in tuner.members if m.idx != 5)
     assert tuner.rounds_used == 9 * 3 + 3 * 11 <= 60
+    # the stage counter is what a resumed run starts from: both stages done, so a resume trains no more rounds
+    assert tuner.round == 2 and [(e["stage"], e["kind"]) for e in tuner.events] == [(0, "eliminate"), (1, "eliminate")]
+    tuner._run_sha()
+    assert tuner.rounds_used == 60 and len(tuner.events) == 2
 
 
 # ------------------------------------------------------------------------------------------------ server step
@@ -293,3 +299,98 @@ def test_ditto_member_is_scored_on_its_uploaded_local_model_not_the_personal_one
             personal = F.cross_entropy(net(val.pixel_values).logits, val.labels).item()
         assert s == pytest.approx(uploaded, rel=1e-5, abs=1e-6)
         assert abs(uploaded - personal) > 1e-4
+
+
+# ------------------------------------------------------------------------------------------------ baselines' entry points
+@pytest.mark.parametrize("fn,tuner", [("random_search", "rs"), ("successive_halving", "sha"), ("fedex", "fedex"),
+                                      ("fedpop", "fedpop")])
+def test_baseline_entry_points_run_the_driver_with_their_tuner(monkeypatch, fn, tuner):
+    """Each entry point runs the one driver with its tuner name, keeping every other tuner argument given (or the
+    defaults), passing the run / data / method arguments and keywords through, and returns run()'s results."""
+    from hfpfl.tuning import baselines
+
+    made = []
+
+    class FakeTuner:
+        def __init__(self, run_args, data_args, method_config, targs, **kw):
+            made.append((run_args, data_args, method_config, targs, kw))
+
+        def run(self):
+            return {"ran": len(made)}
+
+    monkeypatch.setattr(baselines, "Tuner", FakeTuner)
+    given = TunerArguments(tuner="fedpop", population_size=2, rounds_per_member=5)
+    assert getattr(baselines, fn)("R", "D", "M", given, fed_data="F") == {"ran": 1}
+    run_args, data_args, method_config, targs, kw = made[0]
+    assert (run_args, data_args, method_config, kw) == ("R", "D", "M", {"fed_data": "F"})
+    assert targs.tuner == tuner and (targs.population_size, targs.rounds_per_member) == (2, 5)
+    assert given.tuner == "fedpop"  # the caller's arguments are not modified
+    getattr(baselines, fn)("R", "D", "M")
+    assert made[1][3] == TunerArguments(tuner=tuner)
+
+
+# ------------------------------------------------------------------------------------------------ search-space maps
+def test_coordinate_inverts_value_for_each_kind_by_hand():
+    """Sampling-space coordinates: uniform v -> v, log10 0.01 -> -2, log10_one_minus 0.999 -> log10(0.001) = -3,
+    choice 16 of (8, 16, 32) -> index 1; value() maps each back."""
+    space = ss.SearchSpace(SAFE_SPACE)
+    cases = [(space.server["server_momentum"], 0.3, 0.3), (space.client["lr"], 0.01, -2.0),
+             (space.server["server_lr_decay"], 0.999, -3.0), (space.client["batch_size"], 16, 1)]
+    for p, v, u in cases:
+        assert p.coordinate(v) == pytest.approx(u, abs=1e-12) and type(p.coordinate(v)) is type(u), p.name
+        assert p.value(u) == pytest.approx(v, abs=1e-12), p.name
+    assert space.params("server") is space.server and space.params("client") is space.client
+    assert space.params("method") is space.method
+
+
+# ------------------------------------------------------------------------------------------------ population checkpoint
+def test_population_checkpoint_restores_the_tuner_and_refuses_other_settings(make_tuner):
+    """save() then load() in a fresh tuner on the same output_dir gives back the round, events, random state (the
+    next draw is the same), the tried vectors, the budget counters, each member's vectors / history and its
+    simulation's server model; a tuner with other settings refuses the file; no file: load() is False."""
+    a = make_tuner(out="ckpt", tuner="fedpop", population_size=2, rounds_per_member=2, generation_rounds=1)
+    assert a.load() is False
+    for m in a.members:
+        a.member_round(m)
+    a.round = 1
+    a.events.append({"round": 1, "kind": "exploit", "dst": 1, "src": 0})
+    a.save()
+    b = make_tuner(out="ckpt", tuner="fedpop", population_size=2, rounds_per_member=2, generation_rounds=1)
+    assert b.load() is True
+    assert (b.round, b.events, b.tried, b.loc_calls, b.rounds_used) == (1, a.events, a.tried, a.loc_calls,
+                                                                          a.rounds_used)
+    assert all(isinstance(t, tuple) for t in b.tried) and b.rounds_used == 2 and b.loc_calls == 6
+    for ma, mb in zip(a.members, b.members):
+        for k in ("alpha", "beta0", "betas", "age", "hist", "curve", "rounds", "diverged", "alive"):
+            assert getattr(mb, k) == getattr(ma, k), k
+        assert mb.scores == {} and mb.sim.round == ma.sim.round == 1
+        for k, v in ma.sim.server_state[MODEL].items():
+            assert torch.equal(mb.sim.server_state[MODEL][k], v), k
+    assert b.rng.random() == a.rng.random()
+    c = make_tuner(out="ckpt", tuner="fedpop", population_size=2, rounds_per_member=3, generation_rounds=1)
+    with pytest.raises(ValueError, match="population.pt: the saved population was run with other settings"):
+        c.load()
+
+
+def test_in_ball_is_the_closed_delta_box():
+    """beta0 = 0.5 on [0, 1] (uniform) with the default delta 0.2: the box is [0.3, 0.7], closed up to 1e-12 slack
+    on both sides; delta 0.1 narrows it to [0.4, 0.6]."""
+    p = {"m": ss.Param("m", "uniform", 0.0, 1.0)}
+    lo, hi = 0.5 - 0.2 * 1.0, 0.5 + 0.2 * 1.0
+    c = {"m": 0.5}
+    assert ss.in_ball({"m": lo - 1e-12}, c, p) and ss.in_ball({"m": hi + 1e-12}, c, p)
+    assert not ss.in_ball({"m": lo - 1e-9}, c, p) and not ss.in_ball({"m": hi + 1e-9}, c, p)
+    assert ss.in_ball({"m": 0.65}, c, p) and not ss.in_ball({"m": 0.65}, c, p, delta=0.1)
+    assert ss.in_ball({"m": 0.6}, c, p, delta=0.1) and not ss.in_ball({"m": 0.25}, c, p)
+
+
+def test_method_values_apply_the_members_value_and_run_the_configs_checks():
+    """method: {mu: choice (0.5, -1)}: index 0 gives a new FedProx config with mu 0.5 (the given one untouched);
+    index 1 gives mu = -1, which FedProx's own check (mu >= 0) refuses."""
+    cfg = get_algorithm("fedprox").Config()
+    space = ss.SearchSpace({"method": {"mu": {"type": "choice", "values": [0.5, -1.0]}}})
+    new = space.method_values({"mu": 0}, cfg)
+    assert new.mu == 0.5 and cfg.mu == 0.01 and new is not cfg
+    with pytest.raises(ValueError, match="mu"):
+        space.method_values({"mu": 1}, cfg)
+    assert ss.SearchSpace(SAFE_SPACE).method_values({}, cfg) is cfg

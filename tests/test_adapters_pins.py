@@ -1,0 +1,392 @@
+"""Adapter layers pinned by hand on one 2-channel conv unit with set weights: the residual fold (Rebuffi et al.'s
+series adapter, as PerAda uses it) W' = (I + A diag(s)) W with s = gamma / sqrt(var + eps) and the next BN's running
+mean shifted by A c, c = beta - mean * s; the parallel fold W'[:, :, 1, 1] = W[:, :, 1, 1] + a; unmerge restoring
+every tensor exactly; safe_merge; adapter slots (names, delete, grad flags); dtype following the base conv; and the
+ConvAdapterModel calls around them (delete_adapter, load_adapter, from_pretrained's options, merge_and_unload,
+save_pretrained's selection)."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from hfpfl.models.adapters import (  # noqa: E402
+    ConvAdapterModel,
+    ParallelAdapterConfig,
+    ResidualAdapterConfig,
+    ResidualAdapterLayer,
+    adapter_state_dict,
+    get_adapter_model,
+    is_adapter_model,
+)
+from hfpfl.models.adapters.layer import ParallelAdapterLayer  # noqa: E402
+
+torch.set_num_threads(1)
+
+W = torch.arange(36, dtype=torch.float32).reshape(2, 2, 3, 3) / 10  # the unit's 3x3 conv, 2 -> 2 channels
+A = torch.tensor([[0.5, 1.0], [0.0, 2.0]])                          # the 1x1 adapter [out, in]
+
+
+class _Unit(nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.convolution = nn.Conv2d(2, 2, 3, padding=1, bias=False, dtype=dtype)
+        self.normalization = nn.BatchNorm2d(2, dtype=dtype)
+        self.activation = nn.ReLU()
+        with torch.no_grad():
+            self.convolution.weight.copy_(W)
+            self.normalization.running_mean.copy_(torch.tensor([0.1, -0.2]))
+            self.normalization.running_var.copy_(torch.tensor([1.5, 0.5]))
+
+    def forward(self, x):
+        return self.activation(self.normalization(self.convolution(x)))
+
+
+def _bn(bn, mean, var, weight, bias, eps=None):
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.tensor(mean)), bn.running_var.copy_(torch.tensor(var))
+        bn.weight.copy_(torch.tensor(weight)), bn.bias.copy_(torch.tensor(bias))
+    if eps is not None:
+        bn.eps = eps
+
+
+def _residual(adapter_bn=True, train_norms=True):
+    layer = ResidualAdapterLayer(_Unit())
+    layer.update_layer("default", ResidualAdapterConfig(dropout=0.0, adapter_bn=adapter_bn, train_norms=train_norms),
+                       with_adapter=True)
+    layer.set_adapter("default")
+    with torch.no_grad():
+        layer.radapter_conv["default"].weight.copy_(A[:, :, None, None])
+    if adapter_bn:
+        # var + eps = (1, 4): s = (2 / 1, 1 / 2) = (2, 0.5); c = beta - mean * s = (0.5 - 2, -1 - 1.5) = (-1.5, -2.5)
+        _bn(layer.radapter_bn["default"], [1.0, 3.0], [0.75, 3.75], [2.0, 1.0], [0.5, -1.0], eps=0.25)
+    if train_norms:
+        _bn(layer.radapter_norm["default"], [1.0, 2.0], [4.0, 1.0], [1.0, 1.0], [0.0, 0.0])
+    return layer.eval()
+
+
+def test_residual_merge_by_hand_and_unmerge_restores_every_tensor():
+    """M = I + A diag(2, 0.5) = [[2, 0.5], [0, 2]]: W'[0] = 2 W[0] + 0.5 W[1], W'[1] = 2 W[1]. A c = (0.5 * -1.5 +
+    1 * -2.5, 2 * -2.5) = (-3.25, -5): the unit's BN copy (running mean (1, 2)) now holds (4.25, 7) and is the unit's
+    normalization. Eval outputs agree with the unmerged layer; unmerge gives back W, the original BN object and the
+    copy's mean (1, 2), bit for bit."""
+    layer = _residual()
+    x = torch.randn(3, 2, 5, 5, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = layer(x)
+    original_bn, copy_bn = layer.base_layer.normalization, layer.radapter_norm["default"]
+    layer.merge("default")
+    w = layer.base_layer.convolution.weight.data
+    torch.testing.assert_close(w[0], 2 * W[0] + 0.5 * W[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(w[1], 2 * W[1], rtol=0, atol=1e-6)
+    assert layer.base_layer.normalization is copy_bn and layer.radapter_norm["default"] is original_bn
+    torch.testing.assert_close(copy_bn.running_mean, torch.tensor([4.25, 7.0]), rtol=0, atol=1e-6)
+    assert layer.merged and layer.merged_adapters == ["default"]
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), before, rtol=0, atol=1e-5)  # merged: the plain unit computes it
+    layer.unmerge()
+    assert not layer.merged and layer._merge_cache == {}
+    assert torch.equal(layer.base_layer.convolution.weight.data, W)
+    assert layer.base_layer.normalization is original_bn and layer.radapter_norm["default"] is copy_bn
+    assert torch.equal(copy_bn.running_mean, torch.tensor([1.0, 2.0]))
+    with torch.no_grad():
+        assert torch.equal(layer(x), before)
+
+
+def test_residual_without_adapter_bn_or_norm_copy_by_hand():
+    """adapter_bn False, train_norms False: the forward is h + A h (no inner BN), and the fold has s = 1, c = 0:
+    W' = (I + A) W = [[1.5, 1], [0, 3]] W, the pretrained BN's running mean (0.1, -0.2) is unchanged (A c = 0)."""
+    layer = _residual(adapter_bn=False, train_norms=False)
+    assert "default" not in layer.radapter_bn and "default" not in layer.radapter_norm
+    x = torch.zeros(1, 2, 3, 3)
+    x[0, 0, 1, 1], x[0, 1, 1, 1] = 1.0, -1.0
+    with torch.no_grad():
+        h = layer.base_layer.convolution(x)
+        mixed = torch.stack([1.5 * h[0, 0] + 1.0 * h[0, 1], 3.0 * h[0, 1]])[None]
+        torch.testing.assert_close(layer(x), layer.base_layer.activation(layer.base_layer.normalization(mixed)),
+                                   rtol=0, atol=1e-6)
+    layer.merge("default")
+    w = layer.base_layer.convolution.weight.data
+    torch.testing.assert_close(w[0], 1.5 * W[0] + 1.0 * W[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(w[1], 3.0 * W[1], rtol=0, atol=1e-6)
+    assert torch.equal(layer.base_layer.normalization.running_mean, torch.tensor([0.1, -0.2]))
+    layer.unmerge()
+    assert torch.equal(layer.base_layer.convolution.weight.data, W)
+
+
+def test_norm_only_unit_merges_by_swapping_its_bn_copy_and_unmerges_back():
+    """A unit with only a trainable BN copy (with_adapter False, e.g. the stem): merge makes the copy the unit's BN and
+    leaves W; unmerge swaps the original back."""
+    layer = ResidualAdapterLayer(_Unit())
+    layer.update_layer("default", ResidualAdapterConfig(), with_adapter=False)
+    layer.set_adapter("default")
+    original_bn, copy_bn = layer.base_layer.normalization, layer.radapter_norm["default"]
+    layer.merge("default")
+    assert layer.base_layer.normalization is copy_bn and torch.equal(layer.base_layer.convolution.weight.data, W)
+    layer.unmerge()
+    assert layer.base_layer.normalization is original_bn and layer.radapter_norm["default"] is copy_bn
+    assert torch.equal(copy_bn.running_mean, torch.tensor([0.1, -0.2]))
+
+
+def _parallel():
+    layer = ParallelAdapterLayer(_Unit())
+    layer.update_layer("default", ParallelAdapterConfig(), with_adapter=True)
+    layer.set_adapter("default")
+    with torch.no_grad():
+        layer.padapter_conv["default"].weight.copy_(A[:, :, None, None])
+    return layer.eval()
+
+
+def test_parallel_merge_adds_a_at_the_kernel_centre_and_unmerge_restores():
+    """W'[:, :, 1, 1] = W[:, :, 1, 1] + A, every other tap unchanged; the BN copy becomes the unit's BN; unmerge
+    gives W back exactly."""
+    layer = _parallel()
+    delta = layer.delta_weight("default")
+    want = torch.zeros(2, 2, 3, 3)
+    want[:, :, 1, 1] = A
+    assert torch.equal(delta, want)
+    x = torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = layer(x)
+    original_bn, copy_bn = layer.base_layer.normalization, layer.padapter_norm["default"]
+    layer.merge("default")
+    assert torch.equal(layer.base_layer.convolution.weight.data, W + want)
+    assert layer.base_layer.normalization is copy_bn
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), before, rtol=0, atol=1e-5)
+    layer.unmerge()
+    assert torch.equal(layer.base_layer.convolution.weight.data, W) and not layer.merged
+    assert layer.base_layer.normalization is original_bn
+    assert torch.equal(original_bn.running_mean, torch.tensor([0.1, -0.2]))
+
+
+@pytest.mark.parametrize("make", [_residual, _parallel])
+def test_one_merge_at_a_time_safe_merge_and_unmerge_warning(make):
+    """A second merge raises; unmerge of an unmerged layer warns; a NaN adapter merges silently by default (peft's
+    safe_merge=False) and raises with safe_merge=True, which merges a finite adapter as the default does."""
+    layer = make()
+    with pytest.warns(UserWarning, match=r"^Already unmerged\. Nothing to do\.$"):
+        layer.unmerge()
+    layer.merge("default", safe_merge=True)
+    safe = layer.base_layer.convolution.weight.data.clone()
+    with pytest.raises(ValueError, match=rf"^{type(layer).__name__} can merge exactly one adapter at a time\.$"):
+        layer.merge("default")
+    layer.unmerge()
+    layer.merge("default")
+    assert torch.equal(layer.base_layer.convolution.weight.data, safe)
+    layer.unmerge()
+    with torch.no_grad():
+        layer._conv_dict()["default"].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaNs detected in the merged weights; adapter default"):
+        layer.merge("default", safe_merge=True)
+    assert not layer.merged and torch.equal(layer.base_layer.convolution.weight.data, W)
+    layer.merge("default")
+    assert torch.isnan(layer.base_layer.convolution.weight.data).any()
+
+
+@pytest.mark.parametrize("make", [_residual, _parallel])
+def test_disabling_a_merged_layer_unmerges_and_runs_the_pretrained_unit(make):
+    layer = make()
+    x = torch.randn(1, 2, 3, 3, generator=torch.Generator().manual_seed(2))
+    layer.merge("default")
+    layer.disabled = True
+    with torch.no_grad():
+        out = layer(x)
+    assert not layer.merged and torch.equal(layer.base_layer.convolution.weight.data, W)
+    with torch.no_grad():
+        assert torch.equal(out, _Unit().eval()(x))
+
+
+@pytest.mark.parametrize("cls,cfg", [(ResidualAdapterLayer, ResidualAdapterConfig(dropout=0.0)),
+                                     (ResidualAdapterLayer, ResidualAdapterConfig(dropout=0.0, adapter_bn=False)),
+                                     (ParallelAdapterLayer, ParallelAdapterConfig(init="he"))])
+def test_adapter_tensors_take_the_base_convs_dtype(cls, cfg):
+    """A float64 base gets float64 adapter convs and BNs (a float32 adapter would fail on a float64 input), and its
+    merge computes in float64 (the fold's s / c of a BN-less residual adapter included)."""
+    layer = cls(_Unit(dtype=torch.float64))
+    layer.update_layer("default", cfg, with_adapter=True)
+    layer.set_adapter("default")
+    assert {p.dtype for p in layer.parameters()} == {torch.float64}
+    assert {b.dtype for n, b in layer.named_buffers() if "running" in n} == {torch.float64}
+    x = torch.ones(1, 2, 3, 3, dtype=torch.float64)
+    with torch.no_grad():
+        out = layer.eval()(x)
+    assert out.dtype == torch.float64
+    layer.merge("default")
+    assert layer.base_layer.convolution.weight.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), out, rtol=0, atol=1e-12)
+
+
+def test_adapter_slots_names_grads_and_delete():
+    """Two residual slots (dropout 0.1: an nn.Dropout(0.1) inside each): adapter_names lists both; set_adapter makes only the active one's tensors trainable;
+    deleting the inactive slot keeps the active one, deleting the active slot clears it (and its dropout)."""
+    layer = ResidualAdapterLayer(_Unit())
+    for n in ("a", "b"):
+        layer.update_layer(n, ResidualAdapterConfig(dropout=0.1), with_adapter=True)
+    assert layer.adapter_names() == {"a", "b"}
+    assert type(layer.radapter_dropout["a"]) is nn.Dropout and layer.radapter_dropout["a"].p == 0.1
+    assert type(_residual().radapter_dropout["default"]) is nn.Identity  # dropout 0: no dropout module
+    layer.set_adapter("a")
+    for c in ("radapter_conv", "radapter_bn", "radapter_norm"):
+        assert all(p.requires_grad for p in getattr(layer, c)["a"].parameters())
+        assert not any(p.requires_grad for p in getattr(layer, c)["b"].parameters())
+    layer.delete_adapter("b")
+    assert layer.adapter_names() == {"a"} and layer.active_adapter == "a"
+    assert set(layer.radapter_dropout) == {"a"}
+    layer.delete_adapter("a")
+    assert layer.adapter_names() == set() and layer.active_adapter is None
+    assert len(layer.radapter_dropout) == 0
+    assert repr(layer).startswith("radapter.ResidualAdapterLayer(")
+    assert repr(ParallelAdapterLayer(_Unit())).startswith("padapter.ParallelAdapterLayer(")
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def _tiny_resnet(seed=0):
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(seed)
+    cfg = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+                       num_labels=3)
+    return ResNetForImageClassification(cfg).eval()
+
+
+def _perturb(model, name, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for k, t in adapter_state_dict(model, name).items():
+            if t.is_floating_point():
+                t.add_(torch.randn(t.shape, generator=g) * 0.1)
+
+
+X = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+
+
+def test_model_delete_adapter_moves_to_the_next_slot():
+    model = get_adapter_model(_tiny_resnet(), ResidualAdapterConfig())
+    model.add_adapter("personal", ResidualAdapterConfig())
+    assert model.active_adapter == "default"
+    model.delete_adapter("default")
+    assert list(model.peft_config) == ["personal"] and model.active_adapter == "personal"
+    assert not any(".default." in k or k.endswith(".default") for k in model.state_dict())
+    assert any(".personal." in k for k in model.state_dict())
+    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+        model.delete_adapter("nope")
+    model.delete_adapter("personal")
+    assert model.peft_config == {} and model.active_adapter is None
+
+
+def test_load_adapter_into_a_second_slot_and_from_pretrained_options(tmp_path, monkeypatch):
+    """save_pretrained(selected_adapters=["personal"]) puts that slot's weights at the top of the folder;
+    load_adapter puts them in a named slot (frozen unless is_trainable); from_pretrained names the slot, is frozen
+    and in eval mode by default and trainable in train mode with is_trainable, reads a subfolder, and hands
+    revision / cache_dir / subfolder (load_adapter: revision / cache_dir) to the folder resolver."""
+    import hfpfl.models.adapters.io as io
+
+    model = get_adapter_model(_tiny_resnet(), ParallelAdapterConfig(init="normal", init_std=0.05))
+    model.add_adapter("personal", ParallelAdapterConfig(init="normal", init_std=0.05))
+    _perturb(model, "personal", 1)
+    model.set_adapter("personal")
+    model.eval()
+    with torch.no_grad():
+        ref_personal = model(pixel_values=X).logits
+    model.set_adapter("default")
+    model.eval()
+    with torch.no_grad():
+        ref_default = model(pixel_values=X).logits
+    assert not torch.allclose(ref_personal, ref_default)
+    model.save_pretrained(tmp_path / "p", selected_adapters=["personal"])
+    model.save_pretrained(tmp_path / "both")  # default at the top, personal in its subfolder
+    assert sorted(os.listdir(tmp_path / "p")) == ["README.md", "hfpfl_adapter_config.json",
+                                                  "hfpfl_adapter_model.safetensors"]
+
+    other = get_adapter_model(_tiny_resnet(), ParallelAdapterConfig())
+    other.load_adapter(str(tmp_path / "p"), "mine")
+    other.load_adapter(str(tmp_path / "p"), "mine_t", is_trainable=True)
+    other.set_adapter("mine")
+    with torch.no_grad():
+        assert torch.equal(other.eval()(pixel_values=X).logits, ref_personal)
+    assert other.peft_config["mine"].inference_mode and not other.peft_config["mine_t"].inference_mode
+    assert not any(p.requires_grad for p in other.parameters())
+    other.set_adapter("mine_t")
+    assert any(p.requires_grad for p in other.parameters())
+
+    loaded = ConvAdapterModel.from_pretrained(_tiny_resnet(), tmp_path / "p")
+    assert list(loaded.peft_config) == ["default"] and not loaded.training
+    assert not any(p.requires_grad for p in loaded.parameters())
+    with torch.no_grad():
+        assert torch.equal(loaded(pixel_values=X).logits, ref_personal)
+    named = ConvAdapterModel.from_pretrained(_tiny_resnet(), tmp_path / "both", adapter_name="x",
+                                             subfolder="personal", is_trainable=True)
+    assert list(named.peft_config) == ["x"] and named.training and not named.peft_config["x"].inference_mode
+    assert any(p.requires_grad for p in named.parameters())
+    with torch.no_grad():
+        assert torch.equal(named.eval()(pixel_values=X).logits, ref_personal)
+
+    seen = {}
+    real = io.resolve_adapter_folder
+
+    def spy(name_or_path, revision=None, cache_dir=None, subfolder=None):
+        seen.update(revision=revision, cache_dir=cache_dir, subfolder=subfolder)
+        return real(name_or_path, subfolder=subfolder)
+
+    monkeypatch.setattr(io, "resolve_adapter_folder", spy)
+    ConvAdapterModel.from_pretrained(_tiny_resnet(), tmp_path / "both", revision="r1", cache_dir="c1",
+                                     subfolder="personal")
+    assert seen == {"revision": "r1", "cache_dir": "c1", "subfolder": "personal"}
+    other.load_adapter(str(tmp_path / "p"), "third", revision="r2", cache_dir="c2")
+    assert seen == {"revision": "r2", "cache_dir": "c2", "subfolder": None}
+
+
+def test_merge_and_unload_without_norm_copies_nan_guard_and_heads():
+    """merge_and_unload folds units whose adapter has a conv but no BN copy (train_norms False) too: the plain model
+    gives the adapted model's eval outputs, and every parameter is trainable again. A slot without a head copy
+    keeps the original head. safe_merge=True refuses a NaN adapter; the default folds it."""
+    model = get_adapter_model(_tiny_resnet(), ResidualAdapterConfig(train_norms=False, init_std=0.1))
+    _perturb(model, "default", 2)
+    model.eval()
+    with torch.no_grad():
+        ref = model(pixel_values=X).logits
+    plain = model.merge_and_unload()
+    assert is_adapter_model(model) and not is_adapter_model(plain)
+    assert all(p.requires_grad for p in plain.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(pixel_values=X).logits, ref, rtol=0, atol=1e-5)
+
+    base = _tiny_resnet()
+    head = base.classifier[-1].weight.detach().clone()
+    model = get_adapter_model(base, ResidualAdapterConfig())
+    model.add_adapter("nohead", ResidualAdapterConfig(modules_to_save=[]))
+    _perturb(model, "default", 3)
+    plain = model.merge_and_unload("nohead")
+    assert torch.equal(plain.classifier[-1].weight, head)
+    with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+        get_adapter_model(_tiny_resnet(), ResidualAdapterConfig()).merge_and_unload("nope")
+
+    for safe in (True, False):
+        model = get_adapter_model(_tiny_resnet(), ResidualAdapterConfig())
+        with torch.no_grad():
+            next(t for k, t in model.named_parameters() if "radapter_conv" in k)[0, 0] = float("nan")
+        if safe:
+            with pytest.raises(ValueError, match="NaNs detected"):
+                model.merge_and_unload(safe_merge=True)
+        else:
+            plain = model.merge_and_unload()
+            assert any(torch.isnan(p).any() for p in plain.parameters())
+
+
+@pytest.mark.parametrize("conv", [
+    dict(kernel_size=(3, 5), padding=(1, 2)),          # not square
+    dict(kernel_size=4, padding=2),                      # even: no centre tap
+    dict(kernel_size=3, padding=1, dilation=2),          # dilated: the centre tap sees another offset pattern
+    dict(kernel_size=3, padding=1, groups=2),            # grouped
+    dict(kernel_size=3, padding=1, padding_mode="reflect"),
+])
+def test_parallel_adapter_refuses_convs_a_same_stride_1x1_cannot_align_with(conv):
+    unit = _Unit()
+    unit.convolution = nn.Conv2d(2, 2, bias=False, **conv)
+    layer = ParallelAdapterLayer(unit)
+    with pytest.raises(ValueError, match="ParallelAdapter needs an odd square kxk conv"):
+        layer.update_layer("default", ParallelAdapterConfig(), with_adapter=True)
