@@ -55,11 +55,11 @@ class Target:
     k: str | None = None
 
 
-BASELINE_TESTS = ["tests/test_baselines*.py", "tests/test_baseline_pins.py"]
+BASELINE_TESTS = ["tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py"]
 #: method -> core -> tests, the one table. Targets share no file unless a file is genuinely part of both cores.
 TARGETS: dict[str, Target] = {
     "fedprox": Target(["hfpfl/algorithms/fedprox.py"],
-                      BASELINE_TESTS + ["tests/test_vectorized.py::test_vectorized_matches_sequential"], k="prox"),
+                      BASELINE_TESTS + ["tests/federated/test_vectorized.py::test_vectorized_matches_sequential"], k="prox"),
     "scaffold": Target(["hfpfl/algorithms/scaffold.py"], BASELINE_TESTS),
     "fednova": Target(["hfpfl/algorithms/fednova.py"], BASELINE_TESTS),
     "fedbn": Target(["hfpfl/algorithms/fedbn.py"], BASELINE_TESTS),
@@ -68,27 +68,27 @@ TARGETS: dict[str, Target] = {
     "fedavg_ft": Target(["hfpfl/algorithms/fedavg_ft.py"], BASELINE_TESTS),
     "local": Target(["hfpfl/algorithms/local.py", "hfpfl/algorithms/central.py"], BASELINE_TESTS),
     "feddf": Target(["hfpfl/algorithms/feddf.py", "hfpfl/algorithms/distill.py"],
-                    ["tests/test_baseline_pins.py", "tests/test_distill*.py"]),
-    "perada": Target(["hfpfl/algorithms/perada.py"], ["tests/test_perada*.py", "tests/test_distill.py"]),
-    "fedproto": Target(["hfpfl/algorithms/fedproto.py"], ["tests/test_fedproto_fedbabu.py"], k="proto"),
-    "fedbabu": Target(["hfpfl/algorithms/fedbabu.py"], ["tests/test_fedproto_fedbabu.py"], k="babu"),
-    "fedbasis": Target(["hfpfl/algorithms/fedbasis.py"], ["tests/test_fedbasis*.py"]),
-    "fedpce": Target(["hfpfl/algorithms/fedpce.py"], ["tests/test_fedpce*.py"]),
-    "fraug": Target(["hfpfl/algorithms/fraug.py"], ["tests/test_fraug*.py"]),
-    "feddat": Target(["hfpfl/algorithms/feddat.py"], ["tests/test_feddat*.py"]),
+                    ["tests/algorithms/test_baseline_pins.py", "tests/algorithms/test_distill*.py"]),
+    "perada": Target(["hfpfl/algorithms/perada.py"], ["tests/algorithms/test_perada*.py", "tests/algorithms/test_distill.py"]),
+    "fedproto": Target(["hfpfl/algorithms/fedproto.py"], ["tests/algorithms/test_fedproto_fedbabu.py"], k="proto"),
+    "fedbabu": Target(["hfpfl/algorithms/fedbabu.py"], ["tests/algorithms/test_fedproto_fedbabu.py"], k="babu"),
+    "fedbasis": Target(["hfpfl/algorithms/fedbasis.py"], ["tests/algorithms/test_fedbasis*.py"]),
+    "fedpce": Target(["hfpfl/algorithms/fedpce.py"], ["tests/algorithms/test_fedpce*.py"]),
+    "fraug": Target(["hfpfl/algorithms/fraug.py"], ["tests/algorithms/test_fraug*.py"]),
+    "feddat": Target(["hfpfl/algorithms/feddat.py"], ["tests/algorithms/test_feddat*.py"]),
     "fedbip": Target(["hfpfl/algorithms/fedbip.py", "hfpfl/fedbip/client.py", "hfpfl/fedbip/protocol.py",
                       "pipelines/pipeline_fedbip.py"],
-                     ["tests/test_fedbip_algorithm*.py", "tests/test_fedbip_pipeline*.py", "tests/test_fedbip_pins.py"]),
-    "fedpop": Target(["hfpfl/tuning/*.py"], ["tests/test_fedpop*.py"]),
+                     ["tests/fedbip/test_fedbip_algorithm*.py", "tests/fedbip/test_fedbip_pipeline*.py", "tests/fedbip/test_fedbip_pins.py"]),
+    "fedpop": Target(["hfpfl/tuning/*.py"], ["tests/tuning/test_fedpop*.py"]),
     "adapters": Target(["hfpfl/models/adapters/layer.py", "hfpfl/models/adapters/model.py"],
-                       ["tests/test_adapters*.py", "tests/test_fedadapter*.py", "tests/test_adapter_shortcut.py"]),
+                       ["tests/models/test_adapters*.py", "tests/algorithms/test_fedadapter*.py", "tests/models/test_adapter_shortcut.py"]),
     # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
     "server": Target(["hfpfl/federated/protocol.py"],
-                     ["tests/test_protocol.py", "tests/test_baselines*.py", "tests/test_baseline_pins.py",
-                      "tests/test_server_pins.py",
-                      "tests/test_vectorized.py::test_add_stacked_equals_one_add_per_client",
-                      "tests/test_vectorized.py::test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes",
-                      "tests/test_vectorized.py::test_finite_checks_are_exact_when_the_sum_overflows"],
+                     ["tests/federated/test_protocol.py", "tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py",
+                      "tests/algorithms/test_server_pins.py",
+                      "tests/federated/test_vectorized.py::test_add_stacked_equals_one_add_per_client",
+                      "tests/federated/test_vectorized.py::test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes",
+                      "tests/federated/test_vectorized.py::test_finite_checks_are_exact_when_the_sum_overflows"],
                      functions=["x_server_optimizer_step", "x_weighted_average", "xǁWeightedSumsǁ*",
                                 "xǁAlgorithmǁaggregation_weights", "xǁAlgorithmǁaccumulate",
                                 "xǁAlgorithmǁreduce", "xǁAlgorithmǁaggregate"]),
@@ -226,11 +226,18 @@ def _summarize(files, globs, get_diff_for_mutant, status_by_exit_code) -> dict:
     return per_file
 
 
+#: the committed summaries (one ``<target>.json`` per target, copied there by ``--record``) and, beside each, the
+#: page that classifies its surviving mutants: what docs/testing.md's table is generated from
+RECORDS = ROOT / "docs" / "mutation"
+
+
 def markdown_table(out: Path) -> str:
-    """One row per core file of every summary under ``out``: what docs/testing.md shows."""
+    """One row per core file of every target's summary under ``out``: what docs/testing.md shows."""
     rows = ["| file | target | mutants | killed | score | surviving mutants (no tests: no selected test runs it) | commit |",
             "|---|---|---|---|---|---|---|"]
-    for js in sorted(out.glob("*.json")):
+    for js in sorted(out / f"{name}.json" for name in TARGETS if name != "fedavg"):
+        if not js.exists():
+            continue
         s = json.loads(js.read_text())
         for f, r in s["files"].items():
             by_fn: dict = {}
@@ -243,7 +250,8 @@ def markdown_table(out: Path) -> str:
                               for (fn, st), nums in sorted(by_fn.items()))
             score = f"{100 * r['score']:.1f}%" if r["score"] is not None else "-"
             unchecked = f" ({r['not_checked']} not checked: run interrupted)" if r.get("not_checked") else ""
-            rows.append(f"| `{f}` | {s['target']} | {r['mutants']}{unchecked} | {r['killed']} | {score} | {names or '-'} | "
+            page = f"[{s['target']}]({s['target']}.md)" if (out / f"{s['target']}.md").exists() else s["target"]
+            rows.append(f"| `{f}` | {page} | {r['mutants']}{unchecked} | {r['killed']} | {score} | {names or '-'} | "
                         f"{s['commit'][:7]}{'+' if s['dirty'] else ''} |")
     return "\n".join(rows)
 
@@ -267,10 +275,13 @@ def main(argv=None) -> int:
                    help="summarize the target's last (possibly interrupted) run again, without running mutmut")
     p.add_argument("--list", action="store_true", help="print the target table and exit")
     p.add_argument("--table", action="store_true",
-                   help="print the markdown table of the summaries under --out (docs/testing.md) and exit")
+                   help="print the markdown table of the recorded summaries (docs/mutation/, or --records) and exit")
+    p.add_argument("--records", default=str(RECORDS), help="where --record copies summaries and --table reads them")
+    p.add_argument("--record", action="store_true",
+                   help="after the run, copy its summary to --records (the committed scores docs/testing.md shows)")
     a = p.parse_args(argv)
     if a.table:
-        print(markdown_table(Path(a.out)))
+        print(markdown_table(Path(a.records)))
         return 0
     if not a.list and not a.target:
         p.error("name a target: a method or one of its core files (--list shows them)")
@@ -341,6 +352,9 @@ def main(argv=None) -> int:
         summary.update(commit=earlier["commit"], dirty=earlier["dirty"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+    if a.record:
+        Path(a.records).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / f"{name}.json", Path(a.records) / f"{name}.json")
     print()
     for f, s in per_file.items():
         for sv in s["survivors"]:

@@ -15,7 +15,7 @@ One round (``one_shot = True``):
   engine on every client's real test data and on the global test set.
 
 The LDM (``FedBiPPipeline``) is loaded once per process and shared by every client and every simulation of the
-process (frozen: its weights are never written; see ``tests/test_fedbip_algorithm.py``).
+process (frozen: its weights are never written; see ``tests/fedbip/test_fedbip_algorithm.py``).
 
 Ablations (``personalization``), the paper's Table 3:
   ``full``      instance + concept level (FedBiP);            upload: latents, labels, domain_concept, class_concepts

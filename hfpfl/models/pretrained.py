@@ -275,7 +275,7 @@ def _model_card(args: PretrainArguments, metrics: dict) -> str:
         data = (f"the out-of-domain pool of `hfpfl.data.ood` ({args.pool_size} labelled samples of split "
                 f"`pretrain`): {describe()}. It shares no class and no image with any client of the built-in "
                 f"sources (digits: mnist, usps, mnistm, syn) -- the relation ImageNet has to CIFAR. Tested in "
-                f"`tests/test_standins.py`.")
+                f"`tests/models/test_standins.py`.")
         tag = "out-of-domain"
     else:
         data = (f"the `public` split of `{args.dataset}`. **In-domain**: held by no client, but drawn from the clients' "

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import CPU_PROCESSES, LAUNCH_TWO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--image_size", "16", "--num_rounds", "3", "--local_steps", "2", "--batch_size", "8",
           "--new_client_steps", "2", "--widths", "4,4,8,8", "--depths", "1,1,1,1", "--progress", "false",
           "--checkpoint_every", "0"]

@@ -112,7 +112,7 @@ def test_fedadapter_recipe_defaults_and_configs():
 
     from hfpfl.config import parse_run_args
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("fedadapter_recipe", root / "recipes/fedadapter.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)

@@ -154,7 +154,7 @@ def test_bad_inputs_raise_clearly(toy):
 
 # ------------------------------------------------------------------------------------------------ the script
 def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "partition.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "partition.py"
     spec = importlib.util.spec_from_file_location("hfpfl_partition_script", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look the module up

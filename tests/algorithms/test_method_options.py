@@ -17,7 +17,7 @@ from hfpfl.config import RunArguments, parse_run_args
 from hfpfl.data import DataArguments
 from hfpfl.options import declared_check, validate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HFPFL_NUM_PROCESSES": "1",
        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}   # this checkout's hfpfl
 

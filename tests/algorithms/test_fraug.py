@@ -20,7 +20,7 @@ from hfpfl.models import build_classifier
 from hfpfl.models.fraug import (DigitsCNN, EmbeddingGenerator, FRAugModel, RTNet, entropy, generator_num_parameters,
                                 mmd, rtnet_num_parameters)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def n_params(m):

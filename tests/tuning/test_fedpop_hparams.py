@@ -129,7 +129,7 @@ def _recipe():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "recipes" / "fedpop.py"
+    path = Path(__file__).resolve().parents[2] / "recipes" / "fedpop.py"
     spec = importlib.util.spec_from_file_location("fedpop_recipe", path)
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)

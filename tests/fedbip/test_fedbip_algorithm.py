@@ -546,7 +546,7 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "fedbip_recipe", Path(__file__).resolve().parents[1] / "recipes" / "fedbip.py")
+        "fedbip_recipe", Path(__file__).resolve().parents[2] / "recipes" / "fedbip.py")
     recipe = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = recipe  # dataclasses look their module up
     spec.loader.exec_module(recipe)
@@ -588,7 +588,7 @@ def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule
     from hfpfl.fedbip.sweep import choose_noise_timestep
 
     spec = importlib.util.spec_from_file_location(
-        "fedbip_noise_sweep", Path(__file__).resolve().parents[1] / "scripts" / "fedbip_noise_sweep.py")
+        "fedbip_noise_sweep", Path(__file__).resolve().parents[2] / "scripts" / "fedbip_noise_sweep.py")
     script = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = script
     spec.loader.exec_module(script)
@@ -678,7 +678,7 @@ def test_comparison_in_two_processes_gives_the_one_process_rows(ldm_dir, tmp_pat
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_MIXED_PRECISION"):
         env.pop(k, None)

@@ -18,7 +18,7 @@ from hfpfl.algorithms.fedavg import FedAvg
 from hfpfl.federated.protocol import dropout_rate
 from hfpfl.training import SoftTargetAccuracy, TensorData, evaluate, iterate_batches, train_local
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------------ test plug-ins

@@ -449,7 +449,7 @@ def test_bench_simulator_refuses_a_bad_parallel_spec():
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "scripts/bench_simulator.py", "--parallel", "1", "x2"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--parallel: 'x2'" in out.stderr and "Traceback" not in out.stderr
@@ -562,7 +562,7 @@ def test_bench_simulator_refuses_cuda_without_a_gpu():
     import subprocess
     import sys
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "scripts/bench_simulator.py", "--device", "cuda"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--device cuda" in out.stderr and "Traceback" not in out.stderr

@@ -12,7 +12,7 @@ import torch
 from hfpfl import launch
 from hfpfl.config import RunArguments
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num_clients", "4", "--max_per_domain", "100", "--image_size", "16", "--batch_size", "16",
          "--progress", "false"]
 

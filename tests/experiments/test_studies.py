@@ -15,8 +15,8 @@ from hfpfl.experiments import claims as claims_mod
 from hfpfl.experiments import runner
 from hfpfl.experiments.docs import render, render_index, render_readme_table, replace_readme_table, write_docs
 
-DATA = Path(__file__).parent / "data" / "studies"
-REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------- summary arithmetic
@@ -328,7 +328,7 @@ def _normalise(md: str) -> str:
 
 
 def test_micro_study_doc_matches_the_committed_expected_output(micro_store, tmp_path):
-    """The doc generated from the fresh run equals tests/data/studies/micro_digits.md but for commit / date / machine /
+    """The doc generated from the fresh run equals tests/experiments/data/micro_digits.md but for commit / date / machine /
     runtime: the numbers, steps, controls, ordering and verdicts of the micro-study reproduce."""
     (path,) = write_docs(micro_store, tmp_path, ["micro_digits"])
     assert _normalise(path.read_text()) == _normalise((DATA / "micro_digits.md").read_text())

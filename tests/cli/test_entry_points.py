@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import CPU_PROCESSES, LAUNCH_TWO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("recipes/*.py"), *ROOT.glob("scripts/*.py")])
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -249,7 +249,7 @@ def test_a_worker_failing_after_the_last_collective_is_reported_by_its_exit_code
     without the barrier), not gloo's connection error."""
     script = tmp_path / "late_failure.py"
     script.write_text(LATE_FAILURE)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)

@@ -16,7 +16,7 @@ import torch
 from hfpfl.data import ood
 
 torch.set_num_threads(1)
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _px(ds) -> torch.Tensor:

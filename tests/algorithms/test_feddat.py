@@ -18,7 +18,7 @@ from hfpfl.config import RunArguments
 from hfpfl.models.vqa import (BottleneckAdapter, DualAdapter, adapter_param_count, build_vqa_peft_model, kd_loss,
                               kd_ramp)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from hfpfl.models import build_classifier  # noqa: E402
 from hfpfl.models import pretrained as pt  # noqa: E402
 
 QUICK = dict(pool_size=186, max_steps=4, batch_size=8, epochs=1, val_fraction=0.2)  # out-of-domain pool (default)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

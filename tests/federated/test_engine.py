@@ -11,7 +11,7 @@ from hfpfl.config import RunArguments, load_config_file, parse_run_args
 from hfpfl.federated.comm import tensor_bytes
 from conftest import CPU_ONLY, CPU_PROCESSES, LAUNCH_TWO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num_clients", "4", "--max_per_domain", "100", "--image_size", "16", "--batch_size", "16",
          "--progress", "false"]
 

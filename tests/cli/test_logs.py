@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOISE = ("Loading pipeline components", "Loading weights", "Writing model shards", "Map", "torchvision", "\r")
 
 # the loading paths of a FedBiP run, in the order a run meets them; "quiet": with hfpfl's logging set-up (and the LDM
