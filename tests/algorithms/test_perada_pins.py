@@ -14,8 +14,8 @@ import torch
 
 import hfpfl.algorithms.perada as perada
 import hfpfl.data as data_mod
-from hfpfl.algorithms.base import MODEL
-from hfpfl.algorithms.perada import (PerAda, PerAdaConfig, _is_corruption, client_severity, corrupted_personal_accuracy,
+from hfpfl.algorithms.base import FROZEN, GLOBAL, MODEL, PRIVATE
+from hfpfl.algorithms.perada import (PERSONAL_SLOT, PerAda, PerAdaConfig, _is_corruption, client_severity, corrupted_personal_accuracy,
                                      corrupted_test_data, parse_corruption)
 from hfpfl.federated.protocol import Update
 from hfpfl.training import TensorData
@@ -254,7 +254,7 @@ def test_load_personal_loads_the_stored_personal_adapter_or_w0(adapter_sim):
         assert torch.equal(sd[_personal(k)], v) and torch.equal(sd[k], server[MODEL][k]), k
 
 
-@pytest.mark.parametrize("lam,prox_half,coef", [(1.0, True, 1.0), (1.0, False, 2.0), (0.0, True, None)])
+@pytest.mark.parametrize("lam,prox_half,coef", [(1.0, True, 1.0), (0.5, False, 1.0), (2.0, False, 4.0), (0.0, True, None)])
 def test_new_client_starts_at_the_global_adapter_with_prox_toward_it(adapter_sim, monkeypatch, lam, prox_half, coef):
     """``personalize_new_client``: both slots start at the downloaded global adapter w, the personal slot is active,
     and it trains --new_client_epochs (2) epochs on the new client's data with the regularizer coef/2 ||v - w||^2
@@ -346,3 +346,14 @@ def test_client_update_trains_personal_then_local_and_uploads_only_w(adapter_sim
     assert set(upd.upload[MODEL]) == set(down[MODEL]) and set(upd.private[MODEL]) == {_personal(k) for k in down[MODEL]}
     assert upd.num_samples == len(adapter_sim.train_data(1))
     assert upd.metrics == {"train_loss": 0.75, "personal_train_loss": 0.25}
+
+
+@pytest.mark.parametrize("adapter,role", [("residual", FROZEN), ("parallel", FROZEN), ("lora", PRIVATE)])
+def test_key_role_freezes_backbone_statistics_under_residual_and_parallel_adapters(adapter, role):
+    """A key the engine would keep per client (a backbone BatchNorm statistic) is frozen under residual and parallel
+    adapters (their BNs stay in eval mode), private under LoRA; a personal-slot key is private under every adapter."""
+    algo = PerAda.__new__(PerAda)
+    algo.ctx = SimpleNamespace(args=SimpleNamespace(adapter=adapter))
+    assert algo.key_role("resnet.embedder.norm.running_mean", PRIVATE) == role
+    assert algo.key_role(f"conv.adapters.{PERSONAL_SLOT}.weight", GLOBAL) == PRIVATE
+    assert algo.key_role("classifier.weight", GLOBAL) == GLOBAL
