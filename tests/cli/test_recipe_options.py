@@ -110,7 +110,7 @@ def _options(name):
     method = {"run": "fedavg", "fedavg": "fedavg", "fedadapter": "fedavg", "perada": "perada", "fraug": "fraug",
               "fedbasis": "fedbasis", "fedpce": "fedpce", "feddat": "feddat", "fedpop": "fedavg", "fedbip": "fedbip"}
     mod = recipe(name)
-    own = {"fedpce", "feddat", "fedpop", "fedbip", "pretrain", "pretrain_ldm"}  # the recipes with options of their own
+    own = {"fedpce", "feddat", "fedpop", "fedbip", "fedbasis", "pretrain", "pretrain_ldm"}  # the recipes with options of their own
     assert (getattr(mod, "RECIPE_OPTIONS", None) is not None) == (name in own), name
     types = [mod.RECIPE_OPTIONS] if name in own else []
     if name in method:
@@ -201,20 +201,20 @@ def test_feddat_resume_command_keeps_the_recipe_options(monkeypatch, tmp_path, c
     from hfpfl.models.vqa import BACKBONES
     mod = recipe("feddat")
     built = []
-    monkeypatch.setattr(mod, "build_data", lambda run, data, split, train_n, test_n: built.append(
-        (split, train_n, test_n)) or "fed")
+    monkeypatch.setattr(mod, "build_data", lambda run, data, split, train_n, test_n, image_ablation: built.append(
+        (split, train_n, test_n, image_ablation)) or "fed")
     _fake_engine(monkeypatch, _interrupted_after_round_one)
     out = tmp_path / "run"
     argv = ["--backbone", "blip", "--vqa_split", "domain", "--train_per_client", "24", "--test_per_client", "20",
-            "--num_rounds", "3", "--output_dir", str(out)]
+            "--image_ablation", "shuffle", "--num_rounds", "3", "--output_dir", str(out)]
     with pytest.raises(SystemExit) as e:
         mod.main(argv)
     assert e.value.code == 128 + signal.SIGTERM
     first = _FakeSimulation.seen[0]
-    assert built == [("domain", 24, 20)] and first.fed_data == "fed"
+    assert built == [("domain", 24, 20, "shuffle")] and first.fed_data == "fed"
     assert first.args.model == BACKBONES["blip"]
     assert first.recipe_settings == {"backbone": "blip", "vqa_split": "domain", "train_per_client": 24,
-                                     "test_per_client": 20}
+                                     "test_per_client": 20, "image_ablation": "shuffle"}
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("interrupted; round 1 is saved in ")
     command = shlex.split(err.split("resume with: ", 1)[1])
@@ -222,6 +222,7 @@ def test_feddat_resume_command_keeps_the_recipe_options(monkeypatch, tmp_path, c
     assert command[-2:] == ["--resume_from_checkpoint", "latest"]
     i = command.index("--train_per_client")
     assert command[i + 1] == "24" and command[command.index("--test_per_client") + 1] == "20"
+    assert command[command.index("--image_ablation") + 1] == "shuffle"
 
     _fake_engine(monkeypatch, lambda sim: {"resumed": sim.args.resume_from_checkpoint})
     monkeypatch.setattr("hfpfl.cli.format_table", lambda results: "")
