@@ -9,6 +9,20 @@ SOURCE = "Chen 2025 (dissertation), FedDAT chapter (Ch. 3)"
 PAPER = {"domain": ("61.11 ± 2.98", "58.41 ± 1.57", "57.13 ± 4.08", "54.67 ± 2.54", "58.45", "55.87"),
          "function": ("54.39 ± 2.36", "52.82 ± 2.98", "48.37 ± 1.56", "39.68 ± 2.19", "50.42", "46.14"),
          "scene": ("39.35 ± 1.25", "36.98 ± 1.07", "31.07 ± 1.08", "31.91 ± 2.05", "35.61", "32.84")}
+DESCRIPTION = """FedDAT (Chen et al., AAAI 2024; Chen 2025, dissertation, Ch. 3) claims FedDAT >= Adapter >= Adapter-L (Tables 2-3),
+FedDAT > w/o MKD > Adapter and A_s >= DAT >= A_c at inference (Table 4), on ViLT-B over VQA clients. Here the
+offline easy-vqa benchmark ('{split}': see hfpfl.data.vqa) with the tiny ViLT stand-in (hfpfl/tiny-vilt-easyvqa-pool,
+pretrained on a disjoint image pool with the same 13 answers), {rounds} rounds of one local epoch, {train} training and
+{test} test questions per client, batch 32, AdamW lr 1e-3 and weight decay 0.01 with the recipe's per-round warm-up
+and linear decay (the paper: lr 1e-4, batch 64, 20 rounds). Adapter-L trains one local epoch per round like the
+others (the paper: 20 epochs). The controls: chance (uniform over the client's own answers), each client's
+majority answer, the Adapter model before training (its client head is random), the stand-in with its own
+pool-trained answer head before training, and Adapter trained and tested on blank images
+(question-only) or on images shuffled across questions (--image_ablation). If the question-only control matches the
+methods, this benchmark cannot rank them: the claims below are evaluated all the same. Matched by epochs: the steps
+column counts local batches; FedDAT takes two optimizer steps on each (A_s, then A_c), Adapter one. Cut to fit the time: LoRA, prompt, bias, full,
+clf-L and the two teacher ablations (w/o A_s, w/o A_c); the BLIP stand-in."""
+
 TABLE = {"domain": "Table 2", "function": "Table 3", "scene": "Table 3"}
 
 
