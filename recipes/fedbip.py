@@ -12,7 +12,7 @@
 
 The comparison (variants, table, seeds) lives in :mod:`hfpfl.fedbip.compare`.
 """
-from hfpfl.fedbip.compare import DEFAULTS, RecipeArguments, few_shot, format_comparison, main, parse  # noqa: F401
+from hfpfl.fedbip.compare import DEFAULTS, RecipeArguments, format_comparison, main, parse  # noqa: F401
 
 RECIPE_OPTIONS = RecipeArguments  # this recipe's own options (docs/reference/options.md lists them)
 

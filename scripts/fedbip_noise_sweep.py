@@ -65,7 +65,7 @@ def main(argv=None):
             low = noising_timestep(pipe, dataclasses.replace(cfg, noise_timestep="resolution_matched"))[0]
             timesteps = sorted({t for t in sampler_timesteps(pipe.scheduler, cfg.num_inference_steps) if t >= low},
                                reverse=True)
-        fed = compare.few_shot(build_federated_dataset(data, seed=rec.data_seed), rec.shots_per_class, args.seed)
+        fed = build_federated_dataset(data, seed=args.seed)   # the split at --data_seed, the few-shot draw at --seed
         check_sweepable(fed, extra)
     except (ValueError, FileExistsError) as e:
         fail(e)

@@ -13,6 +13,9 @@ from .base import MODEL, Algorithm, Update, register
 class CentralConfig:
     epochs: int = field(default=50, metadata={"help": "Epochs over the union of the clients' train splits.",
                                               "check": at_least(1)})
+    steps: int | None = field(default=None, metadata={
+        "help": "Exact optimizer steps over the union (overrides --epochs): to match another row's budget step for "
+                "step.", "check": at_least(1)})
 
     def __post_init__(self):
         validate(self)
@@ -45,7 +48,8 @@ class Central(Algorithm):
         data = TensorData(torch.cat([u.upload["data"]["pixel_values"] for u in updates]),
                           torch.cat([u.upload["data"]["labels"] for u in updates]))
         self.ctx.load({k: server_state[MODEL][k] for k in self.global_keys})
-        self.local_train(-1, round_idx, epochs=self.config.epochs, data=data, tag="central")
+        self.server_training = self.local_train(-1, round_idx, epochs=self.config.epochs, steps=self.config.steps,
+                                                data=data, tag="central")
         return {**server_state, MODEL: self.ctx.snapshot(self.global_keys)}
 
     def load_personal(self, client_id, server_state, private, round_idx):

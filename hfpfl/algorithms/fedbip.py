@@ -180,6 +180,10 @@ class FedBiPConfig:
     classifier_epochs: int = field(default=50, metadata={
         "help": "Server classifier epochs on the synthetic set (paper App. A: 50); optimizer, lr, momentum and batch "
                 "size come from --optimizer/--lr/--momentum/--batch_size.", "check": at_least(1)})
+    classifier_steps: int | None = field(default=None, metadata={
+        "help": "Exact server classifier steps (overrides --classifier_epochs): a budget that does not grow with the "
+                "synthetic set, so rows of different amounts (2x / 5x / 10x) and the real-data baselines can be "
+                "matched step for step.", "check": at_least(1)})
     synthesis_batch_size: int = field(default=64, metadata={"help": "Latents denoised together on the server.",
                                                             "check": at_least(1)})
     domain_words: str | None = field(default=None, metadata={
@@ -511,8 +515,10 @@ class FedBiP(Algorithm):
                     len(updates))
         self.ctx.load({k: server_state[MODEL][k] for k in self.global_keys})
         self.classifier_metrics = self.local_train(-1, round_idx, params=self.trainable_parameters(),
-                                                   epochs=self.config.classifier_epochs, data=syn,
+                                                   epochs=self.config.classifier_epochs,
+                                                   steps=self.config.classifier_steps, data=syn,
                                                    tag="fedbip-classifier")
+        self.server_training = self.classifier_metrics   # the budget of the one model this method evaluates
         if self.config.save_grid and self.sim.accelerator.is_main_process:
             self.save_grid()
         return {**server_state, MODEL: self.ctx.snapshot(self.global_keys)}

@@ -3,6 +3,7 @@ format; plus the global test pool, the public pool and held-out new clients."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,6 +100,19 @@ class DataArguments:
         default=None,
         metadata={"help": "Comma-separated degradations added as extra domains, e.g. 'noise,rotation' or "
                           "'noise:5'; same as appending '+noise+rotation' to --dataset.", "check": _DEGRADATIONS},
+    )
+    shots_per_class: int | None = field(
+        default=None,
+        metadata={"help": "Keep this many train images per class on each client (a few-shot draw seeded by the run "
+                          "seed; classes with fewer keep all; test splits are untouched); None = all.",
+                  "check": _says(at_least(1), ">= 1 (or None = all)")},
+    )
+    data_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of the split into clients, train/test and public (default: the run's --seed). Fix it "
+                          "when a pretrained model's data is one split's public part (FedBiP's tiny LDM: 0), so that "
+                          "no seed's clients overlap it.", "check": _says(in_range(0, 2 ** 32, high_open=True),
+                                                                          "in [0, 2**32) (or None = the run seed)")},
     )
 
     def __post_init__(self):
@@ -368,6 +382,7 @@ def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData
         raise ValueError(f"num_new_clients must be >= 0, got {args.num_new_clients}")
     if not 0 <= args.test_fraction < 1 or not 0 <= args.val_fraction < 1 or args.test_fraction + args.val_fraction >= 1:
         raise ValueError("test_fraction and val_fraction must be in [0, 1) with a sum < 1")
+    draw_seed, seed = seed, (seed if args.data_seed is None else args.data_seed)
     name = args.source_name()
     raw = load_source(name, "train", seed=seed, max_per_domain=args.max_per_domain)
     raw = raw.add_column("_row", np.arange(len(raw)))
@@ -409,7 +424,7 @@ def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData
                                   args.num_channels)
     public = to_model_inputs(load_source(name, "public", seed, args.max_per_domain), args.image_size,
                              args.num_channels)
-    return FederatedData(
+    fed = FederatedData(
         clients=clients[: args.num_clients],
         new_clients=clients[args.num_clients :],
         global_test=global_test,
@@ -419,3 +434,22 @@ def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData
         image_size=args.image_size,
         num_channels=args.num_channels,
     )
+    return few_shot(fed, args.shots_per_class, draw_seed)
+
+
+def few_shot(fed: FederatedData, shots: int | None, seed: int) -> FederatedData:
+    """Keep ``shots`` train images per class on every client, new clients included (a few-shot setting such as
+    FedBiP's, dissertation §5.1: 16 shots per class); classes with fewer keep all. Deterministic per (seed, client);
+    the test, validation, global-test and public splits are untouched."""
+    if shots is None:
+        return fed
+    if shots < 1:
+        raise ValueError(f"shots_per_class must be >= 1, got {shots}")
+    out = []
+    for c in fed.clients + fed.new_clients:
+        y = np.asarray(c.train.with_format(None)["labels"])
+        rng = np.random.default_rng([seed, 17, c.client_id])
+        keep = np.sort(np.concatenate([rng.permutation(np.flatnonzero(y == k))[:shots] for k in np.unique(y)]))
+        out.append(dataclasses.replace(c, train=c.train.select(keep)))
+    n = len(fed.clients)
+    return dataclasses.replace(fed, clients=out[:n], new_clients=out[n:])

@@ -47,6 +47,9 @@ DEFAULTS = {
     # generic captions only (within reach, not renderable from words: the SD-vs-DomainNet relation)
     "dataset": "digits-nomnist", "partition": "feature_shift", "num_clients": 3, "max_per_domain": 400,
     "test_fraction": 0.5, "image_size": 32,
+    # few shots per class (the paper: 16), drawn by the run seed; the split itself at data seed 0: the tiny LDM's
+    # pretraining pool is the public split of data seed 0 and must share nothing with the clients
+    "shots_per_class": 5, "data_seed": 0,
     # classifier recipe shared by every variant (random-init tiny ResNet: the pretrained tiny backbone
     # hfpfl/tiny-resnet-digits was trained on labelled digits of these very domains)
     "method": "fedbip", "model": "tiny-resnet", "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "batch_size": 32,
@@ -79,15 +82,10 @@ class RecipeArguments:
                            "table; false = only the configured FedBiP run.")
     all_variants: bool = option(False, "Also FedBiP-M (5x) and FedBiP-S without the perturbation of S (slower); "
                                 "needs --compare true.")
-    shots_per_class: int | None = option(5, "Keep this many real train images per class on each client (few-shot, "
-                                         "the paper: 16); None = all.", check=at_least(1))
     seeds: str | None = option(None, "Comma-separated run seeds (e.g. 0,1,2): the comparison per seed under "
                                "<output_dir>/seed<k>/, then a mean +- std table (summary.json); needs --compare true. "
                                "Default: the single --seed.",
                                check=Check(_seed_list, "comma-separated whole numbers in [0, 2**32), e.g. 0,1,2"))
-    data_seed: int = option(0, "Split seed of the built-in data sources (train/test/public). Keep 0: the tiny LDM's "
-                            "pretraining pool is the public split of data seed 0 and must share nothing with the "
-                            "clients.", check=in_range(0, 2 ** 32, high_open=True))
     variants: str | None = option(None, "Comma-separated subset of the comparison's rows to run, e.g. prompt-only,"
                                   "instance-only,FedBiP-S,FedBiP-L,FedAvg,Local-only,Central (default: all); needs "
                                   "--compare true. syn-fid needs Central.")
@@ -134,24 +132,6 @@ def builtin_num_labels(dataset: str) -> int | None:
     from hfpfl.data.sources import DIGIT_NAMES, SOURCES, _parse_name
 
     return len(DIGIT_NAMES) if _parse_name(dataset)[0] in SOURCES else None
-
-
-def few_shot(fed, shots: int | None, seed: int):
-    """Keep ``shots`` train images per class on every client (deterministic; classes with fewer keep all)."""
-    import numpy as np
-
-    if shots is None:
-        return fed
-    if shots < 1:
-        raise ValueError(f"shots_per_class must be >= 1, got {shots}")
-    clients = []
-    for c in fed.clients + fed.new_clients:
-        y = np.asarray(c.train.with_format(None)["labels"])
-        rng = np.random.default_rng([seed, 17, c.client_id])
-        keep = np.sort(np.concatenate([rng.permutation(np.flatnonzero(y == k))[:shots] for k in np.unique(y)]))
-        clients.append(dataclasses.replace(c, train=c.train.select(keep)))
-    n = len(fed.clients)
-    return dataclasses.replace(fed, clients=clients[:n], new_clients=clients[n:])
 
 
 def parse(argv=None):
@@ -361,7 +341,7 @@ def run_comparison(run, data, cfg, rec, fed, main: bool = True) -> dict:
     out = Path(run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     total = time.perf_counter() - t0
-    comparison = {"rows": rows, "wall_time_s": total, "shots_per_class": rec.shots_per_class, "seed": run.seed,
+    comparison = {"rows": rows, "wall_time_s": total, "shots_per_class": data.shots_per_class, "seed": run.seed,
                   "config": {"run": dataclasses.asdict(run), "data": dataclasses.asdict(data),
                              "fedbip": dataclasses.asdict(cfg), "recipe": dataclasses.asdict(rec)}}
     tracking.atomic_write_text(out / "comparison.json", json.dumps(comparison, indent=2))
@@ -488,6 +468,7 @@ def _main(argv, started: dict, workers: list):
     from hfpfl.algorithms.fedbip import resolve_ldm
     from hfpfl.cli import _processes_to_launch, format_table, start_processes
     from hfpfl.data import build_federated_dataset
+    from hfpfl.data.federated import few_shot
     from hfpfl.federated.engine import Simulation
     from hfpfl.runtime import check_output_dir, resolve_output_dir  # the one output-folder rule
 
@@ -504,12 +485,13 @@ def _main(argv, started: dict, workers: list):
                     workers, run.output_dir)
     main = int(os.environ.get("RANK", "0")) == 0  # a worker (forked or launched): no prints, no files
     torch.set_num_threads(max(1, run.num_threads))
-    split = build_federated_dataset(data, seed=rec.data_seed)
+    # the split once (fixed by --data_seed); each seed's few-shot draw from it
+    split = build_federated_dataset(dataclasses.replace(data, shots_per_class=None), seed=run.seed)
     # a source whose classes are known only once loaded (a Hub dataset): the class words checked here, before any
     # folder or file is written
     check_words(cfg, len(split.clients), len(split.new_clients), split.num_labels)
     if not rec.compare:
-        fed = few_shot(split, rec.shots_per_class, run.seed)
+        fed = few_shot(split, data.shots_per_class, run.seed)
         if main:
             print(fed.summary(), flush=True)
         res = Simulation(run, data, cfg, fed_data=fed).run()
@@ -524,7 +506,7 @@ def _main(argv, started: dict, workers: list):
         # few-shot draw
         r = dataclasses.replace(run, seed=seed) if len(seeds) == 1 else dataclasses.replace(
             run, seed=seed, output_dir=str(Path(run.output_dir) / f"seed{seed}"))
-        fed = few_shot(split, rec.shots_per_class, seed)
+        fed = few_shot(split, data.shots_per_class, seed)
         if main:
             print(fed.summary(), flush=True)
         comparisons.append(run_comparison(r, data, cfg, rec, fed, main))

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -420,3 +421,38 @@ def measure_cached_ldm(path: str, out_dir: str, judge_pools=JUDGE_POOLS, per_cla
     with open(os.path.join(out_dir, "judges.json"), "w") as f:
         json.dump(rep, f, indent=2)
     return rep
+
+
+@functools.lru_cache(maxsize=2)
+def shared_style_judge(image_size: int):
+    """:func:`train_style_judge` at ``image_size``, trained once per process (seconds; every row reuses it), under a
+    forked RNG so that the runs' own random draws stay as they were."""
+    import logging
+
+    with torch.random.fork_rng(devices=[]):
+        judge, acc = train_style_judge(int(image_size))
+    logging.getLogger("hfpfl").info("style judge (domain classifier on the public splits): held-out accuracy %.3f",
+                                    acc)
+    return judge
+
+
+def synthetic_quality(sim, results: dict) -> None:
+    """What a FedBiP run's synthetic set is, read by judges that never saw a client image, added to
+    ``results["final"]`` (a study's ``metrics_hook``, and the main job's table): ``synthetic_fidelity_judge``, the
+    share of images the LDM's public-image judge reads as their label (absent when the LDM ships no judge), and
+    ``synthetic_style``, the share of each client's images the style judge assigns to the client's own domain (mean
+    over clients whose domain it knows). Nothing for a run without a synthetic set."""
+    from ..algorithms.fedbip import resolve_ldm
+
+    syn = getattr(sim.algorithm, "synthetic", None)
+    if not syn or len(syn["labels"]) == 0:
+        return
+    x = syn["images"].expand(-1, 3, -1, -1) if syn["images"].shape[1] == 1 else syn["images"]   # the judges read RGB
+    final = results["final"]
+    judge = load_ldm_judge(resolve_ldm(sim.algorithm.config.ldm))
+    if judge is not None:
+        final["synthetic_fidelity_judge"] = judge_accuracy(judge, x, syn["labels"])
+    domains = {c.client_id: c.domain for c in sim.data.clients}
+    if any(d in STYLE_DOMAINS for d in domains.values()):
+        final["synthetic_style"] = style_fidelity(shared_style_judge(int(x.shape[-1])), x, syn["clients"],
+                                                  domains).get("mean")

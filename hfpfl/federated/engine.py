@@ -455,6 +455,11 @@ class Simulation:
         for key, name in (("steps", "optimizer_steps"), ("examples", "examples_seen")):
             if meta and all(key in m for _, _, m in meta):
                 metrics[name] = int(sum(m[key] for _, _, m in meta))
+        server = algo.server_training
+        if server:  # the server trained the model this method evaluates (one-shot: FedBiP's classifier, Central)
+            metrics["server_optimizer_steps"], metrics["server_examples_seen"] = int(server["steps"]), \
+                int(server["examples"])
+            algo.server_training = None
         return new_state, metrics
 
     def _check_finite_state(self, state: dict, round_idx: int) -> None:
@@ -761,6 +766,13 @@ class Simulation:
             total = int(sum(h[name] for h in self.history)) if known else None
             out[name] = total
             out[f"{name}_per_model"] = (total / len(trained) if trained else 0.0) if known else None
+        if any("server_optimizer_steps" in h for h in self.history):
+            # one model, trained on the server, is what this run evaluates: its steps are the budget to match (what
+            # the clients trained for it, e.g. FedBiP's concepts, stays as client_*)
+            out["trained_models"] = 1
+            for name in ("optimizer_steps", "examples_seen"):
+                out[f"client_{name}"] = out[name]
+                out[name] = out[f"{name}_per_model"] = int(sum(h.get(f"server_{name}", 0) for h in self.history))
         return out
 
 

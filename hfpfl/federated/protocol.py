@@ -513,6 +513,9 @@ class Algorithm:
     name: ClassVar[str] = "base"
     Config: ClassVar[type] = NoConfig
     one_shot: ClassVar[bool] = False          # one-shot methods run exactly one round
+    #: set by ``aggregate`` when the server itself trains the model the run evaluates (the train loop's metrics:
+    #: ``steps``, ``examples``): the engine records it in the round's history and the run's budget
+    server_training: dict | None = None
     has_global_model: ClassVar[bool] = True
     needs_all_uploads: ClassVar[bool] = False  # True (or overriding ``aggregate``): the gather path
     on_non_finite: ClassVar[str] = "error"     # "error": a diverged client stops the run; "skip": the method copes
