@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from hfpfl.options import Check, at_least, in_range, option
+from hfpfl.options import Check, at_least, option
 
 logger = logging.getLogger("hfpfl")
 
