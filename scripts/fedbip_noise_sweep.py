@@ -1,7 +1,7 @@
 """Sweep FedBiP's noising timestep and choose it without client test data (hfpfl.fedbip.sweep).
 
     .venv/bin/python scripts/fedbip_noise_sweep.py --seed 0            # the main setting, ~2 min per timestep
-    .venv/bin/python scripts/fedbip_noise_sweep.py --seed 0 --variant instance-only
+    .venv/bin/python scripts/fedbip_noise_sweep.py --seed 0 --variant instance_only
     .venv/bin/python scripts/fedbip_noise_sweep.py --seed 0 --config recipes/configs/fedbip_dirichlet.yaml
 
 For every timestep of the sampler's schedule from its top down to ``resolution_matched`` (or ``--timesteps``), runs
@@ -24,7 +24,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0, help="Run seed (the choice is made on this seed).")
-    p.add_argument("--variant", default="FedBiP-L", choices=["FedBiP-L", "FedBiP-S", "instance-only"],
+    p.add_argument("--variant", default="fedbip_l", choices=["fedbip_l", "fedbip_s", "instance_only"],
                    help="The row swept (default FedBiP-L: the synthetic set the method hands the server, whose "
                         "closeness to the clients' images is what the floor guards; instance-only: the level alone).")
     p.add_argument("--timesteps", default=None,
@@ -49,7 +49,7 @@ def main(argv=None):
     out = Path(resolve_output_dir(args.output_dir, "fedbip-noise-sweep"))
     try:
         check_output_dir(out, overwrite=args.overwrite_output_dir, resume=False, finished_marker="sweep.json")
-        run, data, cfg, rec = compare.parse(["--seed", str(args.seed), *extra])
+        run, data, cfg, rec = compare.parse(["--seed", str(args.seed), "--variants", args.variant, *extra])
         pipe = load_ldm(resolve_ldm(cfg.ldm))
         pipe.set_sampler(cfg.sampler)
         T = int(pipe.scheduler.config.num_train_timesteps)
@@ -76,11 +76,10 @@ def main(argv=None):
         res = compare.main(["--seeds", str(args.seed), "--num_processes", "1", "--variants", args.variant,
                             "--noise_timestep", str(t), "--output_dir", str(out / f"t{t}"),
                             "--overwrite_output_dir", "true", *extra])
-        r = res["rows"][0]
-        rows.append({"timestep": t, "style": r.get("synthetic_style"), "style_per_domain":
-                     r.get("synthetic_style_per_domain"), "class_fidelity": r.get("synthetic_fidelity_judge"),
-                     "nn_dist": r["syn_nn_dist_mean"], "mia_loss_gap": r.get("mia_loss_gap"),
-                     "accuracy": r["mean_accuracy"]})
+        r = {k: m["mean"] for k, m in res["variants"][args.variant]["metrics"].items()}
+        rows.append({"timestep": t, "style": r.get("synthetic_style"),
+                     "class_fidelity": r.get("synthetic_fidelity_judge"), "nn_dist": r["syn_nn_dist_mean"],
+                     "mia_loss_gap": r.get("mia_loss_gap"), "accuracy": r["personal_accuracy"]})
     chosen = choose_noise_timestep(rows, floor)
     head = f"{'t':>5} {'style':>6} {'class':>6} {'NN':>6} {'MIA':>6} {'acc':>6}"
     lines = [head, "-" * len(head)]

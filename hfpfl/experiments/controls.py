@@ -78,12 +78,16 @@ def _by_domain(values, domains) -> dict:
 
 @register("chance")
 def run_chance(study, variant, seed, out_dir) -> dict:
-    _, fed = _data(study, variant, seed)
+    return chance_row(_data(study, variant, seed)[1], study.metrics)
+
+
+def chance_row(fed, metrics) -> dict:
+    """The row of guessing uniformly: 1 / the number of labels for every accuracy in ``metrics``."""
     p = 1.0 / fed.num_labels
     n = len(fed.clients)
-    metrics = {k: p for k in study.metrics if k.endswith("accuracy")}
-    return {"metrics": metrics, "per_domain": _by_domain([p] * n, _domains(fed)),
-            "per_client": {str(i): p for i in range(n)}, "budget": dict(_NO_TRAINING)}
+    return {"metrics": {k: p for k in metrics if k.endswith("accuracy")},
+            "per_domain": _by_domain([p] * n, _domains(fed)), "per_client": {str(i): p for i in range(n)},
+            "budget": dict(_NO_TRAINING)}
 
 
 def majority_scores(train_hist: np.ndarray, test_hist: np.ndarray) -> tuple[list[float], float]:
@@ -99,33 +103,41 @@ def majority_scores(train_hist: np.ndarray, test_hist: np.ndarray) -> tuple[list
 
 @register("majority")
 def run_majority(study, variant, seed, out_dir) -> dict:
-    _, fed = _data(study, variant, seed)
+    return majority_row(_data(study, variant, seed)[1], study.metrics)
+
+
+def majority_row(fed, metrics) -> dict:
+    """The row of predicting each client's most frequent training label (the global metric: the pooled one)."""
     train = fed.label_histograms("train", include_new=False)
     test = fed.label_histograms("test", include_new=False)
     per_client, _ = majority_scores(train, test)
     g = np.asarray(fed.global_test.with_format(None)["labels"])
     global_acc = float(np.mean(g == int(np.argmax(train.sum(0))))) if len(g) else float("nan")
-    metrics = {}
-    for k in study.metrics:
+    out = {}
+    for k in metrics:
         if k == "personal_accuracy":
-            metrics[k] = float(np.mean(per_client))
+            out[k] = float(np.mean(per_client))
         elif k == "global_accuracy":
-            metrics[k] = global_acc
-    return {"metrics": metrics, "per_domain": _by_domain(per_client, _domains(fed)),
+            out[k] = global_acc
+    return {"metrics": out, "per_domain": _by_domain(per_client, _domains(fed)),
             "per_client": {str(i): a for i, a in enumerate(per_client)}, "budget": dict(_NO_TRAINING)}
 
 
 @register("untrained")
 def run_untrained(study, variant, seed, out_dir) -> dict:
+    from ..config import parse_run_args
+    run, data, cfg = parse_run_args(study.argv(variant, seed))
+    return untrained_row(run, data, cfg, out_dir)
+
+
+def untrained_row(run, data, cfg, out_dir, fed=None) -> dict:
     """The engine's own final evaluation of a simulation that ran no round (setup, then finish)."""
     import dataclasses
 
-    from ..config import parse_run_args
     from ..federated.engine import Simulation
-    run, data, cfg = parse_run_args(study.argv(variant, seed))
     run = dataclasses.replace(run, output_dir=str(out_dir), overwrite_output_dir=True, progress=False,
                               checkpoint_every=0)
-    sim = Simulation(run, data, cfg)
+    sim = Simulation(run, data, cfg, fed_data=fed)
     sim.setup()
     return row_from_results(sim.finish())
 

@@ -1,31 +1,26 @@
-"""The FedBiP comparison behind ``recipes/fedbip.py``: argument parsing, the variant runner, the table printer and the
-mean +- std aggregation over seeds (the recipe itself only calls :func:`main`).
+"""The FedBiP comparison behind ``recipes/fedbip.py`` (the main job): argument parsing, the rows, and their table.
 
-Default setting (feature-space heterogeneity, the paper's §5.1 scaled down): 3 clients, one Digits domain each among
-``usps``, ``mnistm``, ``syn`` (source ``digits-nomnist``), ``shots_per_class`` real train images per class per client,
-each client's own real test split for per-domain accuracy, and the global test set. The frozen tiny LDM
-(``hfpfl/tiny-ldm-digits-broad``, pretrained on the broad public pool of :mod:`hfpfl.fedbip.pool`; the snapshot ships
-with hfpfl, see :data:`hfpfl.fedbip.ldm.SHIPPED_LDM_DIRS`) is published to the local Hub cache on first use.
+Setting (feature-space heterogeneity, the paper's §5.1 scaled down): 3 clients, one Digits domain each among ``usps``,
+``mnistm``, ``syn`` (source ``digits-nomnist``), ``--shots_per_class`` real train images per class per client (drawn
+by the run seed; the split itself at ``--data_seed 0``: the tiny LDM's pretraining pool is the public split of that
+seed, so a client split of another seed could overlap it), each client's own real test split for per-domain accuracy,
+and the global test set. The frozen tiny LDM (``hfpfl/tiny-ldm-digits-broad``, pretrained on the broad public pool of
+:mod:`hfpfl.fedbip.pool`; the snapshot ships with hfpfl, see :data:`hfpfl.fedbip.ldm.SHIPPED_LDM_DIRS`) is published
+to the local Hub cache on first use.
 
-Seeds: ``--seed`` (or ``--seeds 0,1,2`` for mean +- std) drives the few-shot draw of every client's images, the
-latents, the concepts, the synthesis and the classifier. The *data split* seed of the built-in sources stays at
-``--data_seed 0``: the LDM's pool is the public split of that seed, so a client split of another seed could overlap
-it (the pool must share nothing with the clients).
-
-With ``--compare true`` (default) every variant is one ``Simulation`` on the same federated data and the same
-classifier recipe (model, optimizer, lr, batch, epochs), and one table + ``comparison.json`` report:
-  prompt-only | V-only | S-only | concept-only | instance-only | FedBiP-S (2x) | FedBiP-L (10x)   (paper Table 3 / 1)
-  [+ FedBiP-M (5x), FedBiP-S without S perturbation with --all_variants]
-  FedAvg (multi-round, real data) | Local-only | Central (oracle: the classifier on the union of the train sets).
-Ablations synthesise ``--multiplier`` (default 10) images per real image, FedBiP-L's amount: the paper's Table 3's
-full-FedBiP row is Table 1's FedBiP-L (PACS 62.67 and OfficeHome 61.52 in both tables), so its ablation rows are
-read at 10x.
+The rows are the study ``fedbip_digits``'s (:mod:`hfpfl.experiments.studies.fedbip_digits`, the dissertation's Tables
+1 and 3), each one ``Simulation`` on the same federated data, over the options given here. Every classifier trains
+exactly ``--classifier_steps`` steps (FedBiP's on its synthetic set, Central's on the pooled real images, FedAvg's and
+Local-only's over ``--baseline_rounds`` rounds of ``classifier_steps / baseline_rounds`` local steps), so the rows are
+matched step for step. Default rows: prompt only, FedBiP-L, FedAvg and Central, with the controls (chance, label
+majority, the classifier before training); ``--all_variants``: every row of the study. The rows are summarised,
+their claims judged and their table written by the study runner (:func:`hfpfl.experiments.runner.summarize`), the
+same as ``python -m hfpfl.experiments run fedbip_digits``, into ``summary.json`` and ``results.md``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -33,10 +28,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 from hfpfl.options import Check, at_least, option
 
@@ -60,9 +51,10 @@ DEFAULTS = {
     # synthetic set (no client test data): guidance 1 / 10 steps 0.414 and 5 / 10 0.361 (seeds 0-2), seed 0
     # probes 1 / 20 0.382 and 3 / 20 0.661 (CHANGELOG.md). Concepts stay randomly
     # initialised as in the paper (the authors' code initialises them from words: --concept_init words, 0.739 at 3 / 20).
-    "concept_epochs": 20, "classifier_epochs": 20, "num_inference_steps": 20, "guidance_scale": 3.0,
-    # the ablation rows (and a --compare false run) at FedBiP-L's 10x: the paper's Table 3 compares its ablations with the
-    # full FedBiP at 10x (its full row equals Table 1's FedBiP-L); FedBiP-S / -M / -L set their own 2 / 5 / 10
+    "concept_epochs": 20, "num_inference_steps": 20, "guidance_scale": 3.0,
+    # every classifier of the comparison (FedBiP's, FedAvg's, Local-only's, Central's) trains exactly these steps
+    "classifier_steps": 500,
+    # a --compare false run at FedBiP-L's 10x (the comparison's rows set their own amounts)
     "multiplier": 10,
     # the tiny LDM was pretrained on captions "a [style word] photo of the digit seven": a Table-5-style template
     "prompt_template": "a [S] photo of the digit [V]",
@@ -76,35 +68,63 @@ def _seed_list(text) -> bool:
     return all(x.isdigit() and int(x) < 2 ** 32 for x in parts)
 
 
+#: the comparison's rows: the study's FedBiP variants as FedBiP settings (personalization, amount, perturbation)
+FEDBIP_ROWS = {
+    "prompt_only": dict(personalization="none", multiplier=10),
+    "v_only": dict(personalization="class", multiplier=10),
+    "s_only": dict(personalization="domain", multiplier=10),
+    "concept_only": dict(personalization="concept", multiplier=10),
+    "instance_only": dict(personalization="instance", multiplier=10),
+    "no_perturb": dict(personalization="full", multiplier=10, concept_noise_sigma=0.0),
+    "fedbip_s": dict(personalization="full", multiplier=2),
+    "fedbip_m": dict(personalization="full", multiplier=5),
+    "fedbip_l": dict(personalization="full", multiplier=10),
+}
+BASELINE_ROWS = ("fedavg", "local", "central")
+CONTROL_ROWS = ("chance", "majority", "untrained")
+DEFAULT_ROWS = ("prompt_only", "fedbip_l", "fedavg", "central", *CONTROL_ROWS)
+ALL_ROWS = (*FEDBIP_ROWS, *BASELINE_ROWS, *CONTROL_ROWS)
+
+
 @dataclass
 class RecipeArguments:
-    compare: bool = option(True, "Run the comparison (ablations, FedBiP-S/L, FedAvg, Local-only, Central) and print one "
-                           "table; false = only the configured FedBiP run.")
-    all_variants: bool = option(False, "Also FedBiP-M (5x) and FedBiP-S without the perturbation of S (slower); "
-                                "needs --compare true.")
-    seeds: str | None = option(None, "Comma-separated run seeds (e.g. 0,1,2): the comparison per seed under "
-                               "<output_dir>/seed<k>/, then a mean +- std table (summary.json); needs --compare true. "
-                               "Default: the single --seed.",
+    compare: bool = option(True, "Run the comparison (prompt only, FedBiP-L, FedAvg, Central and the controls; "
+                           "--all_variants: every row of the study) and print one table; false = only the configured "
+                           "FedBiP run.")
+    all_variants: bool = option(False, "Every row of the study fedbip_digits: the Table-3 ablations at 10x, "
+                                "FedBiP-S / -M / -L and Local-only as well (about 3x the time); needs --compare true.")
+    seeds: str | None = option(None, "Comma-separated run seeds (e.g. 0,1,2): every row at each seed, then mean +- "
+                               "sample std and the claims over them; needs --compare true. Default: the single "
+                               "--seed.",
                                check=Check(_seed_list, "comma-separated whole numbers in [0, 2**32), e.g. 0,1,2"))
-    variants: str | None = option(None, "Comma-separated subset of the comparison's rows to run, e.g. prompt-only,"
-                                  "instance-only,FedBiP-S,FedBiP-L,FedAvg,Local-only,Central (default: all); needs "
-                                  "--compare true. syn-fid needs Central.")
-    baseline_rounds: int | None = option(None, "Rounds of FedAvg / Local-only (1 local epoch each) and Central epochs; "
-                                         "default = classifier_epochs, so every classifier sees its training data "
-                                         "the same number of epochs; needs --compare true.", check=at_least(1))
+    variants: str | None = option(None, "Comma-separated rows to run instead, among " + ", ".join(ALL_ROWS)
+                                  + "; needs --compare true.")
+    baseline_rounds: int = option(20, "Rounds of FedAvg and Local-only; each trains classifier_steps / "
+                                  "baseline_rounds local steps per round, so that every classifier takes "
+                                  "--classifier_steps steps; needs --compare true.", check=at_least(1))
 
 
 #: options that shape the comparison only: set under --compare false they would be ignored
 COMPARISON_ONLY = ("all_variants", "seeds", "variants", "baseline_rounds")
 
 
-def check_recipe_options(rec: RecipeArguments) -> None:
+def check_recipe_options(rec: RecipeArguments, cfg=None) -> None:
     if not rec.compare:
         defaults = RecipeArguments()
         for name in COMPARISON_ONLY:
             if getattr(rec, name) != getattr(defaults, name):
                 raise ValueError(f"--{name} shapes the comparison, which --compare false does not run; pass "
                                  f"--compare true, or leave --{name} out")
+        return
+    row_names(rec)
+    if cfg is not None:
+        if cfg.classifier_steps is None:
+            raise ValueError("--classifier_steps None: the comparison trains every classifier the same steps; pass "
+                             "a number (default 500)")
+        if cfg.classifier_steps % rec.baseline_rounds and {"fedavg", "local"} & set(row_names(rec)):
+            raise ValueError(f"--classifier_steps ({cfg.classifier_steps}) must be a multiple of --baseline_rounds "
+                             f"({rec.baseline_rounds}) so that FedAvg and Local-only train as many steps as the "
+                             "others; change one of them")
 
 
 def check_words(cfg, num_clients: int, num_new_clients: int = 0, num_labels: int | None = None) -> None:
@@ -144,47 +164,39 @@ def parse(argv=None):
                                          recipe_options=RecipeArguments)
     if run.method != "fedbip":
         raise ValueError(f"recipes/fedbip.py runs FedBiP (got --method {run.method}); use recipes/run.py otherwise")
-    check_recipe_options(rec)
+    check_recipe_options(rec, cfg)   # a bad --variants fails here, before minutes of work
     check_words(cfg, data.num_clients, data.num_new_clients, builtin_num_labels(data.dataset))
     return run, data, cfg, rec
 
 
+def row_names(rec) -> list[str]:
+    if rec.variants:
+        wanted = [v.strip() for v in rec.variants.split(",") if v.strip()]
+        unknown = [v for v in wanted if v not in ALL_ROWS]
+        if unknown:
+            raise ValueError(f"--variants: unknown {', '.join(unknown)}; choose among {', '.join(ALL_ROWS)}")
+        return [n for n in ALL_ROWS if n in wanted]
+    return list(ALL_ROWS if rec.all_variants else DEFAULT_ROWS)
+
+
 def variants(run, cfg, rec):
-    """(name, run_args, method_config) for every row of the comparison."""
+    """(name, run_args, method_config) for every trained row of the comparison (the controls are not runs)."""
     from hfpfl.algorithms.central import CentralConfig
 
     out_root = Path(run.output_dir)
     base = dict(overwrite_output_dir=True, checkpoint_every=0)
-    one = dict(num_rounds=1)
-    rounds = rec.baseline_rounds or cfg.classifier_epochs
-
-    def fb(name, **kw):
-        return (name, dataclasses.replace(run, output_dir=str(out_root / name), **base, **one),
-                dataclasses.replace(cfg, **kw))
-
-    rows = [fb("prompt-only", personalization="none"), fb("V-only", personalization="class"),
-            fb("S-only", personalization="domain"), fb("concept-only", personalization="concept"),
-            fb("instance-only", personalization="instance"), fb("FedBiP-S", personalization="full", multiplier=2)]
-    if rec.all_variants:
-        rows += [fb("FedBiP-S-no-perturb", personalization="full", multiplier=2, concept_noise_sigma=0.0),
-                 fb("FedBiP-M", personalization="full", multiplier=5)]
-    rows.append(fb("FedBiP-L", personalization="full", multiplier=10))
-
-    def baseline(name, method, **kw):
-        return (name, dataclasses.replace(run, method=method, output_dir=str(out_root / name), **{**base, **kw}),
-                None)
-
-    rows += [baseline("FedAvg", "fedavg", num_rounds=rounds, local_epochs=1, local_steps=None),
-             baseline("Local-only", "local", num_rounds=rounds, local_epochs=1, local_steps=None)]
-    rows.append(("Central", dataclasses.replace(run, method="central", output_dir=str(out_root / "Central"), **base,
-                                                 **one),
-                 CentralConfig(epochs=cfg.classifier_epochs)))
-    if rec.variants:
-        wanted = [v.strip() for v in rec.variants.split(",") if v.strip()]
-        unknown = sorted(set(wanted) - {r[0] for r in rows})
-        if unknown:
-            raise ValueError(f"--variants: unknown {', '.join(unknown)}; choose among {', '.join(r[0] for r in rows)}")
-        rows = [r for r in rows if r[0] in wanted]
+    rows = []
+    for name in row_names(rec):
+        r = dataclasses.replace(run, output_dir=str(out_root / name), **base)
+        if name in FEDBIP_ROWS:
+            rows.append((name, dataclasses.replace(r, num_rounds=1), dataclasses.replace(cfg, **FEDBIP_ROWS[name])))
+        elif name in ("fedavg", "local"):
+            rows.append((name, dataclasses.replace(r, method="fedavg" if name == "fedavg" else "local",
+                                                   num_rounds=rec.baseline_rounds, local_epochs=1,
+                                                   local_steps=cfg.classifier_steps // rec.baseline_rounds), None))
+        elif name == "central":
+            rows.append((name, dataclasses.replace(r, method="central", num_rounds=1),
+                         CentralConfig(steps=cfg.classifier_steps)))
     return rows
 
 
@@ -206,99 +218,33 @@ def variant_folder(path):
         raise
 
 
-def summarize(name, sim, res, cfg, mia: dict | None = None) -> dict:
-    """One row of the comparison; ``mia``: the real-data baselines' membership-inference gap
-    (:func:`~hfpfl.fedbip.privacy.membership_inference_gap`, which every process computes together)."""
-    final = res["final"]
-    row = {"variant": name, "method": res["method"], "mean_accuracy": final.get("personal_accuracy"),
-           "global_accuracy": final.get("global_accuracy"), "per_domain": res["per_domain_accuracy"],
-           "bytes_up": res["communication"]["bytes_up"], "bytes_down": res["communication"]["bytes_down"],
-           "wall_time_s": res["wall_time_s"]}
-    if res["method"] == "fedbip":
-        row.update({"personalization": cfg.personalization, "multiplier": cfg.multiplier,
-                    "num_synthetic": final.get("num_synthetic")})
-        for k in ("mia_loss_gap", "mia_entropy_gap", "syn_nn_dist_mean", "syn_nn_dist_min", "real_test_nn_dist_mean"):
-            row[k] = final.get(k)
-    else:  # the same MIA measure for the real-data baselines
-        row.update(mia or {})
-    return row
+def study_of(names, seeds, command: str):
+    """The study ``fedbip_digits`` cut to the rows that ran (its claims and ordering too), at these seeds."""
+    from hfpfl.experiments.studies.fedbip_digits import STUDY
+
+    names = set(names)
+    return dataclasses.replace(
+        STUDY, seeds=tuple(seeds), command=command, common=(),
+        variants=tuple(v for v in STUDY.variants if v.name in names),
+        claims=tuple(c for c in STUDY.claims if c.a in names and c.b in names),
+        paper_ordering=tuple(n for n in STUDY.paper_ordering if n in names))
 
 
-def format_comparison(rows: list[dict]) -> str:
-    domains = sorted({d for r in rows for d in r["per_domain"]})
-    head = (f"{'variant':<20} " + " ".join(f"{d[:8]:>8}" for d in domains) +
-            f" {'mean':>6} {'global':>6} {'#syn':>5} {'syn-fid':>7} {'judge':>6} {'style':>6} {'up KiB':>8}"
-            f" {'MIA-loss':>8} {'MIA-ent':>7}"
-            f" {'NN-dist':>7}"
-            f" {'time s':>6}")
-    lines = [head, "-" * len(head)]
-
-    def f(v, w, p=3):
-        return f"{v:>{w}.{p}f}" if isinstance(v, (int, float)) and v is not None else f"{'-':>{w}}"
-
-    for r in rows:
-        lines.append(f"{r['variant']:<20} " + " ".join(f(r["per_domain"].get(d), 8) for d in domains) +
-                     f" {f(r['mean_accuracy'], 6)} {f(r['global_accuracy'], 6)}"
-                     f" {(str(r.get('num_synthetic')) if r.get('num_synthetic') else '-'):>5}"
-                     f" {f(r.get('synthetic_fidelity'), 7)} {f(r.get('synthetic_fidelity_judge'), 6)}"
-                     f" {f(r.get('synthetic_style'), 6)}"
-                     f" {r['bytes_up'] / 1024:>8.1f} {f(r.get('mia_loss_gap'), 8)} {f(r.get('mia_entropy_gap'), 7)}"
-                     f" {f(r.get('syn_nn_dist_mean'), 7)} {r['wall_time_s']:>6.1f}")
-    lines.append("accuracy per domain = the classifier on that client's real test split; mean = over clients; "
-                 "syn-fid = accuracy of the Central (real-data) classifier on the variant's synthetic set (are the "
-                 "images of their label?); judge = the same read by the LDM's quality judge (trained on public "
-                 "images only, shipped as judge.pt; '-' when the LDM has none); style = share of each client's "
-                 "synthetic images that a domain classifier trained on the domains' public splits assigns to the "
-                 "client's domain (mean over clients); MIA gaps = |member - non-member| "
-                 "mean loss / entropy (lower = less leakage); NN-dist = RMS pixel distance of synthetic images to "
-                 "the nearest client train image")
-    return "\n".join(lines)
-
-
-PAPER_ORDER = ("the paper's Table 3: prompt-only < V-only < S-only < instance-only < instance+concept (no perturb.) < FedBiP; "
-               "Table 1: FedBiP-S < -M < -L, FedBiP-L above FedAvg on average, below Central")
-
-
-@functools.lru_cache(maxsize=2)
-def _style_judge(image_size: int):
-    import torch
-
-    from .quality import train_style_judge
-
-    with torch.random.fork_rng(devices=[]):  # seeds its own training: the variants' random draws stay as they were
-        judge, acc = train_style_judge(image_size)
-    logger.info("style judge (domain classifier on the public splits): held-out accuracy %.3f", acc)
-    return judge
-
-
-def shared_style_judge(image_size: int, client_domains: dict) -> "torch.nn.Module | None":
-    """The style judge of :func:`~hfpfl.fedbip.quality.train_style_judge` at the clients' image size, trained once per
-    process (a few seconds; every seed of a comparison reuses it); None when no client's domain is one it knows."""
-    from .quality import STYLE_DOMAINS
-
-    if not any(d in STYLE_DOMAINS for d in client_domains.values()):
-        return None
-    return _style_judge(int(image_size))
-
-
-def run_comparison(run, data, cfg, rec, fed, main: bool = True) -> dict:
-    """Every variant on the same federated data; returns {"rows": [...], ...} and writes comparison.json.
-    ``main=False`` (a worker process of a several-process run): the variants run (the clients this process holds),
-    nothing is read from the synthetic sets (they live on the main process), printed or written."""
-    from hfpfl import tracking
+def run_rows(run, data, cfg, rec, fed, main: bool = True) -> dict:
+    """Every row on the same federated data at ``run.seed``: name -> the runner's row fields (metrics, per-domain and
+    per-client accuracy, budget, seconds). ``main=False`` (a worker of a several-process run): the rows run (the
+    clients this process holds); nothing is measured on the synthetic sets (they live on the main process) or
+    returned."""
+    from hfpfl.experiments import controls
     from hfpfl.federated.engine import Simulation
-    from hfpfl.federated.training import TensorData, evaluate
+    from hfpfl.fedbip.privacy import membership_inference_gap
+    from hfpfl.fedbip.quality import synthetic_quality
 
     from hfpfl.algorithms.fedbip import resolve_ldm
 
-    t0 = time.perf_counter()
-    rows, main_res, syn_sets = [], None, {}
-    main_name = {2: "FedBiP-S", 5: "FedBiP-M", 10: "FedBiP-L"}.get(cfg.multiplier, "FedBiP-L")
-    # the LDM first (on a first run: minutes of pretraining), before any variant folder exists
-    from .quality import load_ldm_judge
-
-    judge = load_ldm_judge(resolve_ldm(cfg.ldm))
-    style_judge = shared_style_judge(data.image_size, {c.client_id: c.domain for c in fed.clients}) if main else None
+    resolve_ldm(cfg.ldm)   # on a first run: minutes of pretraining, before any row folder exists
+    rows = {}
+    metric_names = ("personal_accuracy", "global_accuracy")
     for name, r_args, m_cfg in variants(run, cfg, rec):
         t = time.perf_counter()
         with variant_folder(r_args.output_dir):
@@ -306,119 +252,83 @@ def run_comparison(run, data, cfg, rec, fed, main: bool = True) -> dict:
             res = sim.run()
         mia = None
         if res["method"] != "fedbip":  # every process: each scores the clients (and private states) it holds
-            from hfpfl.fedbip.privacy import membership_inference_gap
-
             mia = membership_inference_gap(sim.algorithm, sim.server_state, sim.args.num_rounds)
         if not main:
             continue
-        rows.append(summarize(name, sim, res, m_cfg, mia))
-        if res["method"] == "fedbip":
-            syn = syn_sets[name] = sim.algorithm.synthetic
-            x = syn["images"].expand(-1, 3, -1, -1) if syn["images"].shape[1] == 1 else syn["images"]  # judges: RGB
-            if judge is not None:  # a second, client-independent reading of the synthetic labels
-                from .quality import judge_accuracy
-
-                rows[-1]["synthetic_fidelity_judge"] = judge_accuracy(judge, x, syn["labels"])
-            if style_judge is not None:  # are a client's synthetic images in its domain (the grids' style, read)
-                from .quality import style_fidelity
-
-                style = style_fidelity(style_judge, x, syn["clients"], {c.client_id: c.domain for c in fed.clients})
-                rows[-1]["synthetic_style"] = style.pop("mean", None)
-                rows[-1]["synthetic_style_per_domain"] = style
-        if name == "Central":  # class fidelity of every synthetic set: the real-data oracle's accuracy on it
-            model = sim.algorithm.load_global(sim.server_state)
-            for row in rows:
-                if row["variant"] in syn_sets:
-                    s_ = syn_sets[row["variant"]]
-                    row["synthetic_fidelity"] = evaluate(model, TensorData(s_["images"], s_["labels"]),
-                                                         device=sim.device)["accuracy"]
+        synthetic_quality(sim, res)
+        res["final"].update(mia or {})
+        rows[name] = {**controls.row_from_results(res), "seconds": time.perf_counter() - t,
+                      "bytes_up": res["communication"]["bytes_up"]}
         print(f"[{name}] mean accuracy {res['final'].get('personal_accuracy'):.4f} "
               f"({time.perf_counter() - t:.1f} s)", flush=True)
-        if name == main_name:
-            main_res = res
-    if not main:
-        return {"rows": rows}
-    out = Path(run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    total = time.perf_counter() - t0
-    comparison = {"rows": rows, "wall_time_s": total, "shots_per_class": data.shots_per_class, "seed": run.seed,
-                  "config": {"run": dataclasses.asdict(run), "data": dataclasses.asdict(data),
-                             "fedbip": dataclasses.asdict(cfg), "recipe": dataclasses.asdict(rec)}}
-    tracking.atomic_write_text(out / "comparison.json", json.dumps(comparison, indent=2))
-    if main_res is not None:
-        tracking.write_results(out, {**main_res, "comparison": rows, "wall_time_total_s": total})
-    tracking.write_config(out, run=run, data=data, method=cfg, recipe=rec)
-    print(format_comparison(rows))
-    print(f"wall time {total:.1f} s; comparison: {out / 'comparison.json'}; grids: {out}/FedBiP-*/synthetic_grid.png")
-    return comparison
+    names = row_names(rec)
+    if main and "chance" in names:
+        rows["chance"] = {**controls.chance_row(fed, metric_names), "seconds": 0.0}
+    if main and "majority" in names:
+        rows["majority"] = {**controls.majority_row(fed, metric_names), "seconds": 0.0}
+    if "untrained" in names:   # FedAvg's classifier before any round: the same initial weights as every row's
+        t = time.perf_counter()
+        r_args = dataclasses.replace(run, method="fedavg", num_rounds=1, local_steps=1)
+        row = controls.untrained_row(r_args, data, None, Path(run.output_dir) / "untrained", fed=fed)
+        if main:
+            rows["untrained"] = {**row, "seconds": time.perf_counter() - t}
+    return rows
 
 
-def aggregate_seeds(comparisons: list[dict]) -> list[dict]:
-    """mean / std over seeds of every row's mean accuracy, global accuracy and synthetic fidelity."""
-    import numpy as np
-
-    names = [r["variant"] for r in comparisons[0]["rows"]]
-    out = []
-    for name in names:
-        rows = [next(r for r in c["rows"] if r["variant"] == name) for c in comparisons]
-        agg = {"variant": name, "seeds": [c["seed"] for c in comparisons]}
-        for k in ("mean_accuracy", "global_accuracy", "synthetic_fidelity", "synthetic_fidelity_judge",
-                  "synthetic_style"):
-            vals = [r.get(k) for r in rows if r.get(k) is not None]
-            if vals:
-                agg[k] = float(np.mean(vals))
-                agg[k + "_std"] = float(np.std(vals))
-                agg[k + "_all"] = vals
-        domains = sorted({d for r in rows for d in r["per_domain"]})
-        agg["per_domain"] = {d: float(np.mean([r["per_domain"][d] for r in rows])) for d in domains}
-        out.append(agg)
-    return out
-
-
-def claims(summary: list[dict]) -> list[tuple[str, bool | None]]:
-    """The issue's acceptance checks on the mean over seeds: True (held), False (not held) or None (not measured: a
-    row it reads was not run, e.g. ``--variants`` without FedAvg, or a field the run has not got, e.g. the
-    Central-classifier fidelity without Central)."""
-    m = {r["variant"]: r for r in summary}
-
-    def value(variant, key="mean_accuracy"):
-        return m.get(variant, {}).get(key)
-
-    def check(test, *needed):
-        vals = [value(*n) if isinstance(n, tuple) else value(n) for n in needed]
-        return None if any(v is None for v in vals) else bool(test(*vals))
-
-    # accuracies are fractions of the test-set size: a mean exactly on a line must not fail by float rounding
-    # (0.6373... vs 0.5873... + 0.05 differ by 1e-16 in floats and by nothing as fractions)
-    tol = 1e-9
-    return [("FedBiP-L >= prompt-only + 0.05", check(lambda fl, p: fl >= p + 0.05 - tol, "FedBiP-L", "prompt-only")),
-            ("FedBiP-L >= FedBiP-S", check(lambda fl, s: fl >= s - tol, "FedBiP-L", "FedBiP-S")),
-            ("instance-only > prompt-only", check(lambda i, p: i > p, "instance-only", "prompt-only")),
-            ("FedBiP-L synthetic fidelity >= 0.6", check(lambda f: f >= 0.6, ("FedBiP-L", "synthetic_fidelity"))),
-            ("FedBiP-L synthetic fidelity >= 0.6 under the LDM's public-image judge",
-             check(lambda f: f >= 0.6, ("FedBiP-L", "synthetic_fidelity_judge"))),
-            ("FedBiP-L > FedAvg (paper, on average)", check(lambda fl, a: fl > a, "FedBiP-L", "FedAvg")),
-            ("FedBiP-L < Central (paper)", check(lambda fl, c: fl < c, "FedBiP-L", "Central"))]
-
-
-def format_summary(summary: list[dict]) -> str:
-    domains = sorted({d for r in summary for d in r["per_domain"]})
-    head = (f"{'variant':<20} {'mean acc':>15} {'syn-fid':>15} {'judge-fid':>15} {'style':>15} " +
-            " ".join(f"{d[:8]:>8}" for d in domains))
+def format_table(summary: dict) -> str:
+    """The terminal table: one line per row (mean over the seeds), then the paper's ordering and every claim."""
+    variants = summary["variants"]
+    domains = sorted({d for e in variants.values() for d in e.get("per_domain", {})})
+    n_seeds = len(summary["seeds"])
+    cols = [("personal_accuracy", "mean"), ("global_accuracy", "global"), ("synthetic_fidelity_judge", "judge"),
+            ("synthetic_style", "style"), ("mia_loss_gap", "MIA-loss")]
+    width = 15 if n_seeds > 1 else 8
+    labels = {n: variants[n]["label"] + (" [control]" if variants[n]["control"] else "") for n in summary["order"]}
+    lw = max(len(x) for x in ["row", *labels.values()])
+    head = (f"{'row':<{lw}} " + " ".join(f"{d[:8]:>8}" for d in domains) + " "
+            + " ".join(f"{label:>{width}}" for _, label in cols) + f" {'steps':>6} {'time s':>7}")
     lines = [head, "-" * len(head)]
 
-    def pm(r, k):
-        return f"{r[k]:.3f} ± {r[k + '_std']:.3f}" if k in r else "-"
+    def cell(ms):
+        if not ms or ms.get("mean") is None:
+            return f"{'-':>{width}}"
+        text = f"{ms['mean']:.3f}" + (f" ± {ms['std']:.3f}" if n_seeds > 1 and ms.get("std") is not None else "")
+        return f"{text:>{width}}"
 
-    for r in summary:
-        lines.append(f"{r['variant']:<20} {pm(r, 'mean_accuracy'):>15} {pm(r, 'synthetic_fidelity'):>15} "
-                     f"{pm(r, 'synthetic_fidelity_judge'):>15} {pm(r, 'synthetic_style'):>15} " +
-                     " ".join(f"{r['per_domain'][d]:>8.3f}" for d in domains))
-    lines.append(f"seeds {summary[0]['seeds']}; paper ordering: {PAPER_ORDER}")
-    for text, ok in claims(summary):
-        word = "not measured" if ok is None else "held" if ok else "NOT held"
-        lines.append(f"  {word:<12}  {text}")
+    for name in summary["order"]:
+        e = variants[name]
+        steps = (e.get("budget") or {}).get("optimizer_steps_per_model")
+        lines.append(f"{labels[name]:<{lw}} " + " ".join(f"{(e['per_domain'].get(d) or {}).get('mean', 0):>8.3f}"
+                                                       for d in domains) + " "
+                     + " ".join(cell(e["metrics"].get(k)) for k, _ in cols)
+                     + f" {('-' if steps is None else f'{steps:g}'):>6} {e['seconds']:>7.1f}")
+    lines.append("mean = mean per-client accuracy on the clients' real test images (per domain: that client); "
+                 "judge = synthetic images the LDM's public-image judge reads as their label; style = synthetic "
+                 "images a domain classifier (public splits) assigns to the client's domain; MIA-loss = |member - "
+                 "non-member| mean loss (lower = less leakage); steps = optimizer steps of the classifier"
+                 + (f"; mean ± sample std over seeds {', '.join(map(str, summary['seeds']))}" if n_seeds > 1 else
+                    f"; seed {summary['seeds'][0]}"))
+    order = summary.get("ordering") or {}
+    if order.get("paper"):
+        lines.append(f"paper's ordering: {' > '.join(variants[n]['label'] for n in order['paper'])}")
+        lines.append(f"ours:             {' > '.join(variants[n]['label'] for n in order['ours'])}")
+    for c in summary.get("claims", []):
+        lines.append(f"  {c['verdict']:<12}  {c['claim']:<28} {c['detail']}   [{c['paper']}]")
     return "\n".join(lines)
+
+
+def write_summary(out: Path, study, rows: dict) -> dict:
+    """summary.json, the figure and results.md of the comparison (the runner's and the docs' own formats)."""
+    from hfpfl import tracking
+    from hfpfl.experiments import docs, runner
+
+    summary = runner.summarize(study, rows)
+    out.mkdir(parents=True, exist_ok=True)
+    tracking.atomic_write_text(out / "summary.json", json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    (out / study.name).mkdir(exist_ok=True)
+    runner.write_figure(study, summary, out / study.name / f"{study.name}.png")
+    tracking.atomic_write_text(out / "results.md", docs.render(summary))
+    return summary
 
 
 def main(argv=None):
@@ -464,23 +374,22 @@ def remove_empty_dirs(root) -> None:
 def _main(argv, started: dict, workers: list):
     import torch
 
-    from hfpfl import tracking
     from hfpfl.algorithms.fedbip import resolve_ldm
-    from hfpfl.cli import _processes_to_launch, format_table, start_processes
+    from hfpfl.cli import _processes_to_launch, format_table as format_run, start_processes
     from hfpfl.data import build_federated_dataset
     from hfpfl.data.federated import few_shot
+    from hfpfl.experiments import runner
     from hfpfl.federated.engine import Simulation
     from hfpfl.runtime import check_output_dir, resolve_output_dir  # the one output-folder rule
 
     run, data, cfg, rec = parse(argv)
     run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, "fedbip"))
     started.update(output_dir=run.output_dir, existed=Path(run.output_dir).exists())
-    if rec.compare:  # a finished comparison (results.json) is reused only with --overwrite_output_dir
-        variants(run, cfg, rec)  # a bad --variants fails here, before minutes of work
+    if rec.compare:  # a finished comparison (summary.json) is reused only with --overwrite_output_dir
         check_output_dir(run.output_dir, overwrite=run.overwrite_output_dir, resume=False)
     resolve_ldm(cfg.ldm)  # a first run pretrains and publishes the tiny LDM here: once, before any fork
-    # every variant in N processes: the clients (their training and the synthesis of their images) spread over them;
-    # decided on one FedBiP variant as it runs (one round: the run's --num_rounds is not what a variant trains)
+    # every row in N processes: the clients (their training and the synthesis of their images) spread over them;
+    # decided on one FedBiP row as it runs (one round: the run's --num_rounds is not what a row trains)
     start_processes(_processes_to_launch(dataclasses.replace(run, num_rounds=1), data, top_level=argv is None),
                     workers, run.output_dir)
     main = int(os.environ.get("RANK", "0")) == 0  # a worker (forked or launched): no prints, no files
@@ -496,11 +405,12 @@ def _main(argv, started: dict, workers: list):
             print(fed.summary(), flush=True)
         res = Simulation(run, data, cfg, fed_data=fed).run()
         if main:
-            print(format_table(res))
+            print(format_run(res))
             print(f"results: {os.path.join(run.output_dir, 'results.json')}")
         return res
     seeds = [int(x) for x in rec.seeds.split(",")] if rec.seeds and rec.seeds.strip() else [run.seed]
-    comparisons = []
+    t0 = time.perf_counter()
+    rows = {}
     for seed in seeds:
         # one seed (--seeds 1 alone) runs in output_dir itself, but with that seed everywhere, not only in the
         # few-shot draw
@@ -509,14 +419,15 @@ def _main(argv, started: dict, workers: list):
         fed = few_shot(split, data.shots_per_class, seed)
         if main:
             print(fed.summary(), flush=True)
-        comparisons.append(run_comparison(r, data, cfg, rec, fed, main))
-    if len(seeds) == 1 or not main:
-        return comparisons[0] if len(seeds) == 1 else {"comparisons": comparisons}
-    summary = aggregate_seeds(comparisons)
-    out = Path(run.output_dir)
-    tracking.atomic_write_text(out / "summary.json", json.dumps(
-        {"summary": summary, "claims": [{"claim": t, "held": ok} for t, ok in claims(summary)],
-         "paper_order": PAPER_ORDER}, indent=2))
-    print(format_summary(summary))
-    print(f"summary: {out / 'summary.json'}")
-    return {"summary": summary, "comparisons": comparisons}
+        for name, row in run_rows(r, data, cfg, rec, fed, main).items():
+            rows[(name, seed)] = {**row, "variant": name, "seed": seed,
+                                  "provenance": {**runner.provenance(), "load": runner._load()}}
+    if not main:
+        return None
+    command = "python recipes/fedbip.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    study = study_of(row_names(rec), seeds, command.strip())
+    summary = write_summary(Path(run.output_dir), study, rows)
+    print(format_table(summary))
+    print(f"wall time {time.perf_counter() - t0:.1f} s; table: {Path(run.output_dir) / 'results.md'}; grids: "
+          f"{run.output_dir}/fedbip_*/synthetic_grid.png")
+    return summary

@@ -6,7 +6,7 @@ clipart, photos) captioned with the content and only generic or partial style wo
 
 * **real public images of every Digits domain** (``load_source(d, "public", seed=POOL_SPLIT_SEED)`` for mnist, usps,
   mnistm, syn): held by no client of a simulation whose data split uses the same seed (the FedBiP recipe keeps the
-  data split seed at 0 and varies the run seed; see ``hfpfl.fedbip.compare``);
+  data split seed at 0 (``--data_seed 0``) and varies the run seed);
 * **many procedural styles** on handwritten (public MNIST / USPS) and font-rendered digit shapes: plain, inverted,
   random colours, photo backgrounds, photo-textured digits and MNIST-M-like photo blends (scikit-image photos and
   textures), bold / thin strokes, blur, noise, low resolution;

@@ -85,11 +85,12 @@ def test_redirected_fedbip_recipe_log_is_plain_lines(tiny_ldm_dir, tmp_path):
     log = _run_redirected(
         [sys.executable, str(ROOT / "recipes" / "fedbip.py"), "--ldm", tiny_ldm_dir, "--output_dir",
          str(tmp_path / "out"), "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3",
-         "--shots_per_class", "2", "--concept_steps", "2", "--num_inference_steps", "2", "--classifier_epochs", "1",
-         "--variants", "prompt-only", "--num_processes", "1"], tmp_path / "log.txt", timeout=600)
+         "--shots_per_class", "2", "--concept_steps", "2", "--num_inference_steps", "2", "--classifier_steps", "1",
+         "--baseline_rounds", "1", "--variants", "prompt_only", "--num_processes", "1"], tmp_path / "log.txt",
+        timeout=600)
     for noise in NOISE:
         assert noise not in log, (noise, log[-2000:])
-    assert "round 1/1 |" in log and "prompt-only" in log and "wall time" in log
+    assert "round 1/1 |" in log and "prompt only" in log and "wall time" in log
 
 
 def test_library_use_keeps_the_users_progress_bars(monkeypatch):

@@ -49,13 +49,18 @@ BAD = [
     ("fedpop", ["--p_re0", "1.5"], "--p_re0 must be in [0, 1]"),
     ("fedbip", ["--seeds", "-1"], "--seeds must be comma-separated whole numbers"),
     ("fedbip", ["--seeds", "0,x"], "--seeds must be"),
-    ("fedbip", ["--compare", "false", "--variants", "prompt-only"], "--variants shapes the comparison, which "
+    ("fedbip", ["--compare", "false", "--variants", "prompt_only"], "--variants shapes the comparison, which "
                                                                     "--compare false does not run; pass --compare true"),
     ("fedbip", ["--compare", "false", "--seeds", "0,1"], "--seeds shapes the comparison"),
     ("fedbip", ["--domain_words", "a,b"], "--domain_words has 2 words for 3 clients"),
     ("fedbip", ["--domain_words", "a,,b"], "--domain_words must be"),
     ("fedbip", ["--class_words", "zero,one"], "--class_words has 2 words but the data has 10 classes"),
     ("fedbip", ["--shots_per_class", "0"], "--shots_per_class must be >= 1"),
+    ("fedbip", ["--variants", "prompt-only"], "--variants: unknown prompt-only; choose among prompt_only"),
+    ("fedbip", ["--classifier_steps", "None"], "--classifier_steps None: the comparison trains every classifier"),
+    ("fedbip", ["--classifier_steps", "50", "--baseline_rounds", "7"], "--classifier_steps (50) must be a multiple "
+                                                                        "of --baseline_rounds (7)"),
+    ("fedbip", ["--data_seed", "-1"], "--data_seed must be in [0, 2**32)"),
     ("pretrain", ["--lr", "-1"], "--lr must be > 0 and finite, got -1.0"),
     ("pretrain_ldm", ["--image_size", "30"], "--image_size 30 has no default latent side"),
 ]

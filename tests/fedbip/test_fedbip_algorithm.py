@@ -360,7 +360,7 @@ def test_out_of_range_timesteps_are_refused_with_the_option_named(ldm_dir, fed, 
     out = tmp_path / "cli-bad-t"
     with pytest.raises(SystemExit) as e:
         compare.main(["--ldm", ldm_dir, "--output_dir", str(out), "--noise_timestep", "5000", "--variants",
-                      "instance-only", "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3",
+                      "instance_only", "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3",
                       "--shots_per_class", "2", "--progress", "false"])
     assert e.value.code == 2 and not out.exists()
 
@@ -540,10 +540,14 @@ def test_s_only_and_v_only_keep_the_real_words_fixed(ldm_dir, fed, tmp_path, mon
 
 @pytest.mark.slow
 def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
-    """recipes/fedbip.py's comparison (every variant + baselines, one table, comparison.json) on the random LDM."""
+    """recipes/fedbip.py --all_variants: every row of the study fedbip_digits on the random LDM, each classifier
+    trained exactly --classifier_steps steps (FedAvg / Local-only: rounds x local steps), the controls computed, the
+    summary, claims and results page written by the study runner's own functions."""
     import importlib.util
     import sys
     from pathlib import Path
+
+    from hfpfl.experiments.studies.fedbip_digits import STUDY
 
     spec = importlib.util.spec_from_file_location(
         "fedbip_recipe", Path(__file__).resolve().parents[2] / "recipes" / "fedbip.py")
@@ -551,29 +555,34 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     sys.modules[spec.name] = recipe  # dataclasses look their module up
     spec.loader.exec_module(recipe)
     out = tmp_path / "cmp"
-    comparison = recipe.main(["--ldm", ldm_dir, "--output_dir", str(out), "--max_per_domain", "80", "--image_size", "12",
-                              "--test_fraction", "0.3", "--shots_per_class", "2", "--concept_steps", "2",
-                              "--num_inference_steps", "2", "--classifier_epochs", "1", "--baseline_rounds", "2",
-                              "--progress", "false"])
-    names = [r["variant"] for r in comparison["rows"]]
-    assert names == ["prompt-only", "V-only", "S-only", "concept-only", "instance-only", "FedBiP-S", "FedBiP-L",
-                     "FedAvg", "Local-only", "Central"]
-    rows = {r["variant"]: r for r in comparison["rows"]}
-    assert rows["FedBiP-L"]["num_synthetic"] == 5 * rows["FedBiP-S"]["num_synthetic"] == 5 * 2 * 3 * 10 * 2
-    # The paper Table 3's ablations are read at FedBiP-L's amount (its full row is Table 1's FedBiP-L)
-    assert all(rows[v]["num_synthetic"] == 10 * 3 * 10 * 2 for v in ("prompt-only", "V-only", "instance-only"))
-    assert rows["FedAvg"]["bytes_down"] > 0 and rows["FedBiP-S"]["bytes_down"] == 0
-    assert all("mia_loss_gap" in r for r in rows.values())
-    # the style judge reads every synthetic set, per client domain; real-data rows have none
-    for v in ("prompt-only", "instance-only", "FedBiP-L"):
-        assert set(rows[v]["synthetic_style_per_domain"]) == {"mnistm", "syn", "usps"}
-        per_domain = rows[v]["synthetic_style_per_domain"]
-        assert rows[v]["synthetic_style"] == pytest.approx(np.mean(list(per_domain.values())))
-    assert "synthetic_style" not in rows["FedAvg"] and "synthetic_style" not in rows["Central"]
-    assert json.loads((out / "comparison.json").read_text())["rows"] == json.loads(json.dumps(comparison["rows"]))
-    assert (out / "results.json").exists() and (out / "FedBiP-S" / "synthetic_grid.png").exists()
+    summary = recipe.main(["--ldm", ldm_dir, "--output_dir", str(out), "--max_per_domain", "80", "--image_size", "12",
+                           "--test_fraction", "0.3", "--shots_per_class", "2", "--concept_steps", "2",
+                           "--num_inference_steps", "2", "--classifier_steps", "6", "--baseline_rounds", "3",
+                           "--all_variants", "true", "--progress", "false"])
+    assert summary["order"] == [v.name for v in STUDY.variants]   # every row of the study, in its order
+    rows = summary["variants"]
+    for name, e in rows.items():   # matched budgets: 6 steps per trained classifier, none for the controls
+        assert e["budget"]["optimizer_steps_per_model"] == (0 if e["control"] else 6), name
+    assert [n for n, e in rows.items() if e["control"]] == ["chance", "majority", "untrained"]
+    assert rows["chance"]["metrics"]["personal_accuracy"]["mean"] == pytest.approx(0.1)
+    res = {n: json.loads((out / n / "results.json").read_text()) for n in rows if not rows[n]["control"]}
+    assert res["fedbip_l"]["final"]["num_synthetic"] == 5 * res["fedbip_s"]["final"]["num_synthetic"] == 5 * 2 * 3 * 10 * 2
+    # the paper Table 3's ablations are read at FedBiP-L's amount (its full row is Table 1's FedBiP-L)
+    assert all(res[v]["final"]["num_synthetic"] == 10 * 3 * 10 * 2 for v in ("prompt_only", "v_only", "instance_only"))
+    assert res["fedavg"]["num_rounds"] == 3 and res["fedavg"]["budget"]["optimizer_steps"] == 3 * 3 * 2
+    # 6 batches of 32 over 120 synthetic images, the epoch's last batch 24: 32 + 32 + 32 + 24 + 32 + 32
+    assert res["fedbip_s"]["budget"]["examples_seen"] == 184 and res["fedbip_s"]["budget"]["trained_models"] == 1
+    # the style judge reads every synthetic set; real-data rows have none; every row has its MIA gap
+    for v in ("prompt_only", "instance_only", "fedbip_l"):
+        assert 0 <= rows[v]["metrics"]["synthetic_style"]["mean"] <= 1
+    assert "synthetic_style" not in rows["fedavg"]["metrics"] and "synthetic_style" not in rows["central"]["metrics"]
+    assert all("mia_loss_gap" in rows[n]["metrics"] for n in res)
+    assert {c["claim"] for c in summary["claims"]} == {c.text() for c in STUDY.claims}
+    assert all(c["verdict"] in ("held", "not held") for c in summary["claims"])
+    assert json.loads((out / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    assert (out / "results.md").read_text().startswith("# FedBiP") and (out / "fedbip_s" / "synthetic_grid.png").exists()
     printed = capsys.readouterr().out
-    assert "FedBiP-L" in printed and "Central" in printed and "syn-fid" in printed and " style " in printed
+    assert "FedBiP-L (10x)" in printed and "[control]" in printed and "paper's ordering" in printed
 
 
 @pytest.mark.slow
@@ -585,6 +594,8 @@ def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule
     import sys
     from pathlib import Path
 
+    import yaml
+
     from hfpfl.fedbip.sweep import choose_noise_timestep
 
     spec = importlib.util.spec_from_file_location(
@@ -593,16 +604,16 @@ def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule
     sys.modules[spec.name] = script
     spec.loader.exec_module(script)
     out = tmp_path / "sweep"
-    argv = ["--timesteps", "401,901", "--variant", "instance-only", "--output_dir", str(out), "--ldm", ldm_dir,
+    argv = ["--timesteps", "401,901", "--variant", "instance_only", "--output_dir", str(out), "--ldm", ldm_dir,
             "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3", "--shots_per_class", "2",
             "--concept_steps", "2",
-            "--num_inference_steps", "10", "--classifier_epochs", "1", "--progress", "false"]
+            "--num_inference_steps", "10", "--classifier_steps", "2", "--progress", "false"]
     rows, floor, chosen = script.main(argv)
     assert [r["timestep"] for r in rows] == [901, 401]
     for r in rows:
-        cfg = json.loads((out / f"t{r['timestep']}" / "comparison.json").read_text())["config"]["fedbip"]
-        assert cfg["noise_timestep"] == str(r["timestep"])
-        assert 0 <= r["style"] <= 1 and set(r["style_per_domain"]) == {"mnistm", "syn", "usps"}
+        cfg = yaml.safe_load((out / f"t{r['timestep']}" / "instance_only" / "config.yaml").read_text())
+        assert str(cfg["noise_timestep"]) == str(r["timestep"])
+        assert 0 <= r["style"] <= 1
     assert floor > 0 and chosen == choose_noise_timestep(rows, floor)
     saved = json.loads((out / "sweep.json").read_text())
     assert saved["floor"] == floor and saved["chosen"] == (chosen["timestep"] if chosen else None)
@@ -614,16 +625,15 @@ def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule
 
 
 def test_one_seed_in_seeds_is_the_run_seed(ldm_dir, tmp_path):
-    """``--seeds 1`` alone: every variant runs with seed 1 (not only the few-shot draw), in output_dir itself."""
+    """``--seeds 1`` alone: every row runs with seed 1 (not only the few-shot draw), in output_dir itself."""
     from hfpfl.fedbip import compare
 
     out = tmp_path / "one"
-    comparison = compare.main(["--ldm", ldm_dir, "--output_dir", str(out), "--max_per_domain", "80", "--image_size",
-                               "12", "--test_fraction", "0.3", "--shots_per_class", "2", "--classifier_epochs", "1",
-                               "--baseline_rounds", "1", "--progress", "false", "--seeds", "1",
-                               "--variants", "FedAvg"])
-    assert comparison["seed"] == 1
-    assert json.loads((out / "FedAvg" / "results.json").read_text())["seed"] == 1
+    summary = compare.main(["--ldm", ldm_dir, "--output_dir", str(out), "--max_per_domain", "80", "--image_size",
+                            "12", "--test_fraction", "0.3", "--shots_per_class", "2", "--classifier_steps", "1",
+                            "--baseline_rounds", "1", "--progress", "false", "--seeds", "1", "--variants", "fedavg"])
+    assert summary["seeds"] == [1] and summary["variants"]["fedavg"]["seeds"] == [1]
+    assert json.loads((out / "fedavg" / "results.json").read_text())["seed"] == 1
 
 
 def test_bad_seeds_name_the_option(tmp_path):
@@ -636,7 +646,7 @@ def test_bad_seeds_name_the_option(tmp_path):
 
 @pytest.mark.slow
 def test_interrupted_comparison_leaves_no_unfinished_variant_folder(ldm_dir, tmp_path, monkeypatch):
-    """A comparison killed (SIGINT/SIGTERM) in a variant removes that variant's folder (it had config.yaml but no
+    """A comparison killed (SIGINT/SIGTERM) in a row removes that row's folder (it had config.yaml but no
     results.json); finished variants keep theirs; a comparison killed in its first variant leaves no output folder."""
     from pathlib import Path
 
@@ -654,24 +664,24 @@ def test_interrupted_comparison_leaves_no_unfinished_variant_folder(ldm_dir, tmp
 
     monkeypatch.setattr(Simulation, "run", run_then_kill)
     argv = ["--ldm", ldm_dir, "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3",
-            "--shots_per_class", "2", "--concept_steps", "2", "--num_inference_steps", "2", "--classifier_epochs", "1",
+            "--shots_per_class", "2", "--concept_steps", "2", "--num_inference_steps", "2", "--classifier_steps", "1",
             "--baseline_rounds", "1", "--progress", "false"]
-    kill_in, out = "prompt-only", tmp_path / "first"
+    kill_in, out = "prompt_only", tmp_path / "first"
     with pytest.raises(SystemExit) as e:
         compare.main(argv + ["--output_dir", str(out)])
     assert e.value.code == 130 and not out.exists()
 
-    kill_in, out = "V-only", tmp_path / "second"
+    kill_in, out = "fedbip_l", tmp_path / "second"
     with pytest.raises(SystemExit) as e:
         compare.main(argv + ["--output_dir", str(out)])
     assert e.value.code == 130
-    assert sorted(p.name for p in out.iterdir()) == ["prompt-only"]
-    assert (out / "prompt-only" / "results.json").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["prompt_only"]
+    assert (out / "prompt_only" / "results.json").exists()
 
 
 @pytest.mark.slow
 def test_comparison_in_two_processes_gives_the_one_process_rows(ldm_dir, tmp_path):
-    """``recipes/fedbip.py --num_processes 2``: the variants run in two forked processes (each synthesises the
+    """``recipes/fedbip.py --num_processes 2``: the rows run in two forked processes (each synthesises the
     clients it holds); the table is printed once and every number equals the one-process run's, the
     membership-inference gap of Local-only (whose models are private states, each on one process) included."""
     import subprocess
@@ -688,20 +698,21 @@ def test_comparison_in_two_processes_gives_the_one_process_rows(ldm_dir, tmp_pat
         proc = subprocess.run(
             [sys.executable, str(root / "recipes" / "fedbip.py"), "--ldm", ldm_dir, "--output_dir", str(out),
              "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3", "--shots_per_class", "2",
-             "--concept_steps", "2", "--num_inference_steps", "2", "--classifier_epochs", "1", "--baseline_rounds", "2",
-             "--variants", "prompt-only,FedBiP-S,Local-only,Central", "--progress", "false", "--num_processes", n],
+             "--concept_steps", "2", "--num_inference_steps", "2", "--classifier_steps", "2", "--baseline_rounds", "2",
+             "--variants", "prompt_only,fedbip_s,local,central", "--progress", "false", "--num_processes", n],
             env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        rows[n] = [{k: v for k, v in r.items() if k != "wall_time_s"}
-                   for r in json.loads((out / "comparison.json").read_text())["rows"]]
+        summary = json.loads((out / "summary.json").read_text())
+        rows[n] = {k: summary["variants"][k]["metrics"] for k in summary["order"]}
         printed[n] = proc.stdout
-    assert [r["variant"] for r in rows["2"]] == ["prompt-only", "FedBiP-S", "Local-only", "Central"]
+    assert list(rows["2"]) == ["prompt_only", "fedbip_s", "local", "central"]
     assert rows["1"] == rows["2"]
-    local = rows["2"][2]  # its own trained models score their members: lower loss than on non-members
+    local = {k: m["mean"] for k, m in rows["2"]["local"].items()}
+    # its own trained models score their members: lower loss than on non-members
     assert local["member_loss"] < local["nonmember_loss"] and local["mia_loss_gap"] > 0
-    assert rows["2"][1]["num_synthetic"] == 2 * 3 * 10 * 2 and rows["2"][1]["synthetic_fidelity"] is not None
+    two = json.loads((tmp_path / "2" / "fedbip_s" / "results.json").read_text())
+    assert two["final"]["num_synthetic"] == 2 * 3 * 10 * 2
     assert all(p.count("wall time") == 1 for p in printed.values())  # the main process reports, once
-    two = json.loads((tmp_path / "2" / "FedBiP-S" / "results.json").read_text())
     assert two["world_size"] == 2  # and both processes held clients, so both received (synthesised) uploads
     assert len(two["process_train_examples"]) == 2 and min(two["process_train_examples"]) > 0
 
@@ -726,50 +737,8 @@ def test_comparison_decides_its_processes_on_one_round_variants(ldm_dir, tmp_pat
     monkeypatch.setattr(cli, "start_processes", stop)
     import sys
     monkeypatch.setattr(sys, "argv", ["recipes/fedbip.py", "--ldm", ldm_dir, "--output_dir", str(tmp_path / "out"),
-                                      "--variants", "prompt-only", "--num_rounds", "7"])
+                                      "--variants", "prompt_only", "--num_rounds", "7"])
     with pytest.raises(Decided) as e:
         compare._main(None, {}, [])  # as the recipe script runs it (top level: it may start processes)
     assert e.value.args == (2,)
     assert "2 idle cores (2 usable, 0.00 busy), 3 clients x 1 rounds x 100 (update cost)" in capsys.readouterr().out
-
-
-def test_claims_read_a_mean_exactly_on_the_line_as_held():
-    """A 3-seed FedBiP-L at t=801: accuracies are multiples of 1/420 (3 clients x 140 test images) and its
-    mean is prompt-only's + 21/420 = + 0.05 exactly; in floats the sum falls 1e-16 short and the check printed
-    "NOT held". One image fewer is below the line; a strict claim (instance > prompt) is not held by a tie."""
-    import numpy as np
-
-    from hfpfl.fedbip.compare import claims
-
-    def summary(fedbip_l, instance):
-        return [{"variant": v, "mean_accuracy": float(np.mean(np.array(a) / 420))}
-                for v, a in (("prompt-only", [243, 245, 252]), ("FedBiP-L", fedbip_l), ("FedBiP-S", [180, 180, 180]),
-                             ("instance-only", instance))]
-
-    held = dict(claims(summary([249, 274, 280], [243, 245, 252])))
-    assert held["FedBiP-L >= prompt-only + 0.05"] and held["FedBiP-L >= FedBiP-S"]
-    assert not held["instance-only > prompt-only"]
-    assert not dict(claims(summary([249, 274, 279], [243, 245, 253])))["FedBiP-L >= prompt-only + 0.05"]
-    assert dict(claims(summary([249, 274, 279], [243, 245, 253])))["instance-only > prompt-only"]
-
-
-def test_claims_whose_rows_were_not_run_are_not_measured_not_failed():
-    """``--variants`` without FedAvg / Central (or a run without the Central classifier's fidelity): the claims that
-    read those rows are None and print "not measured". The others are
-    judged as usual."""
-    from hfpfl.fedbip.compare import claims, format_summary
-
-    rows = [{"variant": v, "mean_accuracy": a, "mean_accuracy_std": 0.0, "per_domain": {"usps": a}, "seeds": [0]}
-            for v, a in (("prompt-only", 0.70), ("instance-only", 0.71), ("FedBiP-S", 0.40), ("FedBiP-L", 0.69))]
-    rows[-1].update(synthetic_fidelity_judge=0.73, synthetic_fidelity_judge_std=0.0)
-    got = dict(claims(rows))
-    assert got["FedBiP-L >= prompt-only + 0.05"] is False and got["FedBiP-L >= FedBiP-S"] is True
-    assert got["instance-only > prompt-only"] is True
-    assert got["FedBiP-L synthetic fidelity >= 0.6 under the LDM's public-image judge"] is True
-    for unmeasured in ("FedBiP-L synthetic fidelity >= 0.6", "FedBiP-L > FedAvg (paper, on average)",
-                       "FedBiP-L < Central (paper)"):
-        assert got[unmeasured] is None
-    text = format_summary(rows)
-    assert "not measured  FedBiP-L < Central (paper)" in text and "NOT held      FedBiP-L >= prompt-only + 0.05" in text
-    rows.append({"variant": "FedAvg", "mean_accuracy": 0.30, "per_domain": {"usps": 0.3}, "seeds": [0]})
-    assert dict(claims(rows))["FedBiP-L > FedAvg (paper, on average)"] is True

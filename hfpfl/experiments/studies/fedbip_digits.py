@@ -46,7 +46,7 @@ FEDBIP_S = fedbip("fedbip_s", "FedBiP-S (2x)", "61.51 / 56.62 / 50.59", "--perso
 FEDBIP_M = fedbip("fedbip_m", "FedBiP-M (5x)", "64.86 / 60.30 / 55.27", "--personalization", "full", multiplier=5)
 FEDBIP_L = fedbip("fedbip_l", "FedBiP-L (10x)", "67.82 / 62.67 / 61.52", "--personalization", "full")
 FEDAVG = Variant("fedavg", ("--method", "fedavg", "--num_rounds", str(ROUNDS), "--local_steps", str(LOCAL)),
-                 label=f"FedAvg ({ROUNDS} rounds, real data)", paper="61.49 / 59.63 / 60.00")
+                 label="FedAvg (multi-round, real data)", paper="61.49 / 59.63 / 60.00")
 LOCAL_ONLY = Variant("local", ("--method", "local", "--num_rounds", str(ROUNDS), "--local_steps", str(LOCAL)),
                      label="Local-only (real data)")
 CENTRAL = Variant("central", ("--method", "central", "--steps", str(STEPS), "--num_rounds", "1"),
