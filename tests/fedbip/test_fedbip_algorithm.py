@@ -742,3 +742,16 @@ def test_comparison_decides_its_processes_on_one_round_variants(ldm_dir, tmp_pat
         compare._main(None, {}, [])  # as the recipe script runs it (top level: it may start processes)
     assert e.value.args == (2,)
     assert "2 idle cores (2 usable, 0.00 busy), 3 clients x 1 rounds x 100 (update cost)" in capsys.readouterr().out
+
+
+def test_the_budget_is_the_server_classifiers_steps(full_run, ldm_dir, fed, tmp_path):
+    """What a study matches rows by: the classifier trained on the server. One epoch (classifier_epochs 1) over the
+    2x synthetic set, 2 x 60 = 120 images in batches of 16: 7 full batches and one of 8; --classifier_steps 3: three
+    batches of 16, whatever the set's size."""
+    _, res, _, _ = full_run
+    assert res["budget"]["trained_models"] == 1
+    assert res["budget"]["optimizer_steps_per_model"] == 8 and res["budget"]["examples_seen_per_model"] == 120
+    sim = _sim(fed, tmp_path, _cfg(ldm_dir, classifier_steps=3, save_grid=False, privacy_metrics=False),
+               name="steps", num_rounds=1)
+    b = sim.run()["budget"]
+    assert b["optimizer_steps"] == 3 and b["examples_seen"] == 3 * 16
