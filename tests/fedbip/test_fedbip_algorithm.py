@@ -755,3 +755,30 @@ def test_the_budget_is_the_server_classifiers_steps(full_run, ldm_dir, fed, tmp_
                name="steps", num_rounds=1)
     b = sim.run()["budget"]
     assert b["optimizer_steps"] == 3 and b["examples_seen"] == 3 * 16
+
+
+@pytest.mark.slow
+def test_the_main_jobs_rows_are_the_study_runners_rows(ldm_dir, tmp_path):
+    """recipes/fedbip.py runs the study fedbip_digits's rows in its own loop (so that they can spread over several
+    processes): at the same settings each row is the number ``python -m hfpfl.experiments run`` stores."""
+    import dataclasses
+
+    from hfpfl.experiments import controls, runner
+    from hfpfl.experiments.studies.fedbip_digits import CENTRAL, FEDAVG, STUDY
+    from hfpfl.fedbip import compare
+
+    small = ["--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3", "--shots_per_class", "2"]
+    mine = compare.main(["--ldm", ldm_dir, *small, "--classifier_steps", "4", "--baseline_rounds", "2", "--variants",
+                         "fedavg,central,majority", "--output_dir", str(tmp_path / "job"), "--progress", "false",
+                         "--num_processes", "1"])
+    study = dataclasses.replace(
+        STUDY, name="fedbip_small", seeds=(0,), common=(*STUDY.common, *small), claims=(), paper_ordering=(),
+        variants=(dataclasses.replace(FEDAVG, argv=("--method", "fedavg", "--num_rounds", "2", "--local_steps", "2")),
+                  dataclasses.replace(CENTRAL, argv=("--method", "central", "--steps", "4", "--num_rounds", "1")),
+                  controls.majority()))
+    theirs = runner.run_study(study, tmp_path / "store", work_dir=tmp_path / "work", log=lambda *a: None)
+    for name in ("fedavg", "central", "majority"):
+        for m in ("personal_accuracy", "global_accuracy"):
+            assert mine["variants"][name]["metrics"][m]["values"] == theirs["variants"][name]["metrics"][m]["values"]
+        assert (mine["variants"][name]["budget"]["optimizer_steps_per_model"]
+                == theirs["variants"][name]["budget"]["optimizer_steps_per_model"] == (0 if name == "majority" else 4))
