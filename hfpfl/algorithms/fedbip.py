@@ -187,8 +187,10 @@ class FedBiPConfig:
     synthesis_batch_size: int = field(default=64, metadata={"help": "Latents denoised together on the server.",
                                                             "check": at_least(1)})
     domain_words: str | None = field(default=None, metadata={
-        "help": "Comma-separated real domain word per client for the real-word prompts (default: each client's "
-                "domain name, e.g. usps; 'image' when a client holds several domains).", "check": _WORDS})
+        "help": "Comma-separated real domain word per client for the real-word prompts (default: the word the tiny "
+                "LDM's pretraining captions gave the public images of the client's domain, usps -> handwritten, "
+                "mnistm -> textured, syn -> printed, mnist -> handwritten; else the domain name; 'image' when a "
+                "client holds several domains).", "check": _WORDS})
     class_words: str | None = field(default=None, metadata={
         "help": "Comma-separated real class words (default: digit names for digit labels, else the label names).",
         "check": _WORDS})
@@ -327,7 +329,9 @@ class FedBiP(Algorithm):
             doms = [w.strip() for w in cfg.domain_words.split(",")]
             domain = doms[client_id % len(doms)]
         else:
-            domain = self.sim.client(client_id).domain or "image"
+            from ..fedbip.pool import caption_word
+
+            domain = caption_word(self.sim.client(client_id).domain) or "image"
         if cfg.class_words:
             classes = [w.strip() for w in cfg.class_words.split(",")]
         elif list(data.label_names) == [str(i) for i in range(10)]:

@@ -51,6 +51,16 @@ CAPTION_WORDS = tuple(sorted({w for ws in list(STYLE_WORDS.values()) + list(MODI
 GRID_WORDS = ("", "handwritten", "printed", "inverted", "colored", "textured", "photo", "blurry", "bold", "noisy")
 
 
+def caption_word(domain: str | None) -> str | None:
+    """The real word a prompt names ``domain`` by: for a Digits domain, the first caption word the pool gives that
+    domain's public images (the LDM learnt it with them: ``usps`` -> ``handwritten``, ``mnistm`` -> ``textured``,
+    ``syn`` -> ``printed``); any other domain by its own name. Chosen from the LDM's pretraining captions alone, never
+    from client data: the domain names themselves are tokens no caption carried, so their embeddings stayed as the
+    text encoder was initialised (the paper's "[STY]" is a word its LDM knows, e.g. "sketch")."""
+    words = STYLE_WORDS.get(f"public-{domain}")
+    return words[0] if words else domain
+
+
 def caption(label: int, word: str | None = None) -> str:
     """``"a photo of the digit seven"`` or ``"a blurry photo of the digit seven"``."""
     return f"a {word} photo of the digit {DIGIT_NAMES[int(label)]}" if word else \

@@ -471,7 +471,8 @@ def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path, monk
 @pytest.mark.parametrize("level,trained", [("domain", "domain_concept"), ("class", "class_concepts")])
 def test_s_only_and_v_only_keep_the_real_words_fixed(ldm_dir, fed, tmp_path, monkeypatch, level, trained):
     """The paper Table 3's "S only" / "V only": the client learns one part; the other is, exactly, the text encoder's token
-    embedding of the real word(s) -- the digit names for S only, client 0's domain name (usps) for V only -- both
+    embedding of the real word(s) -- the digit names for S only, for V only the word the LDM's pool captions gave
+    client 0's domain (USPS's public images: "handwritten"; its name "usps" is in no caption) -- both
     where the client trains (the fixed half it trains against, left unchanged) and where the server builds the
     prompt (the fixed half it inserts). The expected rows are read off the embedding table by token id here."""
     import hfpfl.fedbip as fb
@@ -488,7 +489,7 @@ def test_s_only_and_v_only_keep_the_real_words_fixed(ldm_dir, fed, tmp_path, mon
         return table[ids[0]]
 
     assert sim.client(0).domain == "usps"
-    words_S = word_row("usps")[None]  # (n_s = 1, d)
+    words_S = word_row("handwritten")[None]  # (n_s = 1, d)
     digits = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     words_V = torch.stack([word_row(w) for w in digits])[:, None]  # (10, n_v = 1, d)
 
@@ -782,3 +783,13 @@ def test_the_main_jobs_rows_are_the_study_runners_rows(ldm_dir, tmp_path):
             assert mine["variants"][name]["metrics"][m]["values"] == theirs["variants"][name]["metrics"][m]["values"]
         assert (mine["variants"][name]["budget"]["optimizer_steps_per_model"]
                 == theirs["variants"][name]["budget"]["optimizer_steps_per_model"] == (0 if name == "majority" else 4))
+
+
+def test_prompts_name_a_digits_domain_by_the_word_the_ldm_learnt_it_with():
+    """The real-word prompts' [STY]: the first caption word of the domain's public images in the tiny LDM's pool
+    (hfpfl.fedbip.pool.STYLE_WORDS), another domain by its own name, a mixed client by none."""
+    from hfpfl.fedbip.pool import caption_word
+
+    assert [caption_word(d) for d in ("usps", "mnistm", "syn", "mnist")] == ["handwritten", "textured", "printed",
+                                                                             "handwritten"]
+    assert caption_word("clipart") == "clipart" and caption_word(None) is None
