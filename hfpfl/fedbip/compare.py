@@ -68,18 +68,23 @@ def _seed_list(text) -> bool:
     return all(x.isdigit() and int(x) < 2 ** 32 for x in parts)
 
 
-#: the comparison's rows: the study's FedBiP variants as FedBiP settings (personalization, amount, perturbation)
-FEDBIP_ROWS = {
-    "prompt_only": dict(personalization="none", multiplier=10),
-    "v_only": dict(personalization="class", multiplier=10),
-    "s_only": dict(personalization="domain", multiplier=10),
-    "concept_only": dict(personalization="concept", multiplier=10),
-    "instance_only": dict(personalization="instance", multiplier=10),
-    "no_perturb": dict(personalization="full", multiplier=10, concept_noise_sigma=0.0),
-    "fedbip_s": dict(personalization="full", multiplier=2),
-    "fedbip_m": dict(personalization="full", multiplier=5),
-    "fedbip_l": dict(personalization="full", multiplier=10),
-}
+def _fedbip_rows() -> dict:
+    """The study's FedBiP rows as FedBiP settings (personalization, amount, perturbation), read off its flags: the
+    study is the one place the rows are defined."""
+    from hfpfl.experiments.studies.fedbip_digits import STUDY
+
+    rows = {}
+    for v in STUDY.variants:
+        flags = dict(zip(v.argv[::2], v.argv[1::2]))   # every flag of a variant is "--name value"
+        if flags.get("--method") == "fedbip":
+            rows[v.name] = {"personalization": flags["--personalization"], "multiplier": int(flags["--multiplier"]),
+                            **({"concept_noise_sigma": float(flags["--concept_noise_sigma"])}
+                               if "--concept_noise_sigma" in flags else {})}
+    return rows
+
+
+#: the comparison's rows
+FEDBIP_ROWS = _fedbip_rows()
 BASELINE_ROWS = ("fedavg", "local", "central")
 CONTROL_ROWS = ("chance", "majority", "untrained")
 DEFAULT_ROWS = ("prompt_only", "fedbip_l", "fedavg", "central", *CONTROL_ROWS)

@@ -793,3 +793,18 @@ def test_prompts_name_a_digits_domain_by_the_word_the_ldm_learnt_it_with():
     assert [caption_word(d) for d in ("usps", "mnistm", "syn", "mnist")] == ["handwritten", "textured", "printed",
                                                                              "handwritten"]
     assert caption_word("clipart") == "clipart" and caption_word(None) is None
+
+
+def test_the_main_jobs_defaults_are_the_studys_settings():
+    """recipes/fedbip.py with no option runs the study fedbip_digits's rows at the study's own settings: the data,
+    the FedBiP options and the classifier recipe parse to the same values."""
+    from hfpfl.config import parse_run_args
+    from hfpfl.experiments.studies.fedbip_digits import FEDBIP_L, STUDY
+    from hfpfl.fedbip import compare
+
+    run_s, data_s, cfg_s = parse_run_args([*STUDY.common, *FEDBIP_L.argv, "--seed", "0"])
+    run_m, data_m, cfg_m, _ = compare.parse([])
+    assert data_m == data_s and cfg_m == cfg_s
+    for k in ("method", "model", "optimizer", "lr", "momentum", "weight_decay", "batch_size", "seed"):
+        assert getattr(run_m, k) == getattr(run_s, k), k
+    assert set(compare.FEDBIP_ROWS) == {v.name for v in STUDY.variants if "fedbip" in v.argv}
