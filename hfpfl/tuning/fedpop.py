@@ -180,6 +180,14 @@ class Tuner:
         self.horizon = sum(per for _, per in self.sha_schedule()) if targs.tuner in ("fedpop_sha", "fedex_sha") \
             else self.R_c
         self.T_g = targs.generation_rounds or max(1, round(0.1 * self.horizon))
+        if targs.tuner in SHA_TUNERS:
+            # every configuration trains at least one round per stage: a smaller budget would be overrun silently and
+            # the tuners would no longer compare at the same R_t (Sec. 4.1 baselines)
+            need = sum(size * per for size, per in self.sha_schedule())
+            if need > self.budget:
+                raise ValueError(f"--tuner {targs.tuner}: --sha_start {targs.sha_start} needs {need} rounds through its "
+                                 f"stages but the budget --population_size * --rounds_per_member is {self.budget}; "
+                                 "raise --rounds_per_member or lower --sha_start")
         self.accelerator = accelerator or Accelerator()       # members' engines (no trackers of their own)
         torch.set_num_threads(max(1, run_args.num_threads))  # after it: see Simulation.__init__
         log_with = None if run_args.report_to == "none" else run_args.report_to
