@@ -3,6 +3,7 @@ with the RS, SHA and FedEx baselines at the same budget (dissertation ch. 4).
 
     accelerate launch recipes/fedpop.py --method fedavg                  # FedPop, defaults: CPU toy scale
     python recipes/fedpop.py --method fedprox --tuner sha --output_dir outputs/sha
+    python recipes/fedpop.py --tuner fedpop_sha --output_dir outputs/fedpop-sha   # FedPop wrapped in SHA (27 -> 9 -> 3)
     python recipes/fedpop.py --search_space my_space.yaml --population_size 5 --rounds_per_member 40
     python recipes/fedpop.py --resume_from_checkpoint latest --output_dir outputs/fedpop-...   # continue a killed run
 

@@ -6,6 +6,8 @@
 * FedEx (Khodak et al. 2021) wrapped in RS: per member one alpha and 27 client configurations in the Delta-box of
   beta^0; each round every active client draws a configuration from a categorical distribution theta that is
   updated by exponentiated gradient on the local validation losses (weight sharing: one model per member).
+* FedPop+SHA and FedEx+SHA (Tables 2-3, "Tuning Wrapper" SHA; appendix, "FedPop wrapped with SHA"): SHA's 27 starting
+  configurations and eliminations, with FedPop (L every round, G every T_g rounds) or FedEx inside each stage.
 """
 from __future__ import annotations
 
@@ -33,3 +35,11 @@ def fedex(run_args, data_args, method_config, targs=None, **kw) -> dict:
 
 def fedpop(run_args, data_args, method_config, targs=None, **kw) -> dict:
     return _run("fedpop", run_args, data_args, method_config, targs, **kw)
+
+
+def fedpop_sha(run_args, data_args, method_config, targs=None, **kw) -> dict:
+    return _run("fedpop_sha", run_args, data_args, method_config, targs, **kw)
+
+
+def fedex_sha(run_args, data_args, method_config, targs=None, **kw) -> dict:
+    return _run("fedex_sha", run_args, data_args, method_config, targs, **kw)

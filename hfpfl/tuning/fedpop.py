@@ -20,6 +20,8 @@ Where the paper is silent or ambiguous, the choice made is said in each place:
   stopping of FedPop-L"), eps annealed over that window; at toy scale 0.2 T_g < 1, so the window is at least 1 round
   (our deviation; ``local_window_frac=0`` runs FedPop-L every round as Algorithm 1, eps annealed over R_c).
 * eps_G = cos_anneal(eps_0, r, R_c), p_re = cos_anneal(p_re_0, r, R_c) (appendix Eq. 3-4).
+* Wrapped in SHA (``fedpop_sha``, ``fedex_sha``; appendix, "FedPop wrapped with SHA"): R_c in Eq. 4 and T_g is a
+  survivor's rounds over all stages; FedPop-G skips a stage's last round, where SHA eliminates (``_run_sha_wrapped``).
 * Quantile sets: ceil(n / rho) members on each side (A7.6), donors drawn with replacement.
 * Final pick: the member with the lowest validation loss of its final model(s) over all clients' val splits (A7.9:
   never the test split); test accuracy is reported, not used.
@@ -46,7 +48,12 @@ from . import search_space as ss
 
 logger = logging.getLogger("hfpfl")
 
-TUNERS = ("fedpop", "rs", "sha", "fedex")
+TUNERS = ("fedpop", "rs", "sha", "fedex", "fedpop_sha", "fedex_sha")
+# the paper's wrappers (Table 2, "Tuning Wrapper"): RS trains N_c configurations side by side; SHA starts sha_start and
+# eliminates. fedpop_sha / fedex_sha are FedPop / FedEx inside the SHA wrapper (appendix, "FedPop wrapped with SHA").
+SHA_TUNERS = ("sha", "fedpop_sha", "fedex_sha")
+FEDPOP_TUNERS = ("fedpop", "fedpop_sha")
+FEDEX_TUNERS = ("fedex", "fedex_sha")
 DIVERGED = 1e6   # the score of a member whose training became non-finite (lower = better)
 
 
@@ -54,12 +61,16 @@ DIVERGED = 1e6   # the score of a member whose training became non-finite (lower
 class TunerArguments:
     """Tuning flags: the fedpop recipe's own options (hfpfl.config.parse_run_args parses and checks them)."""
 
-    tuner: str = option("fedpop", "fedpop | rs | sha | fedex (all at the same budget).", choices=list(TUNERS))
-    population_size: int = option(4, "N_c: members (RS/FedPop/FedEx). SHA uses sha_start.", check=at_least(1))
+    tuner: str = option("fedpop", "fedpop | rs | sha | fedex (all at the same budget); fedpop_sha / fedex_sha: FedPop / "
+                        "FedEx wrapped in SHA (sha_start configurations, eliminated as SHA).", choices=list(TUNERS))
+    population_size: int = option(4, "N_c: members (RS/FedPop/FedEx). SHA and the SHA-wrapped tuners start sha_start "
+                                  "members; the budget is still population_size * rounds_per_member.",
+                                  check=at_least(1))
     rounds_per_member: int = option(30, "R_c: rounds each member trains; the budget is R_t = population_size * "
                                     "rounds_per_member rounds.", check=at_least(1))
     generation_rounds: int | None = option(None, "T_g: rounds between FedPop-G steps (default max(1, round(0.1 * "
-                                           "R_c))).", check=at_least(1))
+                                           "R_c)); fedpop_sha: R_c is a survivor's rounds over all SHA stages).",
+                                           check=at_least(1))
     rho: int = option(3, "Quantile rate: the best/worst ceil(n / rho) are donors/replaced.", check=at_least(1))
     eps0: float = option(0.1, "Initial perturbation intensity epsilon_0 (a fraction of each range).",
                          check=in_range(0, 1))
@@ -137,10 +148,11 @@ class Member:
     rounds: int = 0
     fedex: dict | None = None          # FedEx: configs, theta, baseline
     scores: dict = field(default_factory=dict)    # filled by the client_update wrapper during a step
+    stage_hist: list = field(default_factory=list)  # SHA wrapper: round scores in this stage since (re)configured
 
     def meta(self) -> dict:
         return {k: getattr(self, k) for k in ("idx", "alpha", "beta0", "mhp", "betas", "age", "hist", "curve",
-                                               "trajectory", "alive", "diverged", "rounds", "fedex")}
+                                               "trajectory", "alive", "diverged", "rounds", "fedex", "stage_hist")}
 
 
 class Tuner:
@@ -161,8 +173,21 @@ class Tuner:
                               optimizer=run_args.optimizer, has_dropout=None, name=run_args.method)
         self.out = Path(run_args.output_dir)
         self.R_c = targs.rounds_per_member
-        self.T_g = targs.generation_rounds or max(1, round(0.1 * self.R_c))
         self.budget = targs.population_size * self.R_c
+        # the rounds a configuration can train: R_c under RS; under the SHA wrapper the rounds of a member that survives
+        # every stage (appendix, Algorithm "FedPop wrapped with SHA": R_c is the maximum budget of a configuration).
+        # Eq. 4's annealing and the default T_g = 0.1 R_c run over it.
+        self.horizon = sum(per for _, per in self.sha_schedule()) if targs.tuner in ("fedpop_sha", "fedex_sha") \
+            else self.R_c
+        self.T_g = targs.generation_rounds or max(1, round(0.1 * self.horizon))
+        if targs.tuner in SHA_TUNERS:
+            # every configuration trains at least one round per stage: a smaller budget would be overrun silently and
+            # the tuners would no longer compare at the same R_t (Sec. 4.1 baselines)
+            need = sum(size * per for size, per in self.sha_schedule())
+            if need > self.budget:
+                raise ValueError(f"--tuner {targs.tuner}: --sha_start {targs.sha_start} needs {need} rounds through its "
+                                 f"stages but the budget --population_size * --rounds_per_member is {self.budget}; "
+                                 "raise --rounds_per_member or lower --sha_start")
         self.accelerator = accelerator or Accelerator()       # members' engines (no trackers of their own)
         torch.set_num_threads(max(1, run_args.num_threads))  # after it: see Simulation.__init__
         log_with = None if run_args.report_to == "none" else run_args.report_to
@@ -183,7 +208,7 @@ class Tuner:
         self.rounds_used = 0
         self.members: list[Member] = []
         self._fitted = False
-        n_members = targs.sha_start if targs.tuner == "sha" else targs.population_size
+        n_members = targs.sha_start if targs.tuner in SHA_TUNERS else targs.population_size
         fresh = [p for p in (self.out, self.out / "members", self.out / "members" / "m00") if not p.exists()]
         for i in range(n_members):
             try:
@@ -214,7 +239,7 @@ class Tuner:
         beta0 = ss.sample(self.space.client, self.rng)
         m = Member(i, sim, alpha, beta0, mhp=ss.sample(self.space.method, self.rng))
         self._apply_method_hparams(m)
-        if self.t.tuner == "fedex":
+        if self.t.tuner in FEDEX_TUNERS:
             configs = ss.sample_ball(beta0, self.t.fedex_configs, self.space.client, self.rng, self.t.delta)
             n = len(configs)
             m.fedex = {"configs": configs, "theta": [1.0 / n] * n, "baseline": None, "t": 0}
@@ -249,13 +274,13 @@ class Tuner:
     # ------------------------------------------------------------------ one round of one member
     def _slot_vectors(self, m: Member, clients: list[int]) -> list[dict]:
         tuner = self.t.tuner
-        if tuner == "fedex":
+        if tuner in FEDEX_TUNERS:
             fx = m.fedex
             picks = [int(self.rng.choice(len(fx["configs"]), p=np.asarray(fx["theta"]) / sum(fx["theta"])))
                      for _ in clients]
             fx["picks"] = picks
             return [fx["configs"][j] for j in picks]
-        if tuner == "fedpop" and self.t.fedpop_l:
+        if tuner in FEDPOP_TUNERS and self.t.fedpop_l:
             if m.betas is None or len(m.betas) != len(clients):
                 m.betas = ss.sample_ball(m.beta0, len(clients), self.space.client, self.rng, self.t.delta)
             return m.betas
@@ -303,9 +328,9 @@ class Tuner:
             self.tracker.log({f"m{m.idx}/val_loss": mean,
                               **{f"m{m.idx}/alpha.{k}": v for k, v in t["alpha"].items()},
                               **{f"m{m.idx}/beta0.{k}": float(v) for k, v in t["beta0"].items()}}, step=r)
-        if self.t.tuner == "fedpop" and self.t.fedpop_l and not m.diverged:
+        if self.t.tuner in FEDPOP_TUNERS and self.t.fedpop_l and not m.diverged:
             self.fedpop_l(m, scores, r)
-        if self.t.tuner == "fedex" and not m.diverged:
+        if self.t.tuner in FEDEX_TUNERS and not m.diverged:
             self.fedex_update(m, scores)
         return scores
 
@@ -321,8 +346,8 @@ class Tuner:
                 return []
             eps = cos_anneal(self.t.eps0, m.age - 1, win)
         else:
-            eps = cos_anneal(self.t.eps0, r, self.R_c)
-        p_re = cos_anneal(self.t.p_re0, r, self.R_c)
+            eps = cos_anneal(self.t.eps0, r, self.horizon)
+        p_re = cos_anneal(self.t.p_re0, r, self.horizon)
         if len(scores) < 2:
             return []
         bottom, top = quantile_sets(scores, self.t.rho)
@@ -338,7 +363,7 @@ class Tuner:
         alive = [m for m in self.members if m.alive]
         S = [eq5_score(m.hist, self.T_g, self.t.gamma_g) for m in alive]
         bottom, top = quantile_sets(S, self.t.rho)
-        eps, p_re = cos_anneal(self.t.eps0, r, self.R_c), cos_anneal(self.t.p_re0, r, self.R_c)
+        eps, p_re = cos_anneal(self.t.eps0, r, self.horizon), cos_anneal(self.t.p_re0, r, self.horizon)
         events = []
         donors_state = {}
         for ib in bottom:
@@ -355,6 +380,7 @@ class Tuner:
                 dst.mhp = ss.evo(src.mhp, self.space.method, eps, p_re, self.rng)
                 self._apply_method_hparams(dst)
             dst.betas, dst.age, dst.diverged = None, 0, src.diverged
+            dst.stage_hist = []   # SHA wrapper: the deleted configuration's scores do not rank the new one
             events.append({"round": r, "kind": "exploit", "dst": dst.idx, "src": src.idx,
                            "score_dst": S[ib], "score_src": S[it]})
         for m in alive:
@@ -392,6 +418,8 @@ class Tuner:
             self.load()
         if self.t.tuner == "sha":
             self._run_sha()
+        elif self.t.tuner in SHA_TUNERS:
+            self._run_sha_wrapped()
         else:
             while self.round < self.R_c:
                 r = self.round + 1
@@ -433,15 +461,43 @@ class Tuner:
                 m.hist = []
                 for _ in range(per):
                     self.member_round(m)
-            S = [eq5_score(m.hist, per, self.t.gamma_g) for m in alive]
-            keep = max(1, math.ceil(len(alive) / self.t.sha_eta))
-            order = sorted(range(len(alive)), key=lambda i: (S[i], i))
-            for i in order[keep:]:
-                alive[i].alive = False
-            self.events.append({"stage": s, "kind": "eliminate", "kept": [alive[i].idx for i in order[:keep]],
-                                "dropped": [alive[i].idx for i in order[keep:]], "rounds_each": per})
-            self.round = s + 1
-            self.save()
+            self._eliminate(s, alive, [eq5_score(m.hist, per, self.t.gamma_g) for m in alive], per)
+
+    def _eliminate(self, s: int, alive: list[Member], S: list[float], per: int) -> None:
+        """SHA's elimination: keep the best ceil(n / sha_eta) by score S (lower = better, ties by position)."""
+        keep = max(1, math.ceil(len(alive) / self.t.sha_eta))
+        order = sorted(range(len(alive)), key=lambda i: (S[i], i))
+        for i in order[keep:]:
+            alive[i].alive = False
+        self.events.append({"stage": s, "kind": "eliminate", "kept": [alive[i].idx for i in order[:keep]],
+                            "dropped": [alive[i].idx for i in order[keep:]], "rounds_each": per})
+        self.round = s + 1
+        self.save()
+
+    def _run_sha_wrapped(self) -> None:
+        """FedPop or FedEx inside the SHA wrapper (appendix, Algorithm "FedPop wrapped with SHA"): the stages of
+        :meth:`sha_schedule`; within a stage the surviving members train round by round side by side (FedPop-L /
+        FedEx every round, FedPop-G every T_g rounds over the survivors, r counted over all stages), and a stage ends
+        with SHA's elimination. Choices where the algorithm is silent: FedPop-G does not fire on a stage's last round
+        (the elimination is that round's inter-configuration step; a member replaced there would be ranked on its
+        donor's scores); the elimination ranks each member by Eq. 5 over its scores in the stage since it was last
+        (re)configured: an exploited member's earlier scores belonged to the deleted configuration."""
+        stages = self.sha_schedule()
+        r = sum(per for _, per in stages[:self.round])   # rounds done by the survivors (resume: completed stages)
+        for s in range(self.round, len(stages)):
+            _, per = stages[s]
+            end = r + per
+            alive = [m for m in self.members if m.alive]
+            for m in alive:
+                m.hist, m.stage_hist = [], []
+            while r < end:
+                r += 1
+                for m in alive:
+                    self.member_round(m)
+                    m.stage_hist.append(m.hist[-1])
+                if self.t.tuner == "fedpop_sha" and self.t.fedpop_g and r % self.T_g == 0 and r < end:
+                    self.fedpop_g(r)
+            self._eliminate(s, alive, [eq5_score(m.stage_hist, per, self.t.gamma_g) for m in alive], per)
 
     # ------------------------------------------------------------------ population checkpoint
     def _state(self) -> dict:
@@ -483,7 +539,7 @@ class Tuner:
             m.sim.load_state_dict(saved["sim"])
             m.scores = {}
             self._apply_method_hparams(m)
-        logger.info("resumed the population at %s %d", "stage" if self.t.tuner == "sha" else "round", self.round)
+        logger.info("resumed the population at %s %d", "stage" if self.t.tuner in SHA_TUNERS else "round", self.round)
         return True
 
     # ------------------------------------------------------------------ final evaluation and results

@@ -364,6 +364,34 @@ def test_resume_after_a_kill_gives_identical_results(make_tuner):
     assert full["events"] == again["events"]
 
 
+@pytest.mark.slow
+def test_fedpop_sha_resumed_after_a_stage_gives_identical_results(make_tuner):
+    """FedPop wrapped in SHA (4 -> 2 -> 1, T_g = 1) killed right after stage 1's checkpoint and resumed: the same
+    eliminations, exploits, curves and best member as the uninterrupted run (the stage counter, the rng and each
+    member's FedPop-L state come back from population.pt)."""
+    kw = dict(tuner="fedpop_sha", sha_start=4, sha_eta=2, population_size=2, rounds_per_member=4, generation_rounds=1,
+              space=SAFE_SPACE)
+    full = make_tuner(out="full", **kw).run()
+    killed = make_tuner(out="resumed", **kw)
+    orig_save = killed.save
+
+    def save_then_die():
+        orig_save()
+        raise _Killed
+
+    killed.save = save_then_die
+    with pytest.raises(_Killed):
+        killed.run()
+    assert killed.round == 1
+    again = make_tuner(out="resumed", resume=True, **kw).run()
+    assert [e["kind"] for e in full["events"]] == ["eliminate", "exploit", "eliminate"]
+    assert full["events"] == again["events"]
+    for a, b in zip(full["members"], again["members"]):
+        assert a["curve"] == b["curve"] and a["alpha"] == b["alpha"] and a.get("val_loss") == b.get("val_loss")
+    assert full["best_member"]["member"] == again["best_member"]["member"]
+    assert again["budget"]["rounds_used"] == full["budget"]["rounds_used"] == 8
+
+
 # ------------------------------------------------------------------------------------------------ any method
 @pytest.mark.parametrize("method", ["fedprox", "ditto"])
 def test_exploit_copies_private_client_state_of_any_method(make_tuner, method):

@@ -4,6 +4,7 @@ drops the ignored ones from the default space, and tunes a method's own options 
 Tiny MLP (or the method's own tiny model) on 8x8 USPS-like digits, population 2, 2 rounds, 1 local step."""
 import dataclasses
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -153,6 +154,26 @@ def test_a_search_space_naming_an_ignored_hparam_is_refused_in_one_line(tmp_path
     assert not out.exists()
 
 
+@pytest.mark.parametrize("tuner", ["sha", "fedpop_sha", "fedex_sha"])
+def test_an_sha_budget_too_small_for_its_stages_is_refused_in_one_line(tmp_path, capsys, tuner):
+    """--sha_start 4 --sha_eta 2 trains 4 configurations then 2, at least one round each (6 rounds); a budget of
+    2 x 2 = 4 rounds cannot hold them: exit 2, one line naming the options and the fix, no output folder. With
+    --rounds_per_member 3 (budget 6) the schedule fits exactly."""
+    recipe = _recipe()
+    out = tmp_path / "out"
+    argv = ["--tuner", tuner, "--sha_start", "4", "--sha_eta", "2", "--population_size", "2", "--num_clients", "4",
+            "--output_dir", str(out)]
+    with pytest.raises(SystemExit) as e:
+        recipe.main([*argv, "--rounds_per_member", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "--sha_start 4 needs 6 rounds" in err[0] and "is 4" in err[0] and "raise --rounds_per_member" in err[0]
+    assert not out.exists()
+    targs = TunerArguments(tuner=tuner, sha_start=4, sha_eta=2, population_size=2, rounds_per_member=3)
+    assert Tuner.sha_schedule(SimpleNamespace(t=targs, budget=6)) == [(4, 1), (2, 1)]   # 4 + 2 = 6 <= 6
+
+
 def test_recipe_runs_fedpop_over_scaffold_with_the_default_space(tmp_path):
     """recipes/fedpop.py --method scaffold with the default space and no --momentum: the space loses what SCAFFOLD
     does not read and the recipe defaults momentum / weight decay to 0 for it, so the run finishes (it used to stop
@@ -269,6 +290,7 @@ def _all_methods():
     return sorted(n for n in REGISTRY if _builtin(n))
 
 
+@pytest.mark.slow   # about a minute over the ~27 methods on the shared 2-core box (2-5 s each)
 @pytest.mark.parametrize("method", _all_methods())
 def test_fedpop_runs_two_rounds_over_every_classification_method(make_tuner, method, request):
     """FedPop (default search space, fitted to the method) over each registered method: 2 rounds x 2 members,

@@ -212,6 +212,103 @@ def test_sha_keeps_exactly_the_best_third_by_its_stage_scores(make_tuner):
     assert tuner.rounds_used == 60 and len(tuner.events) == 2
 
 
+# ------------------------------------------------------------------------------------------------ SHA wrapper
+def test_fedpop_wrapped_in_sha_on_known_scores(make_tuner):
+    """FedPop inside SHA (appendix, "FedPop wrapped with SHA"), 9 -> 3 -> 1 over R_t = 60 (stages of 3 and 11
+    rounds, so a survivor trains 14), T_g = 2, rho = 3, on known scores and a random source whose draws are known.
+    Round 2: FedPop-G over the 9 ranks by Eq. 5 (constant scores: the score itself); the worst third {4, 6, 8} each
+    take the weights of the last of the best third {1, 3, 5} (member 5) and an Evo copy of its alpha, the server lr
+    coordinate moved up by eps * width with eps = 0.1 / 2 (1 + cos(pi 2 / 14)) -- annealed over the survivor's 14
+    rounds, not R_c = 30. Round 3 ends stage 1: member 4 scores 0.05 under its new configuration and is ranked on
+    that round alone (its two earlier rounds belonged to the deleted configuration; with them, Eq. 5 gives 0.46 and it
+    would be dropped); member 7 (0.4, 0.4, 0.15: Eq. 5 over the stage 0.308) stays behind member 3 (0.2), which
+    ranking on round 3 alone would reverse; so SHA keeps {4, 1, 3}. Stage 2 (rounds 4-14): FedPop-G among the 3 survivors at rounds 4, 6,
+    8, 10, 12 (member 4, the worst, takes member 3's state each time), not at 14, where SHA keeps member 3 alone."""
+    tuner = make_tuner(tuner="fedpop_sha", sha_start=9, population_size=2, rounds_per_member=30, generation_rounds=2,
+                       rho=3, eps0=0.1, p_re0=0.1)
+    assert tuner.sha_schedule() == [(9, 3), (3, 11)] and tuner.horizon == 14 and len(tuner.members) == 9
+    tuner.rng = UpperRng(r=0.99)   # p_re <= 0.1 < 0.99: no resampling
+    tuner.save = lambda: None      # (the population checkpoint holds the rng state; not under test here)
+    for m in tuner.members:
+        m.sim.setup()   # the exploit copies a started simulation's state
+        m.alpha = {"server_lr": -0.4, "server_momentum": 0.1, "server_lr_decay": -3.5}
+    first = [0.5, 0.1, 0.6, 0.2, 0.7, 0.3, 0.8, 0.4, 0.9]        # rounds 1-2, by member
+    third = {**dict(enumerate(first)), 4: 0.05, 7: 0.15}        # round 3: member 4 now holds member 5's weights
+    later = {1: 0.2, 3: 0.1, 4: 0.3}                              # stage 2
+    calls = {m.idx: 0 for m in tuner.members}
+
+    def known_round(m):
+        calls[m.idx] += 1
+        r = calls[m.idx]
+        s = first[m.idx] if r <= 2 else third[m.idx] if r == 3 else later[m.idx]
+        m.hist.append(s)
+        m.rounds += 1
+        tuner.rounds_used += 1
+        return [s]
+
+    tuner.member_round = known_round
+    tuner._run_sha_wrapped()
+    exploits = [e for e in tuner.events if e["kind"] == "exploit"]
+    elim = [e for e in tuner.events if e["kind"] == "eliminate"]
+    assert [(e["round"], e["dst"], e["src"]) for e in exploits[:3]] == [(2, 4, 5), (2, 6, 5), (2, 8, 5)]
+    assert [(e["round"], e["dst"], e["src"]) for e in exploits[3:]] == [(r, 4, 3) for r in (4, 6, 8, 10, 12)]
+    eps = 0.1 / 2 * (1 + math.cos(math.pi * 2 / 14))
+    for m in tuner.members:
+        if m.idx in (6, 8):
+            assert m.alpha["server_lr"] == pytest.approx(-0.4 + 0.8 * eps, abs=1e-12)
+    assert elim[0]["kept"] == [4, 1, 3] and sorted(elim[0]["dropped"]) == [0, 2, 5, 6, 7, 8]
+    assert (0.81 * 0.7 + 0.9 * 0.7 + 0.05) / 2.71 > 0.4 and 0.2 < (0.81 * 0.4 + 0.9 * 0.4 + 0.15) / 2.71
+    assert elim[1]["kept"] == [3] and [m.idx for m in tuner.members if m.alive] == [3]
+    assert calls == {0: 3, 1: 14, 2: 3, 3: 14, 4: 14, 5: 3, 6: 3, 7: 3, 8: 3}
+    assert tuner.rounds_used == 9 * 3 + 3 * 11 == 60 and tuner.round == 2
+
+
+def test_fedex_wrapped_in_sha_runs_fedex_in_every_member_and_eliminates_by_stage_scores(make_tuner):
+    """FedEx inside SHA, 4 -> 2 -> 1 (eta 2) over R_t = 8: stage 1 trains the 4 members 1 round, stage 2 the best 2
+    for 2 rounds. Every member draws its clients' vectors from its own 3 FedEx configurations and runs one
+    exponentiated-gradient step per round it trains; each stage keeps the lowest Eq. 5 score of its own rounds
+    (recomputed here from the recorded per-round scores)."""
+    tuner = make_tuner(tuner="fedex_sha", sha_start=4, sha_eta=2, population_size=2, rounds_per_member=4,
+                       fedex_configs=3)
+    assert tuner.sha_schedule() == [(4, 1), (2, 2)] and len(tuner.members) == 4
+    res = tuner.run()
+    for m in tuner.members:
+        assert len(m.fedex["configs"]) == 3 and m.fedex["t"] == m.rounds
+        assert all(0 <= j < 3 for j in m.fedex["picks"])
+    s1 = {m.idx: m.curve[0][1] for m in tuner.members}
+    kept1 = sorted(s1, key=lambda i: (s1[i], i))[:2]
+    elim = [e for e in res["events"] if e["kind"] == "eliminate"]
+    assert elim[0]["kept"] == kept1
+    s2 = {i: (0.9 * tuner.members[i].curve[1][1] + tuner.members[i].curve[2][1]) / 1.9 for i in kept1}
+    assert elim[1]["kept"] == [min(kept1, key=lambda i: (s2[i], kept1.index(i)))]
+    assert res["tuner"] == "fedex_sha" and res["budget"]["rounds_used"] == 4 + 2 * 2
+    assert [m.rounds for m in tuner.members] == [3 if m.idx in kept1 else 1 for m in tuner.members]
+
+
+def test_fedpop_wrapped_in_sha_trains_end_to_end(make_tuner):
+    """A real FedPop+SHA run (4 -> 2 -> 1, T_g = 1): stage 1 is one round (its last: SHA eliminates, no FedPop-G),
+    stage 2 rounds 2-3: FedPop-G between the two survivors after round 2 only; FedPop-L after each of the 8 member
+    rounds, over slot vectors drawn in each member's Delta-box; the best member is the survivor."""
+    tuner = make_tuner(tuner="fedpop_sha", sha_start=4, sha_eta=2, population_size=2, rounds_per_member=4,
+                       generation_rounds=1, local_window_frac=0)
+    calls = []
+    real_l = tuner.fedpop_l
+
+    def spy_l(m, scores, r):
+        calls.append((m.idx, r))
+        return real_l(m, scores, r)
+
+    tuner.fedpop_l = spy_l
+    res = tuner.run()
+    assert len(calls) == 8
+    for m in tuner.members:
+        assert len(m.betas) == 3 and all(ss.in_ball(b, m.beta0, tuner.space.client, 0.2) for b in m.betas)
+    kinds = [(e["kind"], e.get("round", e.get("stage"))) for e in res["events"]]
+    assert kinds == [("eliminate", 0), ("exploit", 2), ("eliminate", 1)]
+    survivor = res["events"][-1]["kept"][0]
+    assert res["best_member"]["member"] == survivor and res["budget"]["rounds_used"] == 8
+
+
 # ------------------------------------------------------------------------------------------------ server step
 def _fixed_server_space(lr, momentum, decay):
     u = math.log10(lr)
@@ -303,7 +400,7 @@ def test_ditto_member_is_scored_on_its_uploaded_local_model_not_the_personal_one
 
 # ------------------------------------------------------------------------------------------------ baselines' entry points
 @pytest.mark.parametrize("fn,tuner", [("random_search", "rs"), ("successive_halving", "sha"), ("fedex", "fedex"),
-                                      ("fedpop", "fedpop")])
+                                      ("fedpop", "fedpop"), ("fedpop_sha", "fedpop_sha"), ("fedex_sha", "fedex_sha")])
 def test_baseline_entry_points_run_the_driver_with_their_tuner(monkeypatch, fn, tuner):
     """Each entry point runs the one driver with its tuner name, keeping every other tuner argument given (or the
     defaults), passing the run / data / method arguments and keywords through, and returns run()'s results."""
