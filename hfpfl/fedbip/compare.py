@@ -97,7 +97,7 @@ class RecipeArguments:
                            "--all_variants: every row of the study) and print one table; false = only the configured "
                            "FedBiP run.")
     all_variants: bool = option(False, "Every row of the study fedbip_digits: the Table-3 ablations at 10x and 2x, "
-                                "FedBiP-S / -M / -L and Local-only as well (about 3x the time); needs --compare true.")
+                                "FedBiP-S / -M / -L and Local-only as well; needs --compare true.")
     seeds: str | None = option(None, "Comma-separated run seeds (e.g. 0,1,2): every row at each seed, then mean +- "
                                "sample std and the claims over them; needs --compare true. Default: the single "
                                "--seed.",
