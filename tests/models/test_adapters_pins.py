@@ -5,6 +5,7 @@ every tensor exactly; safe_merge; adapter slots (names, delete, grad flags); dty
 ConvAdapterModel calls around them (delete_adapter, load_adapter, from_pretrained's options, merge_and_unload,
 save_pretrained's selection)."""
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -390,3 +391,183 @@ def test_parallel_adapter_refuses_convs_a_same_stride_1x1_cannot_align_with(conv
     layer = ParallelAdapterLayer(unit)
     with pytest.raises(ValueError, match="ParallelAdapter needs an odd square kxk conv"):
         layer.update_layer("default", ParallelAdapterConfig(), with_adapter=True)
+
+
+# ------------------------------------------------------------------------------------------------ targeting
+RESNET_UNITS = ["resnet.embedder.embedder", "resnet.encoder.stages.0.layers.0.layer.0",
+                "resnet.encoder.stages.0.layers.0.layer.1", "resnet.encoder.stages.1.layers.0.shortcut",
+                "resnet.encoder.stages.1.layers.0.layer.0", "resnet.encoder.stages.1.layers.0.layer.1"]
+TINY_SIGNATURE = {"model_type": "resnet", "num_channels": 3, "embedding_size": 8, "hidden_sizes": [8, 16],
+                  "depths": [1, 1], "layer_type": "basic", "num_labels": 3}
+
+
+def _wrapped(model, cls):
+    return sorted(n for n, m in model.base_model.named_modules() if isinstance(m, cls))
+
+
+def test_conv_units_list_a_wrapped_unit_once_by_its_wrappers_name():
+    """conv_units names the 6 conv units of the tiny ResNet (stem, 4 block convs, the shortcut); once wrapped, each
+    wrapped unit is listed by its wrapper's name only, never again as `<name>.base_layer`."""
+    from hfpfl.models.adapters.model import conv_units
+
+    base = _tiny_resnet()
+    assert conv_units(base) == RESNET_UNITS
+    model = get_adapter_model(base, ResidualAdapterConfig())
+    assert conv_units(model.base_model) == RESNET_UNITS
+    assert conv_units(model) == ["base_model." + n for n in RESNET_UNITS]
+
+
+def test_model_signature_fields_by_hand():
+    """The signature is the config's architecture fields that are set (None fields left out), tuples as lists (so it
+    equals its own JSON round trip); a model without a config, or whose config has none of the fields, has None."""
+    from types import SimpleNamespace
+
+    from hfpfl.models.adapters.model import model_signature
+
+    assert model_signature(_tiny_resnet()) == TINY_SIGNATURE
+    toy = nn.Linear(1, 1)
+    toy.config = SimpleNamespace(model_type="toy", hidden_sizes=(4, 8), depths=None, other=1)
+    sig = model_signature(toy)
+    assert sig == {"model_type": "toy", "hidden_sizes": [4, 8]} and type(sig["hidden_sizes"]) is list
+    toy.config = SimpleNamespace(other=1)
+    assert model_signature(toy) is None
+    assert model_signature(nn.Linear(1, 1)) is None
+
+
+def test_injection_fills_signature_and_base_name_and_refuses_another_base():
+    """add_adapter records the base's signature and `_name_or_path` in the slot's config ("" -> None; a name the
+    config already has is kept); a config made for another base (num_labels 4) is refused with the one-line fix."""
+    base = _tiny_resnet()
+    model = get_adapter_model(base, ResidualAdapterConfig())
+    assert model.peft_config["default"].base_model_signature == TINY_SIGNATURE
+    assert model.peft_config["default"].base_model_name_or_path is None  # the tiny config's _name_or_path is ""
+    base = _tiny_resnet()
+    base.config._name_or_path = "org/tiny-resnet"
+    model = get_adapter_model(base, ResidualAdapterConfig())
+    assert model.peft_config["default"].base_model_name_or_path == "org/tiny-resnet"
+    model.add_adapter("given", ResidualAdapterConfig(base_model_name_or_path="elsewhere"))
+    assert model.peft_config["given"].base_model_name_or_path == "elsewhere"
+    model.add_adapter("same", ResidualAdapterConfig(base_model_signature=dict(TINY_SIGNATURE)))
+    other = dict(TINY_SIGNATURE, num_labels=4)
+    msg = (f"ResidualAdapterConfig was created for a base model with {other}, but this model has {TINY_SIGNATURE}. "
+           "Load the adapter onto the base model it was trained on.")
+    with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+        get_adapter_model(_tiny_resnet(), ResidualAdapterConfig(base_model_signature=other))
+
+
+def test_default_targets_exclude_modules_and_the_configs_own_copy():
+    """Residual defaults on the basic tiny ResNet: adapters on the 4 block convs, a BN copy only on the stem, the
+    shortcut untouched; the parallel default stays the regex (every hit is 3x3, so no per-name list). exclude_modules
+    drops one block conv and keeps the ones after it. The slot keeps a deep copy of the config: the caller's lists
+    can change afterwards."""
+    cfg = ResidualAdapterConfig()
+    model = get_adapter_model(_tiny_resnet(), cfg)
+    assert _wrapped(model, ResidualAdapterLayer) == sorted(RESNET_UNITS[:3] + RESNET_UNITS[4:])
+    assert {n for n, m in model.base_model.named_modules()
+            if isinstance(m, ResidualAdapterLayer) and "default" in m.radapter_conv} == set(RESNET_UNITS[1:3] + RESNET_UNITS[4:])
+    assert cfg.target_modules is None and cfg.base_model_signature is None
+    cfg.modules_to_save.append("pooler")
+    assert model.peft_config["default"].modules_to_save == ["classifier"]
+
+    model = get_adapter_model(_tiny_resnet(), ParallelAdapterConfig())
+    assert model.peft_config["default"].target_modules == r"((.*\.)?layers\.\d+\.layer\.\d+|(.*\.)?embedder\.embedder)"
+    assert _wrapped(model, ParallelAdapterLayer) == sorted(RESNET_UNITS[:3] + RESNET_UNITS[4:])
+
+    model = get_adapter_model(_tiny_resnet(), ResidualAdapterConfig(exclude_modules=["stages.0.layers.0.layer.0"]))
+    assert _wrapped(model, ResidualAdapterLayer) == sorted([RESNET_UNITS[0], RESNET_UNITS[2]] + RESNET_UNITS[4:])
+
+
+def test_adapter_names_defaults_and_positional_forward():
+    """ConvAdapterModel(base, config) names its slot "default"; get_adapter_model passes adapter_name on; the model
+    takes the base's positional arguments (pixel_values first)."""
+    from hfpfl.models.adapters.model import ConvAdapterModel as Model
+
+    assert list(Model(_tiny_resnet(), ResidualAdapterConfig()).peft_config) == ["default"]
+    model = get_adapter_model(_tiny_resnet(), ResidualAdapterConfig(), adapter_name="mine")
+    assert list(model.peft_config) == ["mine"] and model.active_adapter == "mine"
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(X).logits, model(pixel_values=X).logits)
+
+
+def test_bad_adapter_calls_are_refused_with_their_message():
+    """Each refusal names what was wrong: a taken name, a name with '.' or empty, a config that is not a conv adapter
+    config, another kind, an unknown slot, a unit another kind already wraps, a target that matches no unit or
+    non-units (at most 10 listed)."""
+    model = get_adapter_model(_tiny_resnet(), ResidualAdapterConfig())
+    model.add_adapter("personal", ResidualAdapterConfig())
+    for call, exc, msg in [
+        (lambda: model.add_adapter("default", ResidualAdapterConfig()), ValueError, "adapter 'default' already exists"),
+        (lambda: model.add_adapter("a.b", ResidualAdapterConfig()), ValueError,
+         "adapter name must be a non-empty string without '.', got 'a.b'"),
+        (lambda: model.add_adapter("", ResidualAdapterConfig()), ValueError,
+         "adapter name must be a non-empty string without '.', got ''"),
+        (lambda: model.add_adapter("x", {}), TypeError,
+         "expected a ResidualAdapterConfig or ParallelAdapterConfig, got dict"),
+        (lambda: model.add_adapter("x", ParallelAdapterConfig()), ValueError,
+         "this model holds residual adapters; cannot add a parallel adapter"),
+        (lambda: model.set_adapter("nope"), ValueError, "unknown adapter 'nope'; this model has ['default', 'personal']"),
+        (lambda: get_adapter_model(model.base_model, ParallelAdapterConfig()), ValueError,
+         "resnet.embedder.embedder is already wrapped by ResidualAdapterLayer"),
+        (lambda: get_adapter_model(_tiny_resnet(), ResidualAdapterConfig(target_modules=["nothing"])), ValueError,
+         f"ResidualAdapterConfig: target_modules=['nothing'] matched no module of ResNetForImageClassification. "
+         f"Available conv units: {RESNET_UNITS}"),
+        (lambda: get_adapter_model(_tiny_resnet(), ResidualAdapterConfig(target_modules=".*")), ValueError,
+         "ResidualAdapterConfig: target_modules='.*' matches modules that are not conv units (Conv2d .convolution + "
+         "BatchNorm2d .normalization): ['resnet', 'resnet.embedder', 'resnet.embedder.embedder.convolution', "
+         "'resnet.embedder.embedder.normalization', 'resnet.embedder.embedder.activation', 'resnet.embedder.pooler', "
+         "'resnet.encoder', 'resnet.encoder.stages', 'resnet.encoder.stages.0', 'resnet.encoder.stages.0.layers']. "
+         f"Available conv units: {RESNET_UNITS}"),
+    ]:
+        with pytest.raises(exc, match=f"^{re.escape(msg)}$"):
+            call()
+    assert list(model.peft_config) == ["default", "personal"]
+
+
+def test_a_wrapped_units_inner_modules_are_never_targets():
+    """A later slot whose target names the pretrained conv inside a wrapper (`<unit>.base_layer.convolution`)
+    matches nothing: the inner modules of a wrapped unit are invisible to targeting."""
+    model = get_adapter_model(_tiny_resnet(), ResidualAdapterConfig())
+    spec = r".*\.base_layer\.convolution"
+    with pytest.raises(ValueError, match=re.escape(f"target_modules={spec!r} matched no module of ")):
+        model.add_adapter("inner", ResidualAdapterConfig(target_modules=spec))
+
+
+class _Block(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.layer = nn.ModuleList([_Unit() for _ in range(n)])
+
+
+class _Net(nn.Module):
+    """No `config`. Conv units at transformers ResNet's names (`layers.0.layer.0/1`); a `head` registered before them
+    that holds a conv unit of its own (at a name the default target matches) and an `fc`; a `tail.fc`."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.ModuleDict({"layers": nn.ModuleList([_Block(1)]), "fc": nn.Linear(2, 2)})
+        self.layers = nn.ModuleList([_Block(2)])
+        self.tail = nn.ModuleDict({"fc": nn.Linear(2, 2)})
+
+
+def test_modules_to_save_are_copied_whole_and_their_copies_never_wrapped_again():
+    """modules_to_save=["head", "fc"] on _Net: the two block units get adapters; the head is copied whole (its own
+    conv unit stays a plain unit, and the units after it are still found); "fc" matches `tail.fc` by suffix, while the
+    `fc` inside the head's copies is left alone, on the first slot and on a second. A model without a config gets no
+    signature and no base name; modules_to_save=None copies nothing."""
+    from hfpfl.models.adapters.layer import ModulesToSave
+
+    model = get_adapter_model(_Net(), ResidualAdapterConfig(modules_to_save=["head", "fc"]))
+    model.add_adapter("personal", ResidualAdapterConfig(modules_to_save=["head", "fc"]))
+    assert _wrapped(model, ResidualAdapterLayer) == ["layers.0.layer.0", "layers.0.layer.1"]
+    assert _wrapped(model, ModulesToSave) == ["head", "tail.fc"]
+    head = model.base_model.head
+    assert set(head.modules_to_save) == {"default", "personal"} and set(model.base_model.tail.fc.modules_to_save) == {
+        "default", "personal"}
+    for copy_ in (head.original_module, head.modules_to_save["default"], head.modules_to_save["personal"]):
+        assert type(copy_["fc"]) is nn.Linear and type(copy_["layers"][0].layer[0]) is _Unit
+    cfg = model.peft_config["default"]
+    assert cfg.base_model_signature is None and cfg.base_model_name_or_path is None
+
+    model = get_adapter_model(_tiny_resnet(), ResidualAdapterConfig(modules_to_save=None))
+    assert _wrapped(model, ModulesToSave) == [] and type(model.base_model.classifier) is nn.Sequential
