@@ -3,7 +3,10 @@ series adapter, as PerAda uses it) W' = (I + A diag(s)) W with s = gamma / sqrt(
 mean shifted by A c, c = beta - mean * s; the parallel fold W'[:, :, 1, 1] = W[:, :, 1, 1] + a; unmerge restoring
 every tensor exactly; safe_merge; adapter slots (names, delete, grad flags); dtype following the base conv; and the
 ConvAdapterModel calls around them (delete_adapter, load_adapter, from_pretrained's options, merge_and_unload,
-save_pretrained's selection)."""
+save_pretrained's selection); and the model's targeting and bookkeeping, by name on the tiny ResNet and on small
+config-less nets: which units get adapters or BN copies (defaults, exclude_modules, modules_to_save, the parallel
+default's 1x1 filter), the base-model signature and name recorded in each slot, slot names, and every refusal's
+message."""
 import os
 import re
 
@@ -571,3 +574,23 @@ def test_modules_to_save_are_copied_whole_and_their_copies_never_wrapped_again()
 
     model = get_adapter_model(_tiny_resnet(), ResidualAdapterConfig(modules_to_save=None))
     assert _wrapped(model, ModulesToSave) == [] and type(model.base_model.classifier) is nn.Sequential
+
+
+def _units_net(*convs):
+    """A config-less net whose conv units sit at `layers.0.layer.K` (the default targets), with the given convs."""
+    net = nn.Module()
+    net.layers = nn.ModuleList([_Block(len(convs))])
+    for unit, conv in zip(net.layers[0].layer, convs):
+        unit.convolution = nn.Conv2d(2, 2, bias=False, **conv)
+    return net
+
+
+@pytest.mark.parametrize("odd", [dict(kernel_size=(3, 1), padding=(1, 0)), dict(kernel_size=2, padding=1)])
+def test_parallel_default_leaves_out_only_1x1_convs(odd):
+    """The parallel default target drops the 1x1 convs it hits (bottleneck ResNets), and only those: a (3, 1) or a 2x2
+    conv it hits is refused by the adapter (no centre tap to align a 1x1 with), not silently left unadapted."""
+    model = get_adapter_model(_units_net(dict(kernel_size=1), dict(kernel_size=3, padding=1)), ParallelAdapterConfig())
+    assert model.peft_config["default"].target_modules == ["layers.0.layer.1"]
+    assert _wrapped(model, ParallelAdapterLayer) == ["layers.0.layer.1"]
+    with pytest.raises(ValueError, match="^ParallelAdapter needs an odd square kxk conv"):
+        get_adapter_model(_units_net(dict(kernel_size=3, padding=1), odd), ParallelAdapterConfig())
