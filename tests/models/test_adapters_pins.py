@@ -594,3 +594,106 @@ def test_parallel_default_leaves_out_only_1x1_convs(odd):
     assert _wrapped(model, ParallelAdapterLayer) == ["layers.0.layer.1"]
     with pytest.raises(ValueError, match="^ParallelAdapter needs an odd square kxk conv"):
         get_adapter_model(_units_net(dict(kernel_size=3, padding=1), odd), ParallelAdapterConfig())
+
+
+# ------------------------------------------------------------------------------------------------ layer edges
+def test_a_conv_unit_needs_both_a_conv_and_a_bn_and_a_non_unit_is_refused():
+    """is_conv_unit needs .convolution Conv2d AND .normalization BatchNorm2d; a layer refuses anything else by name;
+    a unit without .activation (a ResNet shortcut) takes no adapter."""
+    from hfpfl.models.adapters.layer import is_conv_unit
+
+    half = nn.Module()
+    half.convolution = nn.Conv2d(2, 2, 1)
+    assert is_conv_unit(_Unit()) and not is_conv_unit(half)
+    half = nn.Module()
+    half.normalization = nn.BatchNorm2d(2)
+    assert not is_conv_unit(half)
+    with pytest.raises(ValueError, match=re.escape("ResidualAdapterLayer needs a module with .convolution (Conv2d) and "
+                                                   ".normalization (BatchNorm2d), got Linear")):
+        ResidualAdapterLayer(nn.Linear(1, 1))
+    msg = ("ResNetShortCut (a shortcut/downsample unit: conv + BN, no activation) cannot take a residual adapter or a "
+           "trainable BN copy; remove it from target_modules / norm_modules")
+    with pytest.raises(ValueError, match=f"^{re.escape(msg)}$"):
+        get_adapter_model(_tiny_resnet(), ResidualAdapterConfig(target_modules=["stages.1.layers.0.shortcut"]))
+
+
+class _ArgUnit(_Unit):
+    def forward(self, x, shift=0.0, *, scale=1.0):
+        return super().forward(x) * scale + shift
+
+
+@pytest.mark.parametrize("path", ["disabled", "merged", "no adapter active", "slot without this unit"])
+def test_the_plain_unit_paths_run_the_pretrained_unit_with_every_argument(path):
+    """Whenever the wrapper runs the unit itself (disabled, merged, no active adapter, or an active slot that does not
+    touch this unit), it is the pretrained unit called with all the caller's arguments: out = relu(BN(W*x)) * 2 + 1
+    for layer(x, 1.0, scale=2.0); the adapter "a" (A at the centre, its BN copy shifted) would change it."""
+    layer = ParallelAdapterLayer(_ArgUnit())
+    layer.update_layer("a", ParallelAdapterConfig(), with_adapter=True)
+    with torch.no_grad():
+        layer.padapter_conv["a"].weight.copy_(A[:, :, None, None])
+        layer.padapter_norm["a"].running_mean.add_(5.0)
+    layer.set_adapter("a")
+    layer.eval()
+    x = torch.randn(1, 2, 3, 3, generator=torch.Generator().manual_seed(4))
+    if path == "disabled":
+        layer.disabled = True
+    elif path == "merged":
+        with torch.no_grad():
+            layer.padapter_conv["a"].weight.zero_()  # a zero adapter with the pretrained BN: merged = pretrained
+        layer.padapter_norm["a"].load_state_dict(layer.base_layer.normalization.state_dict())
+        layer.merge("a")
+    elif path == "no adapter active":
+        layer.set_adapter(None)
+    else:
+        layer.set_adapter("b")
+    plain = _Unit().eval()
+    with torch.no_grad():
+        assert torch.equal(layer(x, 1.0, scale=2.0), plain(x) * 2.0 + 1.0)
+
+
+def test_disabled_model_runs_the_original_head_and_heads_take_keywords():
+    """Inside disable_adapter() the classifier is the original head, not the active slot's trained copy: the logits
+    are the pretrained network's. A ModulesToSave passes keyword arguments on (original and copy)."""
+    from hfpfl.models.adapters.layer import ModulesToSave
+
+    model = get_adapter_model(_tiny_resnet(), ParallelAdapterConfig())
+    _perturb(model, "default", 5)
+    model.eval()
+    with torch.no_grad(), model.disable_adapter():
+        assert torch.equal(model(pixel_values=X).logits, _tiny_resnet()(pixel_values=X).logits)
+
+    lin = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[1.0, 2.0]]))
+    mts = ModulesToSave(lin)
+    v = torch.tensor([[3.0, 4.0]])
+    assert mts(input=v).item() == 11.0  # no active copy: the original, 1 * 3 + 2 * 4
+    mts.update_layer("a")
+    mts.set_adapter("a")
+    with torch.no_grad():
+        mts.modules_to_save["a"].weight.mul_(2.0)
+    assert mts(input=v).item() == 22.0
+
+
+def test_parallel_init_draws_by_hand():
+    """Seeded: after the 1x1 conv's own construction (4 -> 8 channels), "normal" draws init_std * z and "he" draws
+    sqrt(2 / fan_out) * z = sqrt(2 / 8) * z = 0.5 * z (Kaiming normal, fan_out, ReLU gain sqrt 2) from the same
+    standard normal z; "zeros" is 0."""
+    def unit():
+        u = _Unit()
+        u.convolution = nn.Conv2d(4, 8, 3, padding=1, bias=False)
+        u.normalization = nn.BatchNorm2d(8)
+        return u
+
+    def draw(**cfg):
+        layer = ParallelAdapterLayer(unit())
+        torch.manual_seed(0)
+        layer.update_layer("a", ParallelAdapterConfig(**cfg), with_adapter=True)
+        return layer.padapter_conv["a"].weight.detach()
+
+    torch.manual_seed(0)
+    nn.Conv2d(4, 8, 1, bias=False)  # the adapter conv's own initialisation comes first
+    z = torch.empty(8, 4, 1, 1).normal_()
+    torch.testing.assert_close(draw(init="normal", init_std=0.05), 0.05 * z, rtol=1e-6, atol=0)
+    torch.testing.assert_close(draw(init="he"), 0.5 * z, rtol=1e-6, atol=0)
+    assert torch.equal(draw(init="zeros"), torch.zeros(8, 4, 1, 1))
