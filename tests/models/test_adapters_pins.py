@@ -697,3 +697,21 @@ def test_parallel_init_draws_by_hand():
     torch.testing.assert_close(draw(init="normal", init_std=0.05), 0.05 * z, rtol=1e-6, atol=0)
     torch.testing.assert_close(draw(init="he"), 0.5 * z, rtol=1e-6, atol=0)
     assert torch.equal(draw(init="zeros"), torch.zeros(8, 4, 1, 1))
+
+
+@pytest.mark.parametrize("adapter_bn", [True, False])
+def test_residual_merge_stays_float16(adapter_bn):
+    """A float16 unit's residual fold computes in float16 (I, s and c made in the adapter's dtype, not float32):
+    W' = (I + A diag(s)) W with the adapter BN at its init (s = 1 / sqrt(1 + 1e-5), c = 0) or without one (s = 1)."""
+    layer = ResidualAdapterLayer(_Unit(dtype=torch.float16))
+    layer.update_layer("d", ResidualAdapterConfig(dropout=0.0, adapter_bn=adapter_bn), with_adapter=True)
+    layer.set_adapter("d")
+    with torch.no_grad():
+        layer.radapter_conv["d"].weight.copy_(A[:, :, None, None])
+    layer.eval().merge("d")
+    s = 1 / (1 + 1e-5) ** 0.5 if adapter_bn else 1.0
+    m = torch.tensor([[1 + 0.5 * s, 1.0 * s], [0.0, 1 + 2.0 * s]], dtype=torch.float64)
+    want = torch.einsum("oc,cikl->oikl", m, W.double())
+    w = layer.base_layer.convolution.weight
+    assert w.dtype == torch.float16 and layer.base_layer.normalization.running_mean.dtype == torch.float16
+    torch.testing.assert_close(w.double(), want, rtol=2e-3, atol=0)
