@@ -5,6 +5,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 
 USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, KeyError, OSError)
 
@@ -56,6 +57,9 @@ def _setup_logging(diffusers: bool = False) -> None:
     fallback_logger = logging.getLogger("transformers.utils.import_utils")
     if _FALLBACK_FILTER not in fallback_logger.filters:
         fallback_logger.addFilter(_FALLBACK_FILTER)
+    # accelerate warns in every forked worker that it set torch's threads for OMP_NUM_THREADS; the engine sets the
+    # run's --num_threads itself right after (hfpfl.federated.engine), so the notice says nothing about this run
+    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS/MKL_NUM_THREADS unset", category=UserWarning)
     global _REDIRECTED_LOG
     _REDIRECTED_LOG = not sys.stderr.isatty()
     quiet_library_progress_bars(diffusers=diffusers)
