@@ -342,9 +342,8 @@ class _Killed(Exception):
     pass
 
 
-@pytest.mark.slow
-def test_resume_after_a_kill_gives_identical_results(make_tuner):
-    kw = dict(population_size=2, rounds_per_member=4, generation_rounds=2, space=SAFE_SPACE)
+def _full_killed_resumed(make_tuner, **kw):
+    """The uninterrupted run, the run killed right after its first checkpoint, and that run resumed."""
     full = make_tuner(out="full", **kw).run()
     killed = make_tuner(out="resumed", **kw)
     orig_save = killed.save
@@ -356,8 +355,14 @@ def test_resume_after_a_kill_gives_identical_results(make_tuner):
     killed.save = save_then_die
     with pytest.raises(_Killed):
         killed.run()
+    return full, killed, make_tuner(out="resumed", resume=True, **kw).run()
+
+
+@pytest.mark.slow
+def test_resume_after_a_kill_gives_identical_results(make_tuner):
+    full, killed, again = _full_killed_resumed(make_tuner, population_size=2, rounds_per_member=4,
+                                               generation_rounds=2, space=SAFE_SPACE)
     assert killed.round == 2
-    again = make_tuner(out="resumed", resume=True, **kw).run()
     for a, b in zip(full["members"], again["members"]):
         assert a["curve"] == b["curve"] and a["val_loss"] == b["val_loss"] and a["alpha"] == b["alpha"]
     assert full["best_member"]["member"] == again["best_member"]["member"]
@@ -369,21 +374,10 @@ def test_fedpop_sha_resumed_after_a_stage_gives_identical_results(make_tuner):
     """FedPop wrapped in SHA (4 -> 2 -> 1, T_g = 1) killed right after stage 1's checkpoint and resumed: the same
     eliminations, exploits, curves and best member as the uninterrupted run (the stage counter, the rng and each
     member's FedPop-L state come back from population.pt)."""
-    kw = dict(tuner="fedpop_sha", sha_start=4, sha_eta=2, population_size=2, rounds_per_member=4, generation_rounds=1,
-              space=SAFE_SPACE)
-    full = make_tuner(out="full", **kw).run()
-    killed = make_tuner(out="resumed", **kw)
-    orig_save = killed.save
-
-    def save_then_die():
-        orig_save()
-        raise _Killed
-
-    killed.save = save_then_die
-    with pytest.raises(_Killed):
-        killed.run()
+    full, killed, again = _full_killed_resumed(make_tuner, tuner="fedpop_sha", sha_start=4, sha_eta=2,
+                                               population_size=2, rounds_per_member=4, generation_rounds=1,
+                                               space=SAFE_SPACE)
     assert killed.round == 1
-    again = make_tuner(out="resumed", resume=True, **kw).run()
     assert [e["kind"] for e in full["events"]] == ["eliminate", "exploit", "eliminate"]
     assert full["events"] == again["events"]
     for a, b in zip(full["members"], again["members"]):
