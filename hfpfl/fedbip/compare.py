@@ -69,17 +69,22 @@ def _seed_list(text) -> bool:
 
 
 def _fedbip_rows() -> dict:
-    """The study's FedBiP rows as FedBiP settings (personalization, amount, perturbation), read off its flags: the
-    study is the one place the rows are defined."""
-    from hfpfl.experiments.studies.fedbip_digits import STUDY
+    """The study's FedBiP rows as FedBiP settings: each row's amount and personalization, and every option its flags
+    set apart from the study's shared FedBiP flags (parsed by the one parser): the study is the one place the rows
+    are defined."""
+    from dataclasses import fields
 
+    from hfpfl.config import parse_run_args
+    from hfpfl.experiments.studies.fedbip_digits import FEDBIP, STUDY
+
+    base = parse_run_args([*STUDY.common, *FEDBIP])[2]
     rows = {}
     for v in STUDY.variants:
-        flags = dict(zip(v.argv[::2], v.argv[1::2]))   # every flag of a variant is "--name value"
-        if flags.get("--method") == "fedbip":
-            rows[v.name] = {"personalization": flags["--personalization"], "multiplier": int(flags["--multiplier"]),
-                            **({"concept_noise_sigma": float(flags["--concept_noise_sigma"])}
-                               if "--concept_noise_sigma" in flags else {})}
+        if v.kind == "run" and "fedbip" in v.argv:
+            cfg = parse_run_args([*STUDY.common, *v.argv])[2]
+            rows[v.name] = {"personalization": cfg.personalization, "multiplier": cfg.multiplier,
+                            **{f.name: getattr(cfg, f.name) for f in fields(cfg)
+                               if getattr(cfg, f.name) != getattr(base, f.name)}}
     return rows
 
 

@@ -44,6 +44,9 @@ CONCEPT = fedbip("concept_only", "S and V, no instance (10x)", None, "--personal
 INSTANCE = fedbip("instance_only", "instance only (10x)", "66.08 / 61.83 / 59.35", "--personalization", "instance")
 NO_PERTURB = fedbip("no_perturb", "instance + concept, S not perturbed (10x)", "67.09 / 62.78 / 60.84",
                     "--personalization", "full", "--concept_noise_sigma", "0")
+# the authors' code initialises the concepts from the real words; the dissertation (Sec. 4.2.2) randomly
+L_WORDS = fedbip("fedbip_l_words", "FedBiP-L, concepts initialised from words (authors' code)", None,
+                 "--personalization", "full", "--concept_init", "words")
 # the same ablations at FedBiP-S's 2x: Table 3 does not state its amount, so the ordering is read at both
 PROMPT_2 = fedbip("prompt_only_2x", "prompt only (2x)", None, "--personalization", "none", multiplier=2)
 V_ONLY_2 = fedbip("v_only_2x", "V only (2x)", None, "--personalization", "class", multiplier=2)
@@ -92,8 +95,9 @@ STUDY = Study(
              "global_accuracy": "accuracy on the global test set",
              "synthetic_fidelity_judge": "synthetic images read as their label (LDM's public judge)",
              "synthetic_style": "synthetic images in their client's domain (style judge)"},
-    variants=(PROMPT, V_ONLY, S_ONLY, CONCEPT, INSTANCE, NO_PERTURB, FEDBIP_S, FEDBIP_M, FEDBIP_L, PROMPT_2, V_ONLY_2,
-              S_ONLY_2, INSTANCE_2, NO_PERTURB_2, FEDAVG, LOCAL_ONLY, CENTRAL, controls.chance(), controls.majority(),
+    variants=(PROMPT, V_ONLY, S_ONLY, CONCEPT, INSTANCE, NO_PERTURB, FEDBIP_S, FEDBIP_M, FEDBIP_L, L_WORDS, PROMPT_2,
+              V_ONLY_2, S_ONLY_2, INSTANCE_2, NO_PERTURB_2, FEDAVG, LOCAL_ONLY, CENTRAL, controls.chance(),
+              controls.majority(),
               controls.untrained(FEDAVG, label="the classifier before training")),
     matched_by="steps",
     claims=(
