@@ -22,6 +22,31 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}                 # for the one-process re
 CPU_PROCESSES = {**CPU_ONLY, "ACCELERATE_USE_CPU": "1"}  # for the LAUNCH_TWO run
 
 
+def spy_concept_prompts(monkeypatch) -> list:
+    """Every (S, V) the FedBiP pipeline encodes into a prompt from now on, in order (the encoder still runs)."""
+    import pipelines.pipeline_fedbip as pf
+
+    seen, real = [], pf.encode_concept_prompt
+
+    def spy(te, tok, tpl, S, V, space="input"):
+        seen.append((S.detach().clone(), V.detach().clone()))
+        return real(te, tok, tpl, S, V, space)
+
+    monkeypatch.setattr(pf, "encode_concept_prompt", spy)
+    return seen
+
+
+def capture_training_batches(model) -> list:
+    """Every training forward's (pixel_values, labels), in order: which batches a method's update trained on."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        if torch.is_grad_enabled():
+            seen.append((kwargs["pixel_values"].detach().clone(), kwargs["labels"].detach().clone()))
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
 @pytest.fixture
 def network_calls(monkeypatch):
     """Every attempt to reach the network during the test, recorded and refused: an internet socket's connect and

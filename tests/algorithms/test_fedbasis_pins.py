@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import capture_training_batches
 from torch.func import functional_call
 
 from hfpfl.algorithms import fedbasis as fb
@@ -52,17 +53,6 @@ def _toy_bases(sim):
             down[k.replace("bases.0.", "bases.1.", 1)] = v + 0.1 * n1
             down[k.replace("bases.0.", "bases.2.", 1)] = v - 0.1 * n2
     return down
-
-
-def _capture(model):
-    """Every training forward's batch, in order."""
-    seen = []
-
-    def hook(module, args, kwargs):
-        if torch.is_grad_enabled():
-            seen.append((kwargs["pixel_values"].detach().clone(), kwargs["labels"].detach().clone()))
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-    return seen
 
 
 def _basis(down, b):
@@ -110,7 +100,7 @@ def test_improved_round_coordinate_descent_and_sharpening_by_hand(run_sim):
     algo, m = sim.algorithm, sim.model
     down = _toy_bases(sim)
     v0, v1, v2 = (_basis(down, b) for b in range(3))
-    seen = _capture(m)
+    seen = capture_training_batches(m)
     private = {MODEL: {f"coef.{g}": torch.tensor([3.0, -3.0]) for g in GROUPS}}
     upd = algo.client_update(0, {MODEL: down}, private, 2)
     assert len(seen) == 2                                  # exactly one step of each phase (client 0: local_steps 1)
@@ -147,7 +137,7 @@ def test_naive_round_is_one_joint_step_at_temperature_one_by_hand(run_sim):
     sim = _sim(run_sim, training="naive")
     down = _toy_bases(sim)
     v0, v1, v2 = (_basis(down, b) for b in range(3))
-    seen = _capture(sim.model)
+    seen = capture_training_batches(sim.model)
     private = {MODEL: {f"coef.{g}": torch.tensor([3.0, -3.0]) for g in GROUPS}}
     upd = sim.algorithm.client_update(0, {MODEL: down}, private, 2)
     assert len(seen) == 1
@@ -170,7 +160,7 @@ def test_warm_round_is_fedavg_on_the_major_basis_alone_by_hand(run_sim):
     sim = _sim(run_sim)
     down = _toy_bases(sim)
     v0 = _basis(down, 0)
-    seen = _capture(sim.model)
+    seen = capture_training_batches(sim.model)
     private = {MODEL: {f"coef.{g}": torch.tensor([3.0, -3.0]) for g in GROUPS}}
     upd = sim.algorithm.client_update(0, {MODEL: down}, private, 1)
     assert len(seen) == 1
@@ -230,7 +220,7 @@ def test_new_client_one_step_by_hand(run_sim, mode):
     v0, v1, v2 = (_basis(down, b) for b in range(3))
     state = {**sim.algorithm.init_server_state(), MODEL: down}
     data = sim.train_data(1)                               # not the new client's own split: the data passed is used
-    seen = _capture(sim.model)
+    seen = capture_training_batches(sim.model)
     with torch.no_grad():
         for p in sim.model.coef.values():
             p.fill_(7.0)                                   # whatever psi the model held: a new client starts at 0

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import capture_training_batches
 from torch.func import functional_call
 
 from hfpfl.algorithms import fedpce as pce
@@ -28,16 +29,6 @@ def _sim(run_sim, method="fedpce", client_hp=None, **cfg):
     # what Simulation.step(client_hparams=...) installs (FedPop's per-client vector): client 0's own lr and steps
     sim._client_hp_overrides = client_hp if client_hp is not None else {0: {"lr": 0.05, "local_steps": 1}}
     return sim
-
-
-def _capture(model):
-    seen = []
-
-    def hook(module, args, kwargs):
-        if torch.is_grad_enabled():
-            seen.append((kwargs["pixel_values"].detach().clone(), kwargs["labels"].detach().clone()))
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-    return seen
 
 
 def _grad(sim, params, x, y):
@@ -69,7 +60,7 @@ def test_fedpce_local_step_by_hand_and_what_travels(run_sim):
     v = torch.tensor([0.5, -1.0, 0.0, 2.0])
     with torch.no_grad():
         sim.model.client_embedding.fill_(9.0)               # a previous client's embedding
-    seen = _capture(sim.model)
+    seen = capture_training_batches(sim.model)
     upd = algo.client_update(0, down, {MODEL: {EMBEDDING_KEY: v}}, 2)
     assert len(seen) == 1
     loss, g = _grad(sim, {**down[MODEL], EMBEDDING_KEY: v}, *seen[0])
@@ -90,7 +81,7 @@ def test_pce_fedprox_proximal_term_by_hand(run_sim):
     cross-entropy gradient at w_t on step t's batch; the reported loss is the task loss alone, (L_0 + L_1) / 2."""
     sim = _sim(run_sim, "pce_fedprox", client_hp={0: {"lr": 0.1, "local_steps": 2}}, mu=10.0)
     down = {MODEL: sim.algorithm.init_server_state()[MODEL]}
-    seen = _capture(sim.model)
+    seen = capture_training_batches(sim.model)
     upd = sim.algorithm.client_update(0, down, None, 2)
     assert len(seen) == 2
     lr = _cos(0.1, 0.001, 2, 3)
@@ -112,7 +103,7 @@ def test_new_client_adapts_only_its_embedding_one_step_by_hand(run_sim):
     sim._client_hp_overrides = {cid: {"batch_size": 4}}
     state = sim.algorithm.init_server_state()
     data = sim.train_data(1)
-    seen = _capture(sim.model)
+    seen = capture_training_batches(sim.model)
     model = sim.algorithm.personalize_new_client(cid, state, data, 3)
     assert len(seen) == 1 and len(seen[0][1]) == 4
     rows = {x.numpy().tobytes() for x in data.columns["pixel_values"]}

@@ -228,13 +228,18 @@ def test_template_without_placeholders_is_rejected(ldm_dir):
         _cfg(ldm_dir, personalization="partial")
 
 
-def test_client_with_one_image_in_a_class(ldm_dir, fed, tmp_path):
+def _one_image_of_class_3_on_client_0(fed):
+    """The fixture's clients with client 0 keeping a single image of class 3 (no same-class partner for Eq. 3)."""
     data_args, fd = fed
     c0 = fd.clients[0]
     y = np.asarray(c0.train.with_format(None)["labels"])
     keep = [i for i in range(len(y)) if y[i] != 3] + [int(np.flatnonzero(y == 3)[0])]
-    bad = dataclasses.replace(fd, clients=[dataclasses.replace(c0, train=c0.train.select(sorted(keep)))]
-                              + fd.clients[1:])
+    return data_args, dataclasses.replace(fd, clients=[dataclasses.replace(c0, train=c0.train.select(sorted(keep)))]
+                                          + fd.clients[1:])
+
+
+def test_client_with_one_image_in_a_class(ldm_dir, fed, tmp_path):
+    data_args, bad = _one_image_of_class_3_on_client_0(fed)
     sim = _sim((data_args, bad), tmp_path, _cfg(ldm_dir, personalization="instance"))
     with pytest.raises(ValueError, match=r"client 0: class 3 has a single image"):
         sim.run()
@@ -276,12 +281,7 @@ def test_same_seed_same_uploads_and_synthetic_set(full_run, ldm_dir, fed, tmp_pa
 
 
 def test_singleton_classes_self_and_drop(ldm_dir, fed, tmp_path):
-    data_args, fd = fed
-    c0 = fd.clients[0]
-    y = np.asarray(c0.train.with_format(None)["labels"])
-    keep = [i for i in range(len(y)) if y[i] != 3] + [int(np.flatnonzero(y == 3)[0])]
-    bad = dataclasses.replace(fd, clients=[dataclasses.replace(c0, train=c0.train.select(sorted(keep)))]
-                              + fd.clients[1:])
+    data_args, bad = _one_image_of_class_3_on_client_0(fed)
     for mode, n3 in (("self", 2), ("drop", 0)):
         sim = _sim((data_args, bad), tmp_path, _cfg(ldm_dir, personalization="instance", singleton_classes=mode,
                                                     privacy_metrics=False, save_grid=False), name=mode)
@@ -439,7 +439,6 @@ def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path, monk
     by std(embedding table) / std(text-encoder states of "A _ style of a _", placeholders as BOS), computed here from
     hand-built token ids; the server's perturbation S^ - S then has that std. Output space or concept_scale=none:
     0.1 as given."""
-    import pipelines.pipeline_fedbip as pf
 
     sim = _sim(fed, tmp_path, _cfg(ldm_dir, personalization="domain", concept_steps=1), name="scale", num_rounds=1)
     algo = sim.algorithm
@@ -453,14 +452,12 @@ def test_concept_lr_and_sigma_scaled_to_their_space(ldm_dir, fed, tmp_path, monk
     assert algo.space_scale == pytest.approx(scale, rel=1e-5)
     assert algo.concept_lr == pytest.approx(0.1 * scale) and algo.concept_sigma == pytest.approx(0.1 * scale)
     assert scale < 0.5  # token embeddings are much smaller than the layer-normed outputs
-    seen = []
-    real = pf.encode_concept_prompt
-    monkeypatch.setattr(pf, "encode_concept_prompt",
-                        lambda te_, tk, tpl, S, V, space="input": seen.append(S.detach().clone())
-                        or real(te_, tk, tpl, S, V, space))
+    from conftest import spy_concept_prompts
+
+    seen = spy_concept_prompts(monkeypatch)
     upd = algo.client_update(0, {}, {}, 0)
     algo.synthesize(upd, 0)
-    eta = torch.cat(seen) - upd.upload["fedbip"]["domain_concept"]
+    eta = torch.cat([S for S, _ in seen]) - upd.upload["fedbip"]["domain_concept"]
     assert eta.numel() >= 1000 and float(eta.std()) == pytest.approx(0.1 * scale, rel=0.1)
     out = _sim(fed, tmp_path, _cfg(ldm_dir, concept_space="output"), name="scale-out", num_rounds=1).algorithm
     assert out.space_scale == 1.0 and out.concept_lr == pytest.approx(0.1) and out.concept_sigma == pytest.approx(0.1)
@@ -476,7 +473,6 @@ def test_s_only_and_v_only_keep_the_real_words_fixed(ldm_dir, fed, tmp_path, mon
     where the client trains (the fixed half it trains against, left unchanged) and where the server builds the
     prompt (the fixed half it inserts). The expected rows are read off the embedding table by token id here."""
     import hfpfl.fedbip as fb
-    import pipelines.pipeline_fedbip as pf
 
     sim = _sim(fed, tmp_path, _cfg(ldm_dir, personalization=level, concept_steps=3, reuse_concepts=False),
                name=level, num_rounds=1)
@@ -512,21 +508,16 @@ def test_s_only_and_v_only_keep_the_real_words_fixed(ldm_dir, fed, tmp_path, mon
         assert torch.equal(res.class_concepts, words_V)
         assert torch.equal(up["domain_concept"], res.domain_concept)
         assert not torch.equal(res.domain_concept, trained_with["init_domain_concept"])
-    else:  # V only: S fixed at the domain name, V learned and uploaded
+    else:  # V only: S fixed at the domain's caption word, V learned and uploaded
         assert trained_with["train_domain"] is False and trained_with["train_class"] is True
         assert torch.equal(trained_with["init_domain_concept"], words_S)
         assert torch.equal(res.domain_concept, words_S)
         assert torch.equal(up["class_concepts"], res.class_concepts)
         assert not torch.equal(res.class_concepts, trained_with["init_class_concepts"])
 
-    prompts = []
-    real_encode = pf.encode_concept_prompt
+    from conftest import spy_concept_prompts
 
-    def spy_encode(te, tk, tpl, S, V, space="input"):
-        prompts.append((S.detach().clone(), V.detach().clone()))
-        return real_encode(te, tk, tpl, S, V, space)
-
-    monkeypatch.setattr(pf, "encode_concept_prompt", spy_encode)
+    prompts = spy_concept_prompts(monkeypatch)
     _, labels = algo.synthesize(upd, 0)
     S_used = torch.cat([s.expand(len(v), -1, -1) for s, v in prompts])
     V_used = torch.cat([v for _, v in prompts])

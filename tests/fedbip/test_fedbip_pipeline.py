@@ -293,16 +293,9 @@ def test_word_concepts_reproduce_the_real_prompt(pipe):
 
 def test_perturbation_std_matches_sigma(pipe, upload, monkeypatch):
     """S^ = S + eta with std(S^ - S) == sigma (per image), V untouched (Eq. 5)."""
-    import pipelines.pipeline_fedbip as pf
+    from conftest import spy_concept_prompts
 
-    seen = []
-    real = pf.encode_concept_prompt
-
-    def spy(te, tok, tpl, S, V, space="input"):
-        seen.append((S.detach().clone(), V.detach().clone()))
-        return real(te, tok, tpl, S, V, space)
-
-    monkeypatch.setattr(pf, "encode_concept_prompt", spy)
+    seen = spy_concept_prompts(monkeypatch)
     S, V = upload["domain_concept"], upload["class_concepts"]
     n = 400
     labels = torch.arange(n) % N_CLASSES
