@@ -84,6 +84,12 @@ TARGETS: dict[str, Target] = {
     "adapters": Target(["hfpfl/models/adapters/layer.py", "hfpfl/models/adapters/model.py"],
                        ["tests/models/test_adapters*.py", "tests/algorithms/test_fedadapter*.py", "tests/models/test_adapter_shortcut.py"]),
     # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
+    # FedBiP's server side (the classifier's budget, Eq. 6) and the real words of its ablation prompts, against the
+    # tests that pin them: a run of minutes, where the whole fedbip target takes hours on 2 cores
+    "fedbip_server": Target(["hfpfl/algorithms/fedbip.py", "hfpfl/fedbip/pool.py"],
+                            ["tests/fedbip/test_fedbip_algorithm.py"],
+                            functions=["xǁFedBiPǁaggregate", "xǁFedBiPǁwords", "x_caption_word"],
+                            k="budget_is_the_server or learnt_it or keep_the_real_words or one_round_and_only"),
     "server": Target(["hfpfl/federated/protocol.py"],
                      ["tests/federated/test_protocol.py", "tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py",
                       "tests/algorithms/test_server_pins.py",

@@ -65,7 +65,7 @@ def _seed_list(text) -> bool:
     if not str(text).strip():  # empty: the single --seed
         return True
     parts = [x.strip() for x in str(text).split(",")]
-    return all(x.isdigit() and int(x) < 2 ** 32 for x in parts)
+    return all(x.isdigit() and int(x) < 2 ** 32 for x in parts) and len(set(map(int, parts))) == len(parts)
 
 
 def _fedbip_rows() -> dict:
@@ -106,7 +106,7 @@ class RecipeArguments:
     seeds: str | None = option(None, "Comma-separated run seeds (e.g. 0,1,2): every row at each seed, then mean +- "
                                "sample std and the claims over them; needs --compare true. Default: the single "
                                "--seed.",
-                               check=Check(_seed_list, "comma-separated whole numbers in [0, 2**32), e.g. 0,1,2"))
+                               check=Check(_seed_list, "comma-separated whole numbers in [0, 2**32), each once, e.g. 0,1,2"))
     variants: str | None = option(None, "Comma-separated rows to run instead, among " + ", ".join(ALL_ROWS)
                                   + "; needs --compare true.")
     baseline_rounds: int = option(20, "Rounds of FedAvg and Local-only; each trains classifier_steps / "
@@ -185,6 +185,9 @@ def row_names(rec) -> list[str]:
         unknown = [v for v in wanted if v not in ALL_ROWS]
         if unknown:
             raise ValueError(f"--variants: unknown {', '.join(unknown)}; choose among {', '.join(ALL_ROWS)}")
+        if not wanted:
+            raise ValueError(f"--variants {rec.variants!r} names no row; choose among {', '.join(ALL_ROWS)}, or "
+                             "leave it out for the default rows")
         return [n for n in ALL_ROWS if n in wanted]
     return list(ALL_ROWS if rec.all_variants else DEFAULT_ROWS)
 
@@ -279,7 +282,8 @@ def run_rows(run, data, cfg, rec, fed, main: bool = True) -> dict:
     if "untrained" in names:   # FedAvg's classifier before any round: the same initial weights as every row's
         t = time.perf_counter()
         r_args = dataclasses.replace(run, method="fedavg", num_rounds=1, local_steps=1)
-        row = controls.untrained_row(r_args, data, None, Path(run.output_dir) / "untrained", fed=fed)
+        with variant_folder(Path(run.output_dir) / "untrained") as out:
+            row = controls.untrained_row(r_args, data, None, out, fed=fed)
         if main:
             rows["untrained"] = {**row, "seconds": time.perf_counter() - t}
     return rows

@@ -57,6 +57,8 @@ BAD = [
     ("fedbip", ["--class_words", "zero,one"], "--class_words has 2 words but the data has 10 classes"),
     ("fedbip", ["--shots_per_class", "0"], "--shots_per_class must be >= 1"),
     ("fedbip", ["--variants", "prompt-only"], "--variants: unknown prompt-only; choose among prompt_only"),
+    ("fedbip", ["--variants", ","], "--variants ',' names no row; choose among prompt_only"),
+    ("fedbip", ["--seeds", "0,1,0"], "--seeds must be comma-separated whole numbers in [0, 2**32), each once"),
     ("fedbip", ["--classifier_steps", "None"], "--classifier_steps None: the comparison trains every classifier"),
     ("fedbip", ["--classifier_steps", "50", "--baseline_rounds", "7"], "--classifier_steps (50) must be a multiple "
                                                                         "of --baseline_rounds (7)"),

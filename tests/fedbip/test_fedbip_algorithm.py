@@ -631,7 +631,7 @@ def test_one_seed_in_seeds_is_the_run_seed(ldm_dir, tmp_path):
 def test_bad_seeds_name_the_option(tmp_path):
     from hfpfl.fedbip import compare
 
-    with pytest.raises(ValueError, match=r"--seeds must be comma-separated whole numbers in \[0, 2\*\*32\), e\.g\. 0,1,2, got '1,x'"):
+    with pytest.raises(ValueError, match=r"--seeds must be comma-separated whole numbers in \[0, 2\*\*32\), each once, e\.g\. 0,1,2, got '1,x'"):
         compare.parse(["--seeds", "1,x", "--output_dir", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
 
