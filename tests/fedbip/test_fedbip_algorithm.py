@@ -738,15 +738,17 @@ def test_comparison_decides_its_processes_on_one_round_variants(ldm_dir, tmp_pat
 
 def test_the_budget_is_the_server_classifiers_steps(full_run, ldm_dir, fed, tmp_path):
     """What a study matches rows by: the classifier trained on the server. One epoch (classifier_epochs 1) over the
-    2x synthetic set, 2 x 60 = 120 images in batches of 16: 7 full batches and one of 8; --classifier_steps 3: three
-    batches of 16, whatever the set's size."""
+    2x synthetic set, 2 x 60 = 120 images in batches of 16: 7 full batches and one of 8; two epochs twice that;
+    --classifier_steps 3: three batches of 16, whatever the set's size."""
     _, res, _, _ = full_run
     assert res["budget"]["trained_models"] == 1
     assert res["budget"]["optimizer_steps_per_model"] == 8 and res["budget"]["examples_seen_per_model"] == 120
-    sim = _sim(fed, tmp_path, _cfg(ldm_dir, classifier_steps=3, save_grid=False, privacy_metrics=False),
-               name="steps", num_rounds=1)
-    b = sim.run()["budget"]
-    assert b["optimizer_steps"] == 3 and b["examples_seen"] == 3 * 16
+    for kw, steps, examples in ((dict(classifier_epochs=2), 16, 240),   # not the run's --local_epochs (1)
+                                (dict(classifier_steps=3), 3, 3 * 16)):
+        sim = _sim(fed, tmp_path, _cfg(ldm_dir, save_grid=False, privacy_metrics=False, **kw), name=str(kw),
+                   num_rounds=1)
+        b = sim.run()["budget"]
+        assert (b["optimizer_steps"], b["examples_seen"]) == (steps, examples), kw
 
 
 @pytest.mark.slow
@@ -799,3 +801,14 @@ def test_the_main_jobs_defaults_are_the_studys_settings():
     for k in ("method", "model", "optimizer", "lr", "momentum", "weight_decay", "batch_size", "seed"):
         assert getattr(run_m, k) == getattr(run_s, k), k
     assert set(compare.FEDBIP_ROWS) == {v.name for v in STUDY.variants if "fedbip" in v.argv}
+
+
+def test_given_domain_and_class_words_reach_the_prompts(ldm_dir, fed, tmp_path):
+    """--domain_words: one word per client (client i gets word i) or one for every client; --class_words: one per
+    class, in label order."""
+    classes = ["o", "i", "ii", "iii", "iv", "v", "vi", "vii", "viii", "ix"]
+    cfg = _cfg(ldm_dir, domain_words="bold, thin ,noisy", class_words=",".join(classes))
+    algo = _sim(fed, tmp_path, cfg, name="words", num_rounds=1).algorithm
+    assert [algo.words(c) for c in range(3)] == [("bold", classes), ("thin", classes), ("noisy", classes)]
+    one = _sim(fed, tmp_path, _cfg(ldm_dir, domain_words="photo"), name="word", num_rounds=1).algorithm
+    assert [one.words(c)[0] for c in range(3)] == ["photo"] * 3 and one.words(0)[1][7] == "seven"
