@@ -736,7 +736,7 @@ def test_comparison_decides_its_processes_on_one_round_variants(ldm_dir, tmp_pat
     assert "2 idle cores (2 usable, 0.00 busy), 3 clients x 1 rounds x 100 (update cost)" in capsys.readouterr().out
 
 
-def test_the_budget_is_the_server_classifiers_steps(full_run, ldm_dir, fed, tmp_path):
+def test_the_budget_is_the_server_classifiers_steps(full_run, ldm_dir, fed, tmp_path, monkeypatch):
     """What a study matches rows by: the classifier trained on the server. One epoch (classifier_epochs 1) over the
     2x synthetic set, 2 x 60 = 120 images in batches of 16: 7 full batches and one of 8; two epochs twice that;
     --classifier_steps 3: three batches of 16, whatever the set's size."""
@@ -747,8 +747,13 @@ def test_the_budget_is_the_server_classifiers_steps(full_run, ldm_dir, fed, tmp_
                                 (dict(classifier_steps=3), 3, 3 * 16)):
         sim = _sim(fed, tmp_path, _cfg(ldm_dir, save_grid=False, privacy_metrics=False, **kw), name=str(kw),
                    num_rounds=1)
+        calls, real = [], sim.generator
+        monkeypatch.setattr(sim, "generator", lambda r, c, tag="": calls.append((r, c, tag)) or real(r, c, tag))
         b = sim.run()["budget"]
         assert (b["optimizer_steps"], b["examples_seen"]) == (steps, examples), kw
+        # the classifier's batch order: the server's own stream (client -1), named for it (reproducibility contract)
+        assert calls.count((1, -1, "fedbip-classifier")) == 1   # round 1, the one round
+        assert not (tmp_path / str(kw) / "synthetic_grid.png").exists()   # save_grid=False writes none
 
 
 @pytest.mark.slow
@@ -812,3 +817,20 @@ def test_given_domain_and_class_words_reach_the_prompts(ldm_dir, fed, tmp_path):
     assert [algo.words(c) for c in range(3)] == [("bold", classes), ("thin", classes), ("noisy", classes)]
     one = _sim(fed, tmp_path, _cfg(ldm_dir, domain_words="photo"), name="word", num_rounds=1).algorithm
     assert [one.words(c)[0] for c in range(3)] == ["photo"] * 3 and one.words(0)[1][7] == "seven"
+
+
+def test_aggregate_called_directly_synthesises_what_the_engine_received(full_run):
+    """aggregate on uploads the engine never ``receive``d (direct use, e.g. a notebook) synthesises each client's
+    set itself: the same images as the run's, which were synthesised as each upload arrived."""
+    import dataclasses as dc
+
+    sim, _, _, _ = full_run
+    engine_images = sim.algorithm.synthetic["images"].clone()
+    fresh = [dc.replace(u, received={}) for u in sim.last_updates]
+    sim.algorithm.config.save_grid = False
+    try:
+        sim.algorithm.aggregate(sim.server_state, fresh, 1)   # the run's one round
+    finally:
+        sim.algorithm.config.save_grid = True
+    assert all("synthetic" in u.received for u in fresh)
+    assert torch.equal(sim.algorithm.synthetic["images"], engine_images)
