@@ -81,6 +81,11 @@ TARGETS: dict[str, Target] = {
                       "pipelines/pipeline_fedbip.py"],
                      ["tests/fedbip/test_fedbip_algorithm*.py", "tests/fedbip/test_fedbip_pipeline*.py", "tests/fedbip/test_fedbip_pins.py"]),
     "fedpop": Target(["hfpfl/tuning/*.py"], ["tests/tuning/test_fedpop*.py"]),
+    # FedPop and FedEx wrapped in SHA (the dissertation's appendix algorithm): the part of the fedpop target they add
+    "fedpop_sha": Target(["hfpfl/tuning/fedpop.py", "hfpfl/tuning/baselines.py"],
+                         ["tests/tuning/test_fedpop_pins.py", "tests/tuning/test_fedpop_hparams.py"],
+                         functions=["xǁTunerǁ_eliminate", "xǁTunerǁ_run_sha_wrapped", "x_fedpop_sha", "x_fedex_sha"],
+                         k="sha"),
     "adapters": Target(["hfpfl/models/adapters/layer.py", "hfpfl/models/adapters/model.py"],
                        ["tests/models/test_adapters*.py", "tests/algorithms/test_fedadapter*.py", "tests/models/test_adapter_shortcut.py"]),
     # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
