@@ -222,39 +222,18 @@ _PIPES: dict[str, object] = {}
 _CONCEPTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def resolve_ldm(ldm: str) -> str:
-    """Local folder of the LDM: a folder as is; the default tiny repo id published (the shipped snapshot) on first use;
-    any other repo id from the Hub cache (offline) or downloaded. Clear error when offline and not cached."""
-    from ..fedbip.ldm import DEFAULT_LDM_REPO, cached_snapshot, ensure_pretrained_ldm
-
-    if os.path.isdir(ldm):
-        return ldm
-    if ldm == DEFAULT_LDM_REPO:
-        return ensure_pretrained_ldm(ldm)
-    path = cached_snapshot(ldm)
-    if path is not None:
-        return path
-    from huggingface_hub.constants import HF_HUB_OFFLINE
-
-    if HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
-        raise OSError(f"LDM {ldm!r} is not a local folder and not in the local Hub cache, and HF_HUB_OFFLINE=1: "
-                      f"download it once online (huggingface-cli download {ldm}), pass a local folder, or use "
-                      f"the default {DEFAULT_LDM_REPO!r}")
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(ldm)
-
-
 def load_ldm(ldm: str, device=None):
     """The process-wide frozen FedBiPPipeline for ``ldm`` (loaded once per device, shared by clients and
     simulations), on ``device`` (the accelerator's device; CPU when there is none)."""
+    from ..fedbip.ldm import resolve_ldm
+
     path = resolve_ldm(ldm)
     device = torch.device(device or "cpu")
     key = f"{os.path.realpath(path)}@{device}"
     if key not in _PIPES:
         from pipelines.pipeline_fedbip import FedBiPPipeline
 
-        from ..cli import quiet_library_progress_bars
+        from ..logs import quiet_library_progress_bars
         quiet_library_progress_bars(diffusers=True)  # a redirected hfpfl log: no "Loading pipeline components" bars
         pipe = FedBiPPipeline.from_pretrained(path)
         for m in (pipe.unet, pipe.vae, pipe.text_encoder):

@@ -1015,3 +1015,24 @@ judge on VAE reconstructions of its held-out images (the ceiling of fidelity wit
  or 'not measured'}.
 Grids: `samples_per_style.png` (generated, one row per caption word), `pool_per_style.png` (training images).
 """
+
+
+def resolve_ldm(ldm: str) -> str:
+    """Local folder of the LDM: a folder as is; the default tiny repo id published (the shipped snapshot) on first use;
+    any other repo id from the Hub cache (offline) or downloaded. Clear error when offline and not cached."""
+    if os.path.isdir(ldm):
+        return ldm
+    if ldm == DEFAULT_LDM_REPO:
+        return ensure_pretrained_ldm(ldm)
+    path = cached_snapshot(ldm)
+    if path is not None:
+        return path
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    if HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
+        raise OSError(f"LDM {ldm!r} is not a local folder and not in the local Hub cache, and HF_HUB_OFFLINE=1: "
+                      f"download it once online (huggingface-cli download {ldm}), pass a local folder, or use "
+                      f"the default {DEFAULT_LDM_REPO!r}")
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(ldm)

@@ -442,7 +442,7 @@ def synthetic_quality(sim, results: dict) -> None:
     share of images the LDM's public-image judge reads as their label (absent when the LDM ships no judge), and
     ``synthetic_style``, the share of each client's images the style judge assigns to the client's own domain (mean
     over clients whose domain it knows). Nothing for a run without a synthetic set."""
-    from ..algorithms.fedbip import resolve_ldm
+    from .ldm import resolve_ldm
 
     syn = getattr(sim.algorithm, "synthetic", None)
     if not syn or len(syn["labels"]) == 0:

@@ -90,8 +90,11 @@ class Simulation:
             self.args = dataclasses.replace(run_args, num_rounds=1)
 
         set_seed(run_args.seed)
-        self.default_model_built = False
+        self.default_model_built, self._default_model = False, None
         self.model: nn.Module = self.algorithm.build_model().to(self.device)
+        #: the run trains --model exactly as built from the options (not a model the method built around or instead
+        #: of it): what the run header says
+        self.model_is_default = self.model is self._default_model
         self.model_state = self.model.state_dict()  # entries share storage with the model: swap by copy_
         self.keys_by_role = self._assign_roles()
         self.initial_private = snapshot(self.model_state, self.keys_by_role[PRIVATE])
@@ -147,9 +150,10 @@ class Simulation:
         warn_random_backbone(self.args)
         self.default_model_built = True  # the run header names --model only when the model came from it
         with preserved_rng():  # pretraining a stand-in on first use must not shift this run's random streams
-            return build_run_model(self.args.model, self.args.adapter, num_labels=self.data.num_labels,
-                                   image_size=self.data.image_size, num_channels=self.data.num_channels,
-                                   lora_r=self.args.lora_r)
+            self._default_model = build_run_model(
+                self.args.model, self.args.adapter, num_labels=self.data.num_labels, image_size=self.data.image_size,
+                num_channels=self.data.num_channels, lora_r=self.args.lora_r)
+        return self._default_model
 
     def _assign_roles(self) -> dict[str, list[str]]:
         """Default roles: trainable params -> global, frozen params -> frozen; a buffer follows its module

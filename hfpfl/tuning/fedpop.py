@@ -59,7 +59,7 @@ DIVERGED = 1e6   # the score of a member whose training became non-finite (lower
 
 @dataclass
 class TunerArguments:
-    """Tuning flags: the fedpop recipe's own options (hfpfl.config.parse_run_args parses and checks them)."""
+    """Tuning flags: the fedpop recipe's own options (hfpfl.arguments.parse_run_args parses and checks them)."""
 
     tuner: str = option("fedpop", "fedpop | rs | sha | fedex (all at the same budget); fedpop_sha / fedex_sha: FedPop / "
                         "FedEx wrapped in SHA (sha_start configurations, eliminated as SHA).", choices=list(TUNERS))

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from hfpfl.algorithms import REGISTRY, load_builtin_methods
-from hfpfl.config import RunArguments, parse_run_args
+from hfpfl.config import RunArguments
+from hfpfl.arguments import parse_run_args
 from hfpfl.data import DataArguments
 from hfpfl.options import declared_check, validate
 

@@ -84,7 +84,7 @@ def test_busy_cores_are_measured_only_where_they_can_change_the_answer(monkeypat
     the README's first run (4 clients x 2 rounds) never does; a long run does, and with the second core busy it runs
     in one process."""
     from hfpfl.cli import _processes_to_launch
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     for k in ("LOCAL_RANK", "HFPFL_NUM_PROCESSES", *launch._ACCELERATE_LAUNCH_VARS):
         monkeypatch.delenv(k, raising=False)
     calls = []
@@ -157,7 +157,7 @@ def test_launched_means_a_launcher_started_this_process(monkeypatch):
 
 def test_num_processes_default_from_the_environment(monkeypatch):
     from hfpfl.cli import _processes_to_launch
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     for k in ("LOCAL_RANK", *launch._ACCELERATE_LAUNCH_VARS):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.delenv("HFPFL_NUM_PROCESSES", raising=False)
