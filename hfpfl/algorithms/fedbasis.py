@@ -78,9 +78,10 @@ def _ints(s):
 @register
 class FedBasis(Algorithm):
     name = "fedbasis"
+    aggregation = "gather"
+    local_update = "own"
     Config = FedBasisConfig
     has_global_model = False
-    needs_all_uploads = True
     uses_server_hparams = frozenset()  # aggregate: the uniform mean (+ k-means); no FedOpt step
     # local training runs basis_epochs / alpha_epochs of the config, never --local_epochs
     uses_client_hparams = Algorithm.uses_client_hparams - {"local_epochs"}

@@ -258,6 +258,9 @@ class FedBiP(Algorithm):
     """FedBiP: one-shot upload of noised latents + learned concepts; server synthesis with a frozen LDM."""
 
     name = "fedbip"
+    aggregation = "gather"
+    local_update = "own"
+    personal_model = "own"
     Config = FedBiPConfig
     one_shot = True
     # clients fit concepts with the config's Adam (concept_lr); the server trains the classifier with the run's own

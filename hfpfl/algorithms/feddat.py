@@ -81,6 +81,8 @@ class VQAPeft(Algorithm):
     """PEFT of a frozen VQA foundation model with FedAvg of the PEFT module (head local); the paper's baselines."""
 
     name = "vqa_peft"
+    local_update = "own"
+    personal_model = "own"
     Config = VQAPeftConfig
     has_global_model = False      # every client scores with its own head (the paper reports client-local test accuracy)
     uses_client_hparams = Algorithm.uses_client_hparams - {"momentum"}  # AdamW (``optimizer``): no momentum

@@ -30,6 +30,8 @@ class FedNova(Algorithm):
     """FedNova: client updates normalized by their local step counts before averaging."""
 
     name = "fednova"
+    aggregation = "gather"
+    local_update = "own"
     on_non_finite = "skip"  # a diverged client is skipped and logged (as the adapters paper observes), not a run-ending error
     uses_server_hparams = frozenset()  # aggregate applies tau_eff * the normalized mean itself: no FedOpt step
 

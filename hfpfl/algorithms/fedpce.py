@@ -88,6 +88,7 @@ class _PCELoop(Algorithm):
     """The loop shared by FedPCE and its baselines (see the module docstring)."""
 
     Config = FedPCEConfig
+    local_update = "own"
     conditional = False
     has_global_model = True
 
@@ -147,7 +148,7 @@ class _PCELoop(Algorithm):
         hp = self.ctx.hparams(client_id)
         m = self.local_train(client_id, round_idx, hp=hp, params=self.param_groups(round_idx, hp),
                              optimizer_state=(private or {}).get(OPTIM, {}),
-                             **self.local_hooks(client_id, down, private))
+                             **self.bind_hooks(client_id, down, private))
         return Update(client_id, {MODEL: self.ctx.snapshot(self.global_keys)}, len(self.ctx.train_data(client_id)),
                       {MODEL: self.ctx.snapshot(self.private_keys), OPTIM: m.pop("optimizer_state")}, m)
 
@@ -240,8 +241,8 @@ class PCEFedProx(PCEFedAvg):
     name = "pce_fedprox"
 
     def local_hooks(self, client_id, down, private):
-        anchor = {k: v.detach().to(self.ctx.device, copy=True) for k, v in down[MODEL].items()}
-        return {"regularizer": lambda model: proximal_term(model, anchor, self.config.mu)}
+        mu = self.config.mu
+        return {"regularizer": lambda params, anchor: proximal_term(params, anchor, mu)}
 
 
 @register

@@ -88,6 +88,9 @@ class NearestPrototype(nn.Module):
 class FedProto(Algorithm):
     """FedProto: only class prototypes travel; local CE + prototype distance; nearest-prototype inference."""
     name = "fedproto"
+    aggregation = "stream"
+    local_update = "own"
+    personal_model = "own"
     Config = FedProtoConfig
     has_global_model = False   # the global state is a set of prototypes, not a classifier
     uses_server_hparams = frozenset()   # reduce averages prototypes; no model travels, no FedOpt step

@@ -223,6 +223,7 @@ class FRAug(Algorithm):
     """FRAug: shared embedding generator + local RTNet augment the head's training in embedding space."""
 
     name = "fraug"
+    local_update = "own"
     Config = FRAugConfig
     has_global_model = False  # local BatchNorm (FedBN): evaluation is per client
 

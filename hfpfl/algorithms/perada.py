@@ -115,6 +115,9 @@ class PerAda(Algorithm):
     """PerAda: personal adapter with a proximal pull to a global adapter refined by ensemble distillation."""
 
     name = "perada"
+    aggregation = "gather"
+    local_update = "own"
+    personal_model = "own"
     Config = PerAdaConfig
     has_global_model = True
     uses_server_hparams = frozenset()  # aggregate: the weighted mean, then KD (its own kd_lr); no FedOpt step

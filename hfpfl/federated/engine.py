@@ -301,16 +301,12 @@ class Simulation:
         from . import vectorized
         if len(cids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.should_vectorize(self, cids):
             algo = self.algorithm
-            # a client without a stored state starts from the initial private values: with the default
-            # init_private_state every such client reads the same tensors (stacked once), not a clone per client
-            default_init = (type(algo).init_private_state is Algorithm.init_private_state
-                            and "init_private_state" not in vars(algo))
             for chunk in vectorized.chunks_of(self, cids):
                 downs, privs = vectorized.downloads(algo, server_state, chunk), {}
                 for cid in chunk:
                     privs[cid] = self.store.get(cid)
-                    if privs[cid] is None:
-                        privs[cid] = {MODEL: self.initial_private} if default_init else algo.init_private_state(cid)
+                    if privs[cid] is None:  # a client without a stored state starts from the method's initial one
+                        privs[cid] = algo.init_private_state(cid)
                 try:
                     ups = vectorized.train_chunk(self, chunk, downs, privs, round_idx, uploads=not stacked)
                 except Exception as e:  # noqa: BLE001 - an op vmap cannot batch: the sequential path is exact
@@ -333,8 +329,8 @@ class Simulation:
         its clients), bytes down counted once per download structure, bytes up from the chunk."""
         self._check_frozen(f"round {round_idx}, clients {ups[0].client_id}-{ups[-1].client_id}")
         down_bytes: dict = {}
-        from .vectorized import shared_download
-        same_download = shared_download(self.algorithm)
+        from .vectorized import same_download_for_all
+        same_download = same_download_for_all(downs)
         for i, upd in enumerate(ups):
             cid = upd.client_id
             down = downs[cid]
@@ -399,8 +395,8 @@ class Simulation:
     def run_round(self, round_idx: int, server_state: dict) -> tuple[dict, dict]:
         algo, acc = self.algorithm, self.accelerator
         sampled = self.sample_clients(round_idx)
-        gather = algo.needs_all_uploads or type(algo).aggregate is not Algorithm.aggregate
-        receives = type(algo).receive is not Algorithm.receive or "receive" in vars(algo)
+        gather = algo.aggregation == "gather"
+        receives = algo.aggregation != "mean"   # a "mean" method's uploads only enter the weighted mean
         kept: list[Update] = []
         if gather:
             for upd in self._client_updates(self.ownership.owned(sampled), round_idx, server_state):
@@ -425,8 +421,7 @@ class Simulation:
             meta = []
             # the default accumulate (weighted mean of the model part: FedAvg, FedProx, FedBN, ...) folds a whole
             # vectorized chunk's stacked uploads in one call instead of one call per client
-            fold_chunks = (not self.keep_uploads and not receives and type(algo).accumulate is Algorithm.accumulate
-                           and "accumulate" not in vars(algo))
+            fold_chunks = not self.keep_uploads and algo.aggregation == "mean"
             for ups, stacked in self._client_update_batches(self.ownership.owned(sampled), round_idx, server_state,
                                                             stacked=fold_chunks):
                 if stacked is not None:

@@ -10,7 +10,8 @@ A round, as the engine runs it (one model instance per process, client states sw
             update = algo.client_update(i, down, private_i, r)     # local work; update.upload travels client -> server
             algo.accumulate(sums, update, weights[i])              # streaming: O(model) memory, upload dropped
         server_state = algo.reduce(server_state, sums, r)          # sums / total weight, server optimizer (FedOpt)
-        # or, for methods that need every upload (KD ensembles, FedBiP synthesis): they override ``aggregate``
+        # or, for methods that need every upload (KD ensembles, FedBiP synthesis): they declare
+        # aggregation = "gather" and override ``aggregate``
         # (server_state, updates, r), which the engine runs once, on the main process, then broadcasts.
     evaluation: algo.load_global(server_state), algo.load_personal(i, server_state, private_i, r)
     new clients: algo.personalize_new_client(i, server_state, data, r)
@@ -517,7 +518,21 @@ class Algorithm:
     #: ``steps``, ``examples``): the engine records it in the round's history and the run's budget
     server_training: dict | None = None
     has_global_model: ClassVar[bool] = True
-    needs_all_uploads: ClassVar[bool] = False  # True (or overriding ``aggregate``): the gather path
+    # What the engine needs to know to choose its path; it follows these declarations, never which methods a class
+    # overrides. ``aggregation``: how the round's uploads reach the server --
+    #   "mean"   the weighted mean of the "model" part (FedAvg's ``accumulate``): a vectorized chunk's stacked uploads
+    #            fold into the sums in one call;
+    #   "stream" the method's own ``accumulate`` on each upload (after ``receive``), then ``reduce``: O(model) memory;
+    #   "gather" every upload of the round (after ``receive``) to ``aggregate`` at once, on the main process (KD
+    #            ensembles, synthesis).
+    aggregation: ClassVar[str] = "mean"
+    # ``local_update``: "engine" -- a client trains through ``load_client`` -> ``local_train`` with ``local_hooks``
+    # (pure functions: the vectorized path batches them); "own" -- the method's ``client_update`` trains its own
+    # way, and the engine trains its clients one by one.
+    local_update: ClassVar[str] = "engine"
+    # ``personal_model``: "loaded" -- a client's personal model is its download plus its private state (the default
+    # ``load_personal``), so many clients can be scored in one batched call; "own" -- ``load_personal`` builds it.
+    personal_model: ClassVar[str] = "loaded"
     on_non_finite: ClassVar[str] = "error"     # "error": a diverged client stops the run; "skip": the method copes
     # one client update's cost in small-model updates (~0.1-0.3 s), for --num_processes auto (hfpfl.launch.decide)
     client_update_cost: ClassVar[float] = 1.0
@@ -610,8 +625,9 @@ class Algorithm:
         client's images here."""
 
     def aggregate(self, server_state: Parts, updates: list[Update], round_idx: int) -> Parts:
-        """All of a round's uploads at once. The default streams them through accumulate/reduce; a method that
-        needs every upload together (KD ensembles, synthesis) overrides this and the engine gathers for it."""
+        """All of a round's uploads at once (``aggregation = "gather"``). The default streams them through
+        accumulate/reduce; a method that needs every upload together (KD ensembles, synthesis) overrides this and
+        declares ``aggregation = "gather"``."""
         if not updates:
             return server_state
         weights = self.aggregation_weights([u.client_id for u in updates])
@@ -632,33 +648,40 @@ class Algorithm:
 
     def client_update(self, client_id: int, down: Parts, private: Parts | None, round_idx: int) -> Update:
         self.load_client(down, private)
-        metrics = self.local_train(client_id, round_idx, **self.local_hooks(client_id, down, private))
+        metrics = self.local_train(client_id, round_idx, **self.bind_hooks(client_id, down, private))
         return Update(client_id, upload={MODEL: self.ctx.snapshot(self.global_keys)},
                       num_samples=len(self.ctx.train_data(client_id)),
                       private={MODEL: self.ctx.snapshot(self.private_keys)}, metrics=metrics)
 
     def local_hooks(self, client_id: int, down: Parts, private: Parts | None) -> dict:
-        """Extra arguments for the local training loop (e.g. a proximal `regularizer`); none for FedAvg."""
+        """Extra terms of the local loss, as pure functions, so that the sequential and the vectorized path run the
+        same code: ``{"regularizer": fn(params, anchor) -> loss}``, where ``params`` are the client's trainable
+        parameters by name and ``anchor`` its download's ``"model"`` part on the model's device (FedProx's proximal
+        term). FedAvg: none. Any other key is passed to ``ctx.train`` as is, and the engine then trains the clients
+        one by one (only a regularizer has a vectorized form)."""
         return {}
 
-    def functional_hooks(self, client_id: int, down: Parts, private: Parts | None) -> dict | None:
-        """:meth:`local_hooks` as pure functions, for vectorized training of many clients at once (``--vectorize``):
-        ``{"regularizer": fn(params, anchor) -> loss}`` where ``params`` are the trainable parameters by name and
-        ``anchor`` the download's ``"model"`` part, both for one client. None: the hooks cannot be vectorized (the
-        default when ``local_hooks`` is overridden), and the engine trains this method's clients one by one."""
-        return {} if type(self).local_hooks is Algorithm.local_hooks else None
+    def bind_hooks(self, client_id: int, down: Parts, private: Parts | None) -> dict:
+        """:meth:`local_hooks` as ``ctx.train`` takes them: the regularizer bound to this client's download,
+        ``regularizer(model)``."""
+        hooks = dict(self.local_hooks(client_id, down, private))
+        reg = hooks.get("regularizer")
+        if reg is not None:
+            anchor = {k: v.detach().to(self.ctx.device, copy=True) for k, v in down.get(MODEL, {}).items()}
+            hooks["regularizer"] = lambda model: reg(
+                {n: p for n, p in model.named_parameters() if p.requires_grad}, anchor)
+        return hooks
 
     def local_train(self, client_id: int, round_idx: int, **kwargs) -> dict:
         """The engine's training loop on this client's data (see :meth:`MethodContext.train`)."""
         return self.ctx.train(client_id, round_idx, **kwargs)
 
     def vectorizable(self) -> bool:
-        """Whether this run's local updates take the default path (``load_client`` → ``local_train`` with
-        :meth:`functional_hooks`, fresh optimizer), so ``--vectorize`` may train many clients in one batched call.
-        Default: the class overrides none of ``client_update`` / ``local_train`` / ``load_client``. A method whose
-        override only acts under an option (FedBN's ``keep_optimizer_state``) answers for that option here."""
-        cls = type(self)
-        return all(getattr(cls, n) is getattr(Algorithm, n) for n in ("client_update", "local_train", "load_client"))
+        """Whether this run's local updates take the engine's path (``load_client`` → ``local_train`` with
+        :meth:`local_hooks`, fresh optimizer), so ``--vectorize`` may train many clients in one batched call.
+        Default: ``local_update == "engine"``. A method whose own update only acts under an option (FedBN's
+        ``keep_optimizer_state``) answers for that option here."""
+        return self.local_update == "engine"
 
     # ------------------------------------------------------------------ evaluation
     def load_global(self, server_state: Parts) -> nn.Module | None:

@@ -264,6 +264,8 @@ class Tuner:
             return upd
 
         algo.client_update = client_update
+        # the scorer reads each client's model right after its update: the engine must train clients one by one
+        algo.local_update = "own"
 
     def _gather_scores(self, m: Member, clients: list[int]) -> list[float]:
         from ..federated.distributed import all_gather

@@ -228,9 +228,9 @@ def test_pce_fedprox_anchor_is_a_copy_on_the_training_device():
     algo.ctx.device = torch.device("meta")
     net = torch.nn.Module()
     net.w = torch.nn.Parameter(torch.zeros(2, device="meta"))
-    assert algo.local_hooks(0, down, None)["regularizer"](net).device.type == "meta"
+    assert algo.bind_hooks(0, down, None)["regularizer"](net).device.type == "meta"
     algo.ctx.device = torch.device("cpu")
-    reg = algo.local_hooks(0, down, None)["regularizer"]
+    reg = algo.bind_hooks(0, down, None)["regularizer"]
     net.w = torch.nn.Parameter(torch.tensor([3.0, 0.0]))
     down[MODEL]["w"].add_(100.0)
     assert float(reg(net).detach()) == 16.0

@@ -225,6 +225,7 @@ from hfpfl.cli import run_recipe
 class ReceivingFedAvg(FedAvg):
     """FedAvg that records, per upload, which process did the server's per-upload work (``receive``)."""
     name = "receiving_fedavg"
+    aggregation = "gather"
 
     def receive(self, upd, round_idx):
         upd.received["process"] = self.ctx.accelerator.process_index
@@ -282,6 +283,7 @@ psutil.cpu_count = lambda logical=True: 16  # as on a 16-core machine (accelerat
 class CountingFedAvg(FedAvg):
     """FedAvg that records how many torch threads each process trains with."""
     name = "counting_fedavg"
+    local_update = "own"
 
     def client_update(self, client_id, down, private, round_idx):
         rank = self.ctx.accelerator.process_index
