@@ -114,7 +114,7 @@ def public_pool(sim, config: KDConfig) -> tuple[torch.Tensor, TensorData | None]
     KD pixels come from ``config.kd_pool``: the out-of-domain pool (default) or the dataset's in-domain public split.
     The optional selection split (``kd_val_fraction`` > 0, PerAda code) is always a labelled held-out part of the
     dataset's public split: the server's validation data (PerAda: 5,000 held-out CIFAR-10 training images)."""
-    cache = sim.__dict__.setdefault("_kd_pool", {})
+    cache = sim.cache("kd_pool")
     key = (config.kd_pool, config.kd_pool_size, config.kd_public_fraction, config.kd_val_fraction)
     if key not in cache:
         need_public = config.kd_pool == "public" or config.kd_val_fraction > 0
@@ -155,8 +155,8 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
 
 def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig, round_idx: int) -> tuple[dict, dict]:
     """Distil ``student`` (a global-keys state) from the logit ensemble of ``teachers`` (uploaded global-keys states)
-    on the public pool, through ``algo.sim.model``. Returns (new student state, metrics)."""
-    sim, model = algo.sim, algo.model
+    on the public pool, through ``algo.ctx.model``. Returns (new student state, metrics)."""
+    sim, model = algo.ctx, algo.model
     keys = list(student)
     pixels, val = public_pool(sim, config)
     bs, dev = sim.args.eval_batch_size, sim.device
@@ -217,7 +217,7 @@ def push_global_adapter(algo, state: dict, round_idx: int, repo_id: str) -> str:
     from ..models.adapters import is_adapter_model
     from ..models.adapters.io import publish_adapter
 
-    sim = algo.sim
+    sim = algo.ctx
     if not is_adapter_model(sim.model):
         raise ValueError("push_adapters_to_hub_cache needs an adapter model (--adapter residual|parallel|lora)")
     if not sim.accelerator.is_main_process:

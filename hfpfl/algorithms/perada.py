@@ -126,7 +126,7 @@ class PerAda(Algorithm):
     def build_model(self):
         from ..models.adapters import is_adapter_model
 
-        model = self.sim.build_default_model()
+        model = self.ctx.build_default_model()
         if not is_adapter_model(model):
             raise ValueError("PerAda trains adapters on a frozen pretrained backbone: pass --adapter residual "
                              "(PerAda's residual adapters; parallel and lora also work), e.g. with "
@@ -218,8 +218,8 @@ class PerAda(Algorithm):
         self.ctx.load(down[MODEL])
         self.ctx.load({_to_personal(k): v for k, v in down[MODEL].items()})
         self._activate(PERSONAL_SLOT)
-        if self.sim.args.new_client_epochs > 0:
-            self.local_train(client_id, round_idx, epochs=self.sim.args.new_client_epochs, tag="new-client", data=data,
+        if self.ctx.args.new_client_epochs > 0:
+            self.local_train(client_id, round_idx, epochs=self.ctx.args.new_client_epochs, tag="new-client", data=data,
                              regularizer=self.prox(down) if self.config.lam > 0 else None)
         return self.model
 
@@ -234,7 +234,7 @@ class PerAda(Algorithm):
 def corrupted_test_data(sim, client_id: int, kind: str, severity: int) -> TensorData:
     """A corrupted copy of client ``client_id``'s test split: pixels back to images, :func:`hfpfl.data.degrade`
     (``kind``, ``severity``; seeded by the run seed and the client), back to model inputs. Cached per simulation."""
-    cache = sim.__dict__.setdefault("_corrupted", {})
+    cache = sim.cache("corrupted_test_data")
     key = (client_id, kind, severity)
     if key not in cache:
         from datasets import ClassLabel, Dataset, Features, Image
@@ -257,7 +257,7 @@ def corrupted_test_data(sim, client_id: int, kind: str, severity: int) -> Tensor
 def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, spec: str = "noise:client") -> dict:
     """Mean per-client accuracy of the personal models (``algo.load_personal``) on corrupted client test sets.
     Works for any method (the perada_digits study scores every row with it through a metrics_hook)."""
-    sim = algo.sim
+    sim = algo.ctx
     kind, severity = parse_corruption(spec)
     rows = []
     for cid in sim.owned(range(sim.num_clients)):

@@ -117,6 +117,9 @@ class Simulation:
         self.server_state: dict | None = None
         self.final_eval: dict | None = None
         self._client_hp_overrides: dict = {}
+        self._caches: dict[str, dict] = {}   # per-run caches of methods (ctx.cache) and of the vectorized path
+        self._stacked_data: dict = {}        # the vectorized path's stacked client splits (vectorized.stacked_data)
+        self._grad_layouts: dict | None = None   # each gradient's memory order, once probed (vectorized.grad_layouts)
         self._server_hp = ServerHParams.from_args(run_args)
         self.last_updates: list[Update] = []
 
@@ -142,6 +145,11 @@ class Simulation:
         """Training examples per process over ``client_ids`` (default: every client): how balanced the owners are."""
         ids = range(self.num_clients) if client_ids is None else client_ids
         return [int(x) for x in self.ownership.share(ids, [len(c.train) for c in self.data.clients])]
+
+    def cache(self, name: str) -> dict:
+        """A per-run cache by name (a method's derived data: the KD pool, corrupted test copies), dropped with the
+        simulation."""
+        return self._caches.setdefault(name, {})
 
     def build_default_model(self) -> nn.Module:
         from ..config import warn_random_backbone

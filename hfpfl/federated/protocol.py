@@ -208,6 +208,11 @@ class MethodContext:
     def snapshot(self, keys) -> TensorDict:
         return snapshot(self._sim.model_state, keys)
 
+    def cache(self, name: str) -> dict:
+        """A per-run cache by name, for what a method derives once and reads every round (its KD pool, corrupted
+        test copies): the same dict for the whole run, dropped with it."""
+        return self._sim.cache(name)
+
     def build_default_model(self) -> nn.Module:
         return self._sim.build_default_model()
 

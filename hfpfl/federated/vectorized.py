@@ -401,7 +401,7 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
     let go (``--data_cache_mb``)."""
     import weakref
 
-    cache = sim.__dict__.setdefault("_stacked_data", {})
+    cache = sim._stacked_data
     key = (split, tuple(clients))
     hit = cache.get(key)
     if hit is not None and all(ref() is d for ref, d in zip(hit["datas"], datas)):
@@ -497,7 +497,7 @@ def grad_layouts(sim, vstep, P: dict, B: dict, anchors: dict, anchor_dims: dict,
     step, so that every chunk of every process trains in the same layout from its first step whatever the chunking
     (the layout is a property of the model's operations, not of the clients or their number). The probe reads
     copies: ``P``, ``B`` and the batch are left as they were."""
-    cache = sim.__dict__.get("_grad_layouts")
+    cache = sim._grad_layouts
     if cache is None:
         n = min(2, len(next(iter(batch.values()))))
         if n < 2:  # one client: a size-1 client dimension has no place in memory to learn; the next chunk probes
@@ -553,7 +553,7 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
 
     vals = per_client_values(clients, [*trainable, *buffer_keys], client_value, downs, privates)
     with torch.no_grad():
-        layouts = sim.__dict__.get("_grad_layouts", {})  # each gradient's memory order (grad_layouts), once known
+        layouts = sim._grad_layouts or {}  # each gradient's memory order (grad_layouts), once known
         P = {k: _stack(vals[k], device, copy_shared=True, order=layouts.get(k)).to(params_all[k].dtype)
              for k in trainable}
         B = {k: _stack(vals[k], device, copy_shared=True) for k in buffer_keys}

@@ -53,7 +53,9 @@ def test_client_severity_is_one_plus_id_mod_five():
 # ------------------------------------------------------------------------------------------------ corrupted test data
 def _stand_in_sim(pixels, labels, channels, seed=7, client_id=3):
     test = {client_id: TensorData(pixels, labels)}
+    caches: dict = {}
     return SimpleNamespace(args=SimpleNamespace(seed=seed), test_data=lambda cid: test[cid],
+                           cache=lambda name: caches.setdefault(name, {}),
                            data=SimpleNamespace(num_labels=10, image_size=pixels.shape[-1], num_channels=channels))
 
 
@@ -137,7 +139,7 @@ def test_corrupted_personal_accuracy_by_hand(monkeypatch):
                           args=SimpleNamespace(eval_batch_size=17), device="dev",
                           accelerator=SimpleNamespace(num_processes=1))
     algo = Algo()
-    algo.sim = sim
+    algo.ctx = sim
     monkeypatch.setattr(perada, "corrupted_test_data",
                         lambda s, cid, kind, sev: seen["data"].append((s, cid, kind, sev)) or f"data{cid}")
 
