@@ -96,7 +96,7 @@ TARGETS: dict[str, Target] = {
                             functions=["xǁFedBiPǁaggregate", "xǁFedBiPǁwords", "x_caption_word"],
                             k="budget_is_the_server or learnt_it or keep_the_real_words or one_round_and_only or "
                               "given_domain or aggregate_called_directly"),
-    "server": Target(["hfpfl/federated/protocol.py"],
+    "server": Target(["hfpfl/federated/aggregation.py", "hfpfl/federated/protocol.py"],
                      ["tests/federated/test_protocol.py", "tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py",
                       "tests/algorithms/test_server_pins.py",
                       "tests/federated/test_vectorized.py::test_add_stacked_equals_one_add_per_client",

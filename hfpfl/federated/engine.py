@@ -25,11 +25,13 @@ from .. import tracking
 from ..runtime import configure_determinism
 from ..training import TensorData
 from . import checkpoint as ckpt
+from .aggregation import WeightedSums, all_finite
 from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
+from .context import HParams, MethodContext, NonFiniteError, ServerHParams, step_size_hint
 from .distributed import Ownership, all_gather, barrier, broadcast_from_main, evaluate_sharded, gather_to_main
-from .protocol import (FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, HParams, MethodContext, NonFiniteError,
-                       ServerHParams, Update, WeightedSums, all_finite, get_algorithm, step_size_hint)
-from .state import ClientStateStore, snapshot
+from .protocol import Algorithm, Update
+from .registry import get_algorithm
+from .state import FROZEN, GLOBAL, MODEL, PRIVATE, ClientStateStore, snapshot
 
 logger = logging.getLogger("hfpfl")
 

@@ -32,7 +32,10 @@ import torch
 from torch import nn
 
 from ..training import Metric, _decode_uint8, batch_bounds, model_inputs
-from .protocol import MODEL, HParams, Update, finite_rows, memory_order
+from .aggregation import finite_rows, memory_order
+from .context import HParams
+from .protocol import Update
+from .state import MODEL
 from .state import Fresh
 
 logger = logging.getLogger("hfpfl")
@@ -824,7 +827,7 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
                 else:
                     res = m.compute()
                 if "loss" in res and not math.isfinite(res["loss"]):
-                    from .protocol import NonFiniteError, step_size_hint
+                    from .context import NonFiniteError, step_size_hint
                     raise NonFiniteError(f"training diverged by round {sim.round}: client {c}'s model has a "
                                          f"non-finite evaluation loss; "
                                          f"{step_size_hint(sim.args, sim.algorithm.config, server=True)}")

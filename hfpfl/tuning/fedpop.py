@@ -42,7 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..federated.protocol import MODEL, HParams, NonFiniteError, get_algorithm
+from ..federated.context import HParams, NonFiniteError
+from ..federated.registry import get_algorithm
+from ..federated.state import MODEL
 from ..options import at_least, in_range, option, validate
 from . import search_space as ss
 

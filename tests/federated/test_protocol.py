@@ -15,7 +15,7 @@ from transformers.modeling_outputs import ImageClassifierOutput
 from hfpfl.algorithms import register
 from hfpfl.algorithms.base import MODEL, OPTIM, PRIVATE, HParams, NonFiniteError, Update
 from hfpfl.algorithms.fedavg import FedAvg
-from hfpfl.federated.protocol import dropout_rate
+from hfpfl.federated.context import dropout_rate
 from hfpfl.training import SoftTargetAccuracy, TensorData, evaluate, iterate_batches, train_local
 
 ROOT = Path(__file__).resolve().parents[2]

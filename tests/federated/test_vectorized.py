@@ -15,7 +15,7 @@ from hfpfl.algorithms.fedprox import FedProx
 from hfpfl.config import RunArguments
 from hfpfl.federated import vectorized
 from hfpfl.federated.engine import Simulation
-from hfpfl.federated.protocol import NonFiniteError
+from hfpfl.federated.context import NonFiniteError
 from hfpfl.training import TensorData, encode_uint8, iterate_batches
 
 
@@ -495,7 +495,7 @@ def test_mmap_threshold_is_pinned_only_for_large_rounds(ragged, tmp_path, monkey
 
 @pytest.mark.parametrize("row_loop", [1 << 30, 1])  # block float64 matrix-vector sums, and the per-client loop
 def test_add_stacked_equals_one_add_per_client(monkeypatch, row_loop):
-    from hfpfl.federated.protocol import WeightedSums
+    from hfpfl.federated.aggregation import WeightedSums
     monkeypatch.setattr(WeightedSums, "STACKED_ROW_LOOP", row_loop)
     for name in ("STACKED_BLOCK_BYTES", "STACKED_BLOCK_BYTES_CPU"):  # blocks of 2 clients (rows of 3 values)
         monkeypatch.setattr(WeightedSums, name, 2 * 3 * 8)
@@ -523,7 +523,7 @@ def test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes():
     process, two or three (each summing its own clients, then adding the partial sums as the all-reduce does) and
     the stacked fold give the same float32 mean, bit for bit. Normalized coefficients (w / total, the scheme
     before) fail this on the same data: some values come out one float32 step apart."""
-    from hfpfl.federated.protocol import WeightedSums
+    from hfpfl.federated.aggregation import WeightedSums
     g = torch.Generator().manual_seed(2)
     base = torch.randn(40000, generator=g) * 0.05            # uploads as FedAvg sees them: one model, client drift
     ups = [base + torch.randn(40000, generator=g) * 0.01 for _ in range(500)]
@@ -560,7 +560,7 @@ def test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes():
 
 
 def test_finite_checks_are_exact_when_the_sum_overflows():
-    from hfpfl.federated.protocol import all_finite, finite_rows
+    from hfpfl.federated.aggregation import all_finite, finite_rows
     big = torch.full((2, 4), 3e38)  # every value finite; the float32 sum overflows to inf
     assert all_finite(big) and finite_rows(big).tolist() == [True, True]
     big[1, 2] = float("nan")
