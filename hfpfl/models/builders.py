@@ -54,8 +54,9 @@ __all__ = [
 # configs
 # --------------------------------------------------------------------------------------------------------------
 def _labels_kwargs(num_labels: int) -> dict[str, Any]:
+    """A config's labels "0".."n-1": the label maps alone (their length is ``num_labels``; passing ``num_labels``
+    beside a checkpoint's longer maps only makes transformers warn that they disagree before they are replaced)."""
     return {
-        "num_labels": num_labels,
         "id2label": {i: str(i) for i in range(num_labels)},
         "label2id": {str(i): i for i in range(num_labels)},
     }
