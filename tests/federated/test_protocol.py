@@ -277,13 +277,13 @@ def test_private_model_state_never_leaks_between_clients(run_sim):
         sim, _ = run_sim(method, run=False, adapter="lora", lora_r=2, momentum=0.0, output_dir=f"leak-{method}")
         assert any("running_mean" in k for k in sim.keys_by_role[PRIVATE])
         state = sim.algorithm.init_server_state()
-        a = sim._client_work(1, 1, state)
+        a = sim.rounds.client_work(1, 1, state)
         priv_a = sim.store.get(1)
         sim.store.clear()
         with torch.no_grad():  # pollute: another client's statistics left in the model
             for k in sim.keys_by_role[PRIVATE]:
                 sim.model_state[k].add_(3)
-        b = sim._client_work(1, 1, state)
+        b = sim.rounds.client_work(1, 1, state)
         for p in a.upload:
             for k in a.upload[p]:
                 assert torch.equal(a.upload[p][k], b.upload[p][k]), (method, p, k)
