@@ -105,17 +105,29 @@ TARGETS: dict[str, Target] = {
                                "from_the_default", "test_adam_has_no_momentum_and_a_model_without_dropout_has_no_dropout",
                                "test_unknown_method_hparams_are_refused_with_did_you_mean")]),
     # population steps: Eq. 3-5 (annealing, quantile sets, the power-law score), FedPop-L and FedPop-G
-    "fedpop_evo": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop.py", "tests/tuning/test_fedpop_pins.py"],
+    "fedpop_evo": Target(["hfpfl/tuning/fedpop.py"],
+                         ["tests/tuning/test_fedpop_core_pins.py", *fedpop_nodes(
+                             "test_fedpop.py", "test_cos_anneal_endpoints_and_stop", "test_eq5_power_law_score",
+                             "test_fedpop_l_replaces_only_the_worst_slots_with_perturbed_best"), *fedpop_nodes(
+                             "test_fedpop_pins.py", "test_fedpop_l_on_known_scores_replaces_the_worst_third_by_the_best_"
+                             "perturbed_into_the_box", "test_fedpop_g_on_known_scores_exploits_the_best_and_explores_"
+                             "within_eps")],
                          functions=["x_cos_anneal", "x_quantile_sets", "x_eq5_weights", "x_eq5_score", "x_clone_state",
-                                    "xǁTunerǁlocal_window", "xǁTunerǁfedpop_l", "xǁTunerǁfedpop_g"],
-                         k="cos_anneal or quantile or eq5 or fedpop_l_ or fedpop_g_ or local_window or clone_state"),
-    "fedpop_fedex": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop.py", "tests/tuning/test_fedpop_pins.py"],
-                           functions=["xǁTunerǁfedex_update", "xǁTunerǁ_slot_vectors"],
-                           k="fedex_exponentiated or slot_vectors"),
-    "fedpop_resume": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop_pins.py", "tests/tuning/test_fedpop_hparams.py"],
+                                    "xǁTunerǁlocal_window", "xǁTunerǁfedpop_l", "xǁTunerǁfedpop_g"]),
+    # FedEx's client-configuration draws and its exponentiated-gradient step (and FedPop-L's slot vectors)
+    "fedpop_fedex": Target(["hfpfl/tuning/fedpop.py"],
+                           ["tests/tuning/test_fedpop_core_pins.py", *fedpop_nodes(
+                               "test_fedpop.py", "test_fedex_exponentiated_gradient_steps_by_hand",
+                               "test_slot_vectors_reach_the_engine")],
+                           functions=["xǁTunerǁfedex_update", "xǁTunerǁ_slot_vectors"]),
+    # the population checkpoint (state, fingerprint, atomic save, load)
+    "fedpop_resume": Target(["hfpfl/tuning/fedpop.py"],
+                            ["tests/tuning/test_fedpop_core_pins.py", *fedpop_nodes(
+                                "test_fedpop_pins.py", "test_population_checkpoint_restores_the_tuner_and_refuses_other_"
+                                "settings"), *fedpop_nodes(
+                                "test_fedpop_hparams.py", "test_fitted_space_round_trips_through_resume_fingerprint")],
                             functions=["xǁMemberǁmeta", "xǁTunerǁ_state", "xǁTunerǁfingerprint", "xǁTunerǁsave",
-                                       "xǁTunerǁload", "x__tuplify"],
-                            k="checkpoint or fingerprint"),
+                                       "xǁTunerǁload", "x__tuplify"]),
     # the driver: building the population, one member's round, the run loops, SHA's schedule and stages
     "fedpop_driver": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop.py", "tests/tuning/test_fedpop_pins.py",
                                                          "tests/tuning/test_fedpop_hparams.py"],
