@@ -138,10 +138,9 @@ TARGETS: dict[str, Target] = {
                               "server_lr_momentum or momentum_zero or ditto_member or fedprox_mu or sha_budget or "
                               "random_search_keeps or ignored_hparam"),
     # the final pick and what a run writes (val loss over all clients, Loc(beta^0) fine-tuning, results, plots)
-    "fedpop_results": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop_pins.py"],
+    "fedpop_results": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop_results_pins.py"],
                              functions=["xǁTunerǁmember_val_loss", "xǁTunerǁfinetuned_accuracy", "xǁTunerǁfinish",
-                                        "x_plot_population"],
-                             k="results or finish or val_loss or finetuned or plot"),
+                                        "x_plot_population"]),
     "fedpop_baselines": Target(["hfpfl/tuning/baselines.py"], ["tests/tuning/test_fedpop_pins.py"],
                                functions=["x__run", "x_random_search", "x_successive_halving", "x_fedex", "x_fedpop"],
                                k="baseline_entry"),

@@ -106,13 +106,15 @@ def test_eq5_weights_and_score_by_hand():
 
 def test_clone_state_copies_tensors_and_containers_without_aliasing():
     t = torch.tensor([1.0, 2.0])
-    obj = {"a": t, "b": [t, (t, {"c": 3})], "d": np.array([1, 2])}
+    obj = {"a": t, "b": [t, (t, {"c": 3})], "d": np.array([1, 2]), "e": SimpleNamespace(v=[1])}
     c = clone_state(obj)
     assert torch.equal(c["a"], t) and c["a"] is not t and c["b"][0] is not t and c["b"][1][0] is not t
     assert isinstance(c["b"], list) and isinstance(c["b"][1], tuple) and c["b"][1][1] == {"c": 3}
     assert c["d"] is not obj["d"] and c["d"].tolist() == [1, 2]
     t.add_(1.0)
     obj["d"][0] = 9
+    obj["e"].v.append(2)   # any other object is copied deeply too
+    assert c["e"].v == [1]
     assert c["a"].tolist() == [1.0, 2.0] and c["b"][1][0].tolist() == [1.0, 2.0] and c["d"].tolist() == [1, 2]
 
 
@@ -131,6 +133,7 @@ def spies(monkeypatch):
 
     def evo(h, params, eps, p_re, rng):
         calls["evo"].append((dict(h), list(params), eps, p_re))
+        calls.setdefault("rng", []).append(rng)
         return {**h, "evolved": True}
 
     def proj(beta, beta0, params, delta):
@@ -242,8 +245,19 @@ def test_fedpop_g_evolves_the_method_hparams_and_applies_them(spies):
     mevo = [c for c in spies["evo"] if c[1] == ["mu"]]
     eps, p_re = 0.2 * (1 + math.cos(math.pi / 4)), 0.1 * (1 + math.cos(math.pi / 4))
     assert mevo == [({"mu": pytest.approx(0.3), "lr": 0.0}, ["mu"], pytest.approx(eps), pytest.approx(p_re))] * 2
+    assert len(spies["rng"]) == 6 and all(r is t.rng for r in spies["rng"])   # the tuner's generator
     assert applied == [(0, {"mu": pytest.approx(0.3), "lr": 0.0, "evolved": True}),
                        (2, {"mu": pytest.approx(0.3), "lr": 0.0, "evolved": True})]
+
+
+def test_fedpop_g_skips_a_worst_member_that_draws_itself_and_goes_on(spies):
+    """3 members, rho 2: q = 2, so the middle member (m1) is both among the worst and the best. m1 draws itself
+    (the stub takes the last of the top set [0, 1]) and keeps its state; m2 still takes m1's."""
+    t = bare(T_g=2, horizon=12, gamma_g=0.5, rho=2)
+    t.members = [member(0, w=0, hist=[0.1, 0.1]), member(1, w=1, hist=[0.5, 0.5]), member(2, w=2, hist=[0.9, 0.9])]
+    ev = t.fedpop_g(2)
+    assert [(e["dst"], e["src"]) for e in ev] == [(2, 1)]
+    assert t.members[1].sim.loaded is None and t.members[2].sim.w.tolist() == [1.0]
 
 
 def test_fedpop_g_with_one_member_replaces_nobody(spies):
