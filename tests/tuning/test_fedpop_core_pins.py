@@ -281,6 +281,7 @@ def test_fedex_slot_draws_follow_theta_and_fedpop_slots_are_drawn_in_the_box_onc
 
     def sample_ball(b0, k, params, rng, delta):
         drawn.append((dict(b0), k, list(params), delta))
+        assert rng is t.rng
         return [{"slot": j} for j in range(k)]
 
     monkeypatch.setattr(ss, "sample_ball", sample_ball)
@@ -312,6 +313,26 @@ def test_fedex_with_two_configurations_steps_by_hand():
     Tuner.fedex_update(None, m, [2.5])
     w = [th[0] * math.exp(-eta / math.sqrt(2) * (0.5 / th[0]) / 0.5), th[1]]
     assert m.fedex["theta"] == pytest.approx([x / sum(w) for x in w], rel=1e-12) and m.fedex["baseline"] == 2.5
+
+
+def test_fedex_keeps_theta_finite_and_floored_when_a_configuration_collapses():
+    """A configuration at probability 1e-12 whose slot scored far better than the baseline gets a logit near
+    +5.9e11 (= log 1e-12 + sqrt(2 ln 2) * 0.5 / (2e-12) / 0.5): subtracting the largest logit before exp keeps theta
+    finite: (1, 1e-12) / (1 + 1e-12). Three configurations, the third (1e-6) scoring 4 above the baseline: its
+    logit drops by sqrt(2 ln 3) 4e6, exp underflows to 0 and the floor puts it back at 1e-12 of the normalised
+    (1/2, 1/2, 0), which is normalised once more: it sums to 1."""
+    m = SimpleNamespace(fedex={"theta": [1e-12, 1 - 1e-12], "baseline": None, "t": 0, "picks": [0, 1]})
+    Tuner.fedex_update(None, m, [0.0, 1.0])
+    th = m.fedex["theta"]
+    assert all(math.isfinite(x) for x in th)
+    assert th == pytest.approx([1 / (1 + 1e-12), 1e-12 / (1 + 1e-12)], rel=1e-9)
+    half = (1 - 1e-6) / 2
+    m = SimpleNamespace(fedex={"theta": [half, half, 1e-6], "baseline": 1.0, "t": 0, "picks": [2]})
+    Tuner.fedex_update(None, m, [5.0])
+    th = m.fedex["theta"]
+    assert th[2] == pytest.approx(1e-12 / (1 + 1e-12), rel=1e-9)
+    assert th[0] == th[1] == pytest.approx(0.5 / (1 + 1e-12), rel=1e-12)
+    assert abs(math.fsum(th) - 1.0) < 1e-15
 
 
 # ------------------------------------------------------------------------------------------------ checkpoint
