@@ -129,14 +129,13 @@ TARGETS: dict[str, Target] = {
                             functions=["xǁMemberǁmeta", "xǁTunerǁ_state", "xǁTunerǁfingerprint", "xǁTunerǁsave",
                                        "xǁTunerǁload", "x__tuplify"]),
     # the driver: building the population, one member's round, the run loops, SHA's schedule and stages
-    "fedpop_driver": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop.py", "tests/tuning/test_fedpop_pins.py",
-                                                         "tests/tuning/test_fedpop_hparams.py"],
+    "fedpop_driver": Target(["hfpfl/tuning/fedpop.py"],
+                            ["tests/tuning/test_fedpop_driver_pins.py", *fedpop_nodes(
+                                "test_fedpop.py", "test_sha_schedule_27_9_3_within_budget"), *fedpop_nodes(
+                                "test_fedpop_pins.py", "test_sha_keeps_exactly_the_best_third_by_its_stage_scores")],
                             functions=["xǁTunerǁ__init__", "xǁTunerǁ_new_member", "xǁTunerǁ_apply_method_hparams",
                                        "xǁTunerǁ_install_scorer", "xǁTunerǁ_gather_scores", "xǁTunerǁmember_round",
-                                       "xǁTunerǁrun", "xǁTunerǁsha_schedule", "xǁTunerǁ_run_sha"],
-                            k="driver or sha_schedule or sha_keeps or slot_vectors_reach or server_vector or "
-                              "server_lr_momentum or momentum_zero or ditto_member or fedprox_mu or sha_budget or "
-                              "random_search_keeps or ignored_hparam"),
+                                       "xǁTunerǁrun", "xǁTunerǁsha_schedule", "xǁTunerǁ_run_sha"]),
     # the final pick and what a run writes (val loss over all clients, Loc(beta^0) fine-tuning, results, plots)
     "fedpop_results": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop_results_pins.py"],
                              functions=["xǁTunerǁmember_val_loss", "xǁTunerǁfinetuned_accuracy", "xǁTunerǁfinish",

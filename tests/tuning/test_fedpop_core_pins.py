@@ -386,6 +386,7 @@ def test_save_is_atomic_and_only_on_the_main_process(tmp_path):
     t.save()
     assert not t.out.exists()
     t = _ckpt_tuner(tmp_path)
+    t.out = tmp_path / "deep" / "out"   # its parents are made too
     t.save()
     assert sorted(p.name for p in t.out.iterdir()) == ["population.pt"]
     assert torch.load(t.out / "population.pt", weights_only=False)["members"][0]["sim"]["w"].tolist() == [1.0]

@@ -51,10 +51,10 @@ def test_method_with_model_registers_the_method_with_the_tiny_mlp_once(monkeypat
     """Another model: the method's own name, nothing registered. tiny-mlp: ``<method>+tiny-mlp``, a subclass of the
     method named ``<Class>TinyMLP`` in this module, whose build_model makes a TinyMLP over channels * size^2 inputs
     and the data's labels; a second call reuses the registered class."""
+    base = protocol.get_algorithm("fedprox")   # registered (imported) before the registry is swapped for a copy
     reg = dict(protocol.REGISTRY)
     monkeypatch.setattr(protocol, "REGISTRY", reg)
     monkeypatch.setattr(models, "REGISTRY", reg)
-    base = protocol.get_algorithm("fedprox")
     reg.pop("fedprox+tiny-mlp", None)
     before = dict(reg)
     assert method_with_model("fedprox", "resnet8") == "fedprox" and reg == before
