@@ -88,6 +88,9 @@ def test_member_val_loss_is_the_sample_weighted_mean_over_every_clients_val_spli
                          ("load", "init"), ("personal", 2, "server", {"other": 1}, 4), ("evaluate", "model2", "val2")]
     sim = EvalSim({f"val{c}": {"loss": 3.0, "num_samples": 0} for c in range(3)})
     assert t.member_val_loss(Member(0, sim, {}, {})) == 0.0      # no validation samples: 0, not a division by 0
+    sim = EvalSim({"val0": {"loss": 3.0, "num_samples": 1}, "val1": {"loss": 5.0, "num_samples": 0},
+                   "val2": {"loss": 7.0, "num_samples": 0}})
+    assert t.member_val_loss(Member(0, sim, {}, {})) == 3.0      # one sample: its loss
 
 
 def test_finetuned_accuracy_trains_loc_beta0_on_each_client_then_tests(tmp_path):
@@ -106,6 +109,10 @@ def test_finetuned_accuracy_trains_loc_beta0_on_each_client_then_tests(tmp_path)
     assert [c for c in sim.calls if c[0] in ("load", "personal")][:4] == [
         ("load", "init"), ("personal", 0, "server", None, 4), ("load", "p1"), ("personal", 1, "server", {MODEL: "p1"}, 4)]
     assert [c for c in sim.calls if c[0] == "evaluate"] == [("evaluate", "trained-model", f"test{c}") for c in range(3)]
+    t = bare(tmp_path, final_finetune_epochs=1)   # the default: one epoch
+    sim = EvalSim(res)
+    t.finetuned_accuracy(Member(0, sim, {}, {"lr": -2.0, "local_epochs": 0}))
+    assert [c[4] for c in sim.calls if c[0] == "train"] == [1, 1, 1]
     t = bare(tmp_path, final_finetune_epochs=0)
     sim = EvalSim(res)
     assert t.finetuned_accuracy(Member(0, sim, {}, {"lr": -2.0, "local_epochs": 0})) == pytest.approx(0.7)
@@ -144,7 +151,7 @@ def test_finish_picks_the_lowest_val_loss_of_the_healthy_members_and_writes_the_
     t.members[0].fedex = {"theta": [0.1, 0.7, 0.2], "configs": [{"lr": -3.0, "local_epochs": 0},
                                                                 {"lr": -1.0, "local_epochs": 2},
                                                                 {"lr": -2.0, "local_epochs": 1}]}
-    t.events = [{"kind": "exploit", "round": 2}]
+    t.events = [{"kind": "exploit", "round": 2, "score_dst": np.float32(0.5)}]   # numpy scalars are written as text
     t.tried = {("a1", "b1"), ("a1", "b2"), ("a2", "b1")}
     t.member_val_loss = lambda m: {0: 0.5, 3: 0.5}[m.idx]
     t.finetuned_accuracy = lambda m: {0: 0.77}[m.idx]
@@ -172,10 +179,13 @@ def test_finish_picks_the_lowest_val_loss_of_the_healthy_members_and_writes_the_
                              "retraining_rounds": 0}
     assert res["tried"] == {"alpha": 2, "beta": 2, "pairs": 3}
     assert (res["tuner"], res["method"], res["seed"], res["wall_time_s"]) == ("fedex", "fedprox", t.run_args.seed, 12.5)
-    assert res["events"] == [{"kind": "exploit", "round": 2}]
+    assert res["events"] == t.events
     assert set(res) == {"tuner", "method", "seed", "budget", "tried", "best_member", "members", "events",
                         "wall_time_s"}
-    assert json.loads((t.out / "results.json").read_text()) == json.loads(json.dumps(res, default=str))
+    text = (t.out / "results.json").read_text()
+    assert json.loads(text)["events"] == [{"kind": "exploit", "round": 2, "score_dst": "0.5"}]
+    assert json.loads(text)["members"][0]["curve"] == [[1, 2.0]] and json.loads(text)["best_member"]["member"] == 0
+    assert text.startswith('{\n  "tuner": "fedex",\n  "method": "fedprox",\n')   # indented by 2 for reading
     assert yaml.safe_load((t.out / "search_space.yaml").read_text()) == t.space.to_dict()
     cfg = (t.out / "config.yaml").read_text()
     assert "tuner: fedex" in cfg and "method: fedprox" in cfg and "mu: " in cfg and "dataset: " in cfg
@@ -259,6 +269,9 @@ def test_plot_population_draws_each_members_curve_and_hyperparameters(tmp_path, 
           Member(7, None, {}, {}, curve=[(1, 3.0)])]
     ms[1].trajectory = [_traj(1, 0.01, mu=0.5), _traj(2, 0.02, mu=0.25)]
     ms[2].trajectory = [_traj(1, 0.03, mu=0.75)]
+    for m in ms[1:]:
+        for tr in m.trajectory:
+            tr["beta0"]["weight_decay"] = 1e-3 * tr["round"]
     events = [{"kind": "exploit", "round": 2}, {"kind": "eliminate", "stage": 0}, {"round": 5}]
     fp.plot_population(tmp_path, ms, events, title="T")
     want = [("plt", "subplots", (), {"figsize": (7, 4)}),
@@ -272,14 +285,15 @@ def test_plot_population_draws_each_members_curve_and_hyperparameters(tmp_path, 
             ("plt", "close", ("fig0",), {}),
             ("plt", "subplots", (2, 3), {"figsize": (12, 2.6 * 2), "squeeze": False})]
     panels = [("alpha", "server_lr", [[2.0, 3.0], [2.0]], True), ("beta0", "lr", [[0.01, 0.02], [0.03]], True),
-              ("beta0", "local_epochs", [[2, 2], [2]], False), ("method", "mu", [[0.5, 0.25], [0.75]], False)]
+              ("beta0", "local_epochs", [[2, 2], [2]], False), ("beta0", "weight_decay", [[1e-3, 2e-3], [1e-3]], True),
+              ("method", "mu", [[0.5, 0.25], [0.75]], False)]
     for i, (part, k, ys, log_y) in enumerate(panels):
         ax = f"ax1.{i}"
         want += [(ax, "plot", ([1, 2], ys[0]), {"lw": 1}), (ax, "plot", ([1], ys[1]), {"lw": 1}),
                  (ax, "set_title", (f"{part}.{k}",), {"fontsize": 8})]
         if log_y:
             want.append((ax, "set_yscale", ("log",), {}))
-    want += [("ax1.4", "axis", ("off",), {}), ("ax1.5", "axis", ("off",), {}),
+    want += [("ax1.5", "axis", ("off",), {}),
              ("fig1", "suptitle", ("T",), {}), ("fig1", "tight_layout", (), {}),
              ("fig1", "savefig", (tmp_path / "hparams.png",), {"dpi": 110}), ("plt", "close", ("fig1",), {})]
     assert plt_log == want
