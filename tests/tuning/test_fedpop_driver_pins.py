@@ -359,7 +359,8 @@ def test_the_population_is_built_with_its_budget_horizon_and_members(build, tmp_
         # the space file is written with sorted keys: dropout, local_epochs, lr
         want_beta = {"dropout": g.uniform(0.0, 0.5), "local_epochs": int(g.integers(3)), "lr": g.uniform(-2.5, -0.5)}
         assert m.alpha == want_alpha and m.beta0 == want_beta and m.mhp == {} and m.fedex is None
-        assert m.sim.algorithm.client_update.__qualname__.endswith("_install_scorer.<locals>.client_update")
+        wrapper = vars(m.sim.algorithm)["client_update"]   # the scorer, installed on this member's algorithm
+        assert any(c.cell_contents is m for c in wrapper.__closure__)
     assert t.rng.random() == g.random()   # nothing else drawn
 
 
