@@ -366,14 +366,15 @@ def parts_of(parent: str) -> dict[str, Target]:
     return {n: t for n, t in TARGETS.items() if n.startswith(parent + "_")}
 
 
-def check_parts(parent: str) -> list[str]:
+def check_parts(parent: str, fns: dict[str, dict[str, int]] | None = None) -> list[str]:
     """What is wrong with the split of ``parent`` into its parts: a mutated function of its core that no part
     mutates or that two parts mutate, a part's core file outside the parent's, a part's function glob that matches
-    nothing. Empty when every mutant of the parent is in exactly one part."""
+    nothing. Empty when every mutant of the parent is in exactly one part. ``fns``: :func:`mutated_functions` of the
+    parent's core, if already computed."""
     core = expand(TARGETS[parent].core)
     parts = parts_of(parent)
     problems = [f"{n}: {f} is not in {parent}'s core" for n, t in parts.items() for f in expand(t.core) if f not in core]
-    fns = mutated_functions(core)
+    fns = fns if fns is not None else mutated_functions(core)
     for f, counts in fns.items():
         for fn in sorted(counts):
             owners = [n for n, t in parts.items() if f in expand(t.core)
@@ -424,7 +425,7 @@ def main(argv=None) -> int:
             mine = {fn: c for f in expand(t.core) for fn, c in fns[f].items()
                     if any(fnmatch.fnmatchcase(fn, g) for g in (t.functions or ["*"]))}
             print(f"{n}: {sum(mine.values())} mutants in {len(mine)} functions ({' '.join(expand(t.core))})")
-        problems = check_parts(a.parts)
+        problems = check_parts(a.parts, fns)
         for line in problems:
             print("error: " + line, file=sys.stderr)
         print(f"{a.parts}: {sum(sum(c.values()) for c in fns.values())} mutants; "
