@@ -70,9 +70,9 @@ def test_member_round_trains_each_client_with_its_slot_vector_and_records_the_ro
     vector as values (10^0 = 1). Scores (0.5, 1, 3) in client order; their mean 1.5 goes to hist, curve and the
     trajectory; the counters move by one round and K local updates; the tried pairs are (alpha, slot vector);
     FedPop-L gets the scores and the round."""
-    t = bare(tuner="fedpop")
+    t = bare(tuner="fedpop", space={**SPACE, "method": {"mu": {"type": "choice", "values": [0.5, 0.25]}}})
     sim = StepSim({7: 3.0, 1: 0.5, 4: 1.0})
-    m = _member(sim, mhp={}, hist=[9.0])
+    m = _member(sim, mhp={"mu": 1}, hist=[9.0], age=4)
     m.betas = [{"lr": -2.0, "local_epochs": 0}, {"lr": -1.0, "local_epochs": 1}, {"lr": -3.0, "local_epochs": 2}]
     t.members, t.rounds_used, t.loc_calls = [m], 4, 10
     seen = []
@@ -85,10 +85,11 @@ def test_member_round_trains_each_client_with_its_slot_vector_and_records_the_ro
     assert hps[4] == {"lr": pytest.approx(0.1), "local_epochs": 2}
     assert hps[7] == {"lr": pytest.approx(0.001), "local_epochs": 3} and hps[-1] == {}
     assert server == {"server_lr": 1.0}
-    assert (m.age, m.rounds, t.rounds_used, t.loc_calls) == (1, 1, 5, 13)
+    assert (m.age, m.rounds, t.rounds_used, t.loc_calls) == (5, 1, 5, 13)
     assert m.hist == [9.0, 1.5] and m.curve == [(3, 1.5)] and m.scores == {}
     assert m.trajectory == [{"round": 3, "alpha": {"server_lr": 1.0},
-                             "beta0": {"lr": pytest.approx(0.01), "local_epochs": 3}, "method": {}, "score": 1.5}]
+                             "beta0": {"lr": pytest.approx(0.01), "local_epochs": 3}, "method": {"mu": 0.25},
+                             "score": 1.5}]
     akey = ss.key(m.alpha)
     assert t.tried == {(akey, ss.key(b)) for b in m.betas} and len(t.tried) == 3
     assert seen == [("L", 0, [0.5, 1.0, 3.0], 3)]
@@ -106,10 +107,11 @@ def test_member_round_runs_the_tuners_own_inner_step(tuner, calls):
     m = _member(StepSim({1: 1.0, 4: 1.0, 7: 1.0}))
     m.fedex = {"configs": [m.beta0], "theta": [1.0]}
     seen = []
-    t.fedpop_l = lambda *a: seen.append("L")
-    t.fedex_update = lambda mm, scores: seen.append("fedex")
+    t.fedpop_l = lambda mm, scores, r: seen.append(("L", mm, scores, r))
+    t.fedex_update = lambda mm, scores: seen.append(("fedex", mm, scores))
     t.member_round(m)
-    assert seen == calls
+    want = {"L": ("L", m, [1.0, 1.0, 1.0], 3), "fedex": ("fedex", m, [1.0, 1.0, 1.0])}
+    assert seen == [want[c] for c in calls]
 
 
 def test_a_member_that_diverges_scores_1e6_from_then_on_and_trains_no_more(caplog):
@@ -215,11 +217,15 @@ def _loop_tuner(tuner="fedpop", R_c=5, T_g=2, **targs):
     return t, log
 
 
-def test_run_trains_every_member_each_round_fires_fedpop_g_every_T_g_and_saves():
+def test_run_trains_every_member_each_round_fires_fedpop_g_every_T_g_and_saves(monkeypatch):
     """R_c = 5, T_g = 2: rounds 1..5 for both members; FedPop-G after rounds 2 and 4; the population saved after
-    rounds 2, 4 and 5 (the last); then finish with the wall time."""
+    rounds 2, 4 and 5 (the last); then finish with the wall time (a clock reading 100 s, then 112.5 s: 12.5 s)."""
     t, log = _loop_tuner()
-    assert t.run() == {"done": True}
+    clock = iter([100.0, 112.5])
+    monkeypatch.setattr(fp.time, "perf_counter", lambda: next(clock))
+    walls = []
+    t.finish = lambda wall: (walls.append(wall), log.append(("finish", True)), {"done": True})[2]
+    assert t.run() == {"done": True} and walls == [12.5]
     want = []
     for r in range(1, 6):
         want += [("round", 0, r), ("round", 1, r)]
@@ -318,16 +324,17 @@ def build(tiny_fed, tmp_path):
 
     da, fed = tiny_fed
 
-    def _make(method="fedavg", out="t", space=TINY_SPACE, run_kw=None, **tkw):
+    def _make(method="fedavg", out="t", space=TINY_SPACE, run_kw=None, method_kw=None, fed_data=fed, **tkw):
         import yaml
 
-        ra = RunArguments(method=method, model="tiny-mlp", output_dir=str(tmp_path / out), progress=False,
-                          **{"seed": 0, "clients_per_round": 3, **(run_kw or {})})
+        ra = RunArguments(method=method, model="tiny-mlp", output_dir=str(tmp_path / out),
+                          **{"seed": 0, "clients_per_round": 3, "progress": False, **(run_kw or {})})
         kw = dict(population_size=2, rounds_per_member=4, generation_rounds=2)
         kw.update(tkw)
         p = tmp_path / f"{out}_space.yaml"
         p.write_text(yaml.safe_dump(space))
-        return Tuner(ra, da, get_algorithm(method).Config(), TunerArguments(search_space=str(p), **kw), fed_data=fed)
+        return Tuner(ra, da, get_algorithm(method).Config(**(method_kw or {})), TunerArguments(search_space=str(p), **kw),
+                     fed_data=fed_data)
 
     return _make
 
@@ -339,7 +346,8 @@ def test_the_population_is_built_with_its_budget_horizon_and_members(build, tmp_
     method config; alpha then beta^0 drawn from the tuner's generator seeded (seed, 20250)."""
     threads = torch.get_num_threads()
     try:
-        t = build(run_kw={"seed": 3, "num_threads": 1})
+        t = build(method="fedprox", method_kw={"mu": 0.3},
+                  run_kw={"seed": 3, "num_threads": 1, "progress": True, "resume_from_checkpoint": "latest"})
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
@@ -353,8 +361,9 @@ def test_the_population_is_built_with_its_budget_horizon_and_members(build, tmp_
         assert (a.num_rounds, a.clients_per_round, a.eval_every, a.checkpoint_every) == (10 ** 6, 3, 10 ** 6, 0)
         assert (a.overwrite_output_dir, a.resume_from_checkpoint, a.progress, a.report_to) == (True, None, False,
                                                                                                 "none")
-        assert a.method == "fedavg+tiny-mlp" and m.sim.accelerator is t.accelerator
-        assert m.sim.algorithm.config is not t.method_config and m.sim.algorithm.config == t.method_config
+        assert a.method == "fedprox+tiny-mlp" and m.sim.accelerator is t.accelerator
+        assert m.sim.data is t.fed_data and m.sim.data_args is t.data_args
+        assert m.sim.algorithm.config is not t.method_config and m.sim.algorithm.config.mu == 0.3
         want_alpha = {"server_lr": g.uniform(-0.5, 0.3), "server_momentum": g.uniform(0.0, 0.9)}
         # the space file is written with sorted keys: dropout, local_epochs, lr
         want_beta = {"dropout": g.uniform(0.0, 0.5), "local_epochs": int(g.integers(3)), "lr": g.uniform(-2.5, -0.5)}
@@ -373,13 +382,15 @@ def test_default_T_g_K_and_the_horizon_of_the_sha_wrapped_tuners(build):
     assert t.T_g == 1 and t.K == 3
     assert build(out="b", generation_rounds=None, population_size=1, rounds_per_member=26).T_g == 3
     t = build(out="c", population_size=1, run_kw={"clients_per_round": None, "client_fraction": 0.5})
-    assert t.K == 3
+    assert t.K == 3 and t.members[0].sim.args.clients_per_round == 3
     t = build(out="d", population_size=1, run_kw={"clients_per_round": None, "client_fraction": 0.01})
     assert t.K == 1
     t = build(out="e", tuner="fedpop_sha", sha_start=3, population_size=2, rounds_per_member=6, generation_rounds=None)
     assert (t.horizon, t.T_g, len(t.members), t.budget) == (4, max(1, round(0.4)), 3, 12)
     t = build(out="f", tuner="sha", sha_start=3, population_size=2, rounds_per_member=6)
     assert (t.horizon, len(t.members)) == (6, 3)
+    t = build(out="g", tuner="fedex_sha", sha_start=3, population_size=2, rounds_per_member=6)
+    assert (t.horizon, len(t.members)) == (4, 3)
 
 
 def test_fedex_members_get_their_configurations_in_the_box(build, monkeypatch):
@@ -459,6 +470,49 @@ def test_a_space_refused_at_the_first_member_leaves_nothing_it_created(build, tm
     with pytest.raises(ValueError, match="refused"):
         build(out="old")
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == ["keep.txt"]
+    (tmp_path / "mem" / "members").mkdir(parents=True)   # only the first member's folder is new: it goes
+    (tmp_path / "mem" / "members" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="refused"):
+        build(out="mem")
+    assert sorted(p.name for p in (tmp_path / "mem" / "members").iterdir()) == ["keep.txt"]
+
+
+def test_a_failure_after_the_first_member_or_before_anything_is_written(build, tmp_path, monkeypatch):
+    """A ValueError building the second member (the space was accepted) keeps what the first member wrote; one
+    raised before the first member's engine wrote anything reaches the caller as it is."""
+    real = Tuner._install_scorer
+    n = []
+
+    def second_fails(self, m):
+        n.append(m.idx)
+        if m.idx == 1:
+            raise ValueError("second member")
+        return real(self, m)
+
+    monkeypatch.setattr(Tuner, "_install_scorer", second_fails)
+    with pytest.raises(ValueError, match="second member"):
+        build(out="two")
+    assert (tmp_path / "two" / "members" / "m00").exists()
+    monkeypatch.undo()
+    import hfpfl.federated.engine as engine
+
+    def early(*a, **k):
+        raise ValueError("engine refused")
+
+    monkeypatch.setattr(engine, "Simulation", early)
+    with pytest.raises(ValueError, match="engine refused"):
+        build(out="none")
+    assert not (tmp_path / "none").exists()
+
+
+def test_without_a_federation_the_tuner_builds_it_from_the_data_arguments_and_seed(build, tiny_fed, monkeypatch):
+    import hfpfl.data
+
+    calls = []
+    monkeypatch.setattr(hfpfl.data, "build_federated_dataset",
+                        lambda da, seed: (calls.append((da, seed)), tiny_fed[1])[1])
+    t = build(fed_data=None, population_size=1, run_kw={"seed": 4})
+    assert calls == [(tiny_fed[0], 4)] and t.fed_data is tiny_fed[1] and t.members[0].sim.data is tiny_fed[1]
 
 
 def test_a_tracker_is_made_only_for_report_to(build, monkeypatch, tmp_path):
@@ -476,6 +530,7 @@ def test_a_tracker_is_made_only_for_report_to(build, monkeypatch, tmp_path):
     monkeypatch.setattr(accelerate, "Accelerator", spy)
     t = build(population_size=1, run_kw={"report_to": "tensorboard"})
     assert made[:2] == [{}, {"log_with": "tensorboard", "project_dir": str(tmp_path / "t")}]
+    assert t.members[0].sim.args.report_to == "none"   # the members log nothing themselves
     assert t.tracker is not None and t._trackers_started is False
     made.clear()
     assert build(out="n", population_size=1).tracker is None and made[:1] == [{}]
