@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("mutmut")   # the dev extra: the check asks mutmut itself what it mutates
 
 
 @pytest.fixture(scope="module")
