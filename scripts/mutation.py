@@ -302,11 +302,49 @@ def _summarize(files, globs, get_diff_for_mutant, status_by_exit_code) -> dict:
 RECORDS = ROOT / "docs" / "mutation"
 
 
+def recorded_targets() -> list[str]:
+    """The targets whose records make the tables: every target but an alias (``fedavg``) and a target split into
+    parts (its parts' records replace it: together they mutate its whole core, each function once)."""
+    return [n for n in TARGETS if n != "fedavg" and not parts_of(n)]
+
+
+def file_scores(out: Path) -> dict[str, dict]:
+    """Per core file: mutants and killed summed over the records of :func:`recorded_targets` that mutate it (they
+    share no function), with the targets and whether any mutant went unchecked."""
+    files: dict[str, dict] = {}
+    for name in recorded_targets():
+        js = out / f"{name}.json"
+        if not js.exists():
+            continue
+        s = json.loads(js.read_text())
+        for f, r in s["files"].items():
+            e = files.setdefault(f, {"mutants": 0, "killed": 0, "not_checked": 0, "targets": []})
+            e["mutants"] += r["mutants"]
+            e["killed"] += r["killed"]
+            e["not_checked"] += r.get("not_checked", 0)
+            e["targets"].append(s["target"])
+    return files
+
+
+def file_table(out: Path) -> str:
+    """One row per core file, all its targets together: the score the tests issue asks of each file."""
+    rows = ["| core file | mutants | killed | score | targets |", "|---|---|---|---|---|"]
+    for f, e in sorted(file_scores(out).items()):
+        checked = e["mutants"] - e["not_checked"]
+        score = f"{100 * e['killed'] / checked:.1f}%" if checked else "-"
+        unchecked = f" ({e['not_checked']} not checked)" if e["not_checked"] else ""
+        rows.append(f"| `{f}` | {e['mutants']}{unchecked} | {e['killed']} | {score} | "
+                    + ", ".join(f"[{t}]({t}.md)" if (out / f"{t}.md").exists() else t for t in e["targets"]) + " |")
+    return "\n".join(rows)
+
+
 def markdown_table(out: Path) -> str:
-    """One row per core file of every target's summary under ``out``: what docs/testing.md shows."""
-    rows = ["| file | target | mutants | killed | score | surviving mutants (no tests: no selected test runs it) | commit |",
+    """Per core file, then one row per core file of every target's summary under ``out``: what docs/testing.md
+    shows."""
+    rows = [file_table(out), "",
+            "| file | target | mutants | killed | score | surviving mutants (no tests: no selected test runs it) | commit |",
             "|---|---|---|---|---|---|---|"]
-    for js in sorted(out / f"{name}.json" for name in TARGETS if name != "fedavg"):
+    for js in sorted(out / f"{name}.json" for name in recorded_targets()):
         if not js.exists():
             continue
         s = json.loads(js.read_text())
@@ -445,6 +483,16 @@ def main(argv=None) -> int:
     if a.max_children < 1:
         print("error: --max-children must be >= 1", file=sys.stderr)
         return 2
+    if a.target in TARGETS and parts_of(a.target) and not (a.tests or a.k or a.summarize):
+        # a target split into parts runs each part against its own tests (the whole core against every test of
+        # every part would take hours), then reports the core's files with all parts together
+        codes = []
+        for part in parts_of(a.target):
+            print(f"== {part}", flush=True)
+            codes.append(main([part, "--max-children", str(a.max_children), "--out", a.out, "--records", a.records]
+                              + ["--resume"] * a.resume + ["--record"] * a.record))
+        print(file_table(Path(a.out)))
+        return max(codes)
     if Path(a.target).suffix == ".py" and a.tests and a.target not in TARGETS:
         name, t = Path(a.target).stem, Target([os.path.relpath(Path(a.target).resolve(), ROOT)], a.tests)
     elif target_for(a.target):
