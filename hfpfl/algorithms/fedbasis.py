@@ -106,8 +106,8 @@ class FedBasis(Algorithm):
     def warm_rounds(self) -> int:
         """At least one warm-start round (when there are >= 2 rounds and warm_fraction > 0): bases that start
         identical get identical gradients and uniform alphas forever, so the k-means split is what separates them."""
-        r = int(math.floor(self.config.warm_fraction * self.ctx.args.num_rounds))
-        return max(r, 1) if self.config.warm_fraction > 0 and self.ctx.args.num_rounds >= 2 else r
+        r = int(math.floor(self.config.warm_fraction * self.ctx.run.num_rounds))
+        return max(r, 1) if self.config.warm_fraction > 0 and self.ctx.run.num_rounds >= 2 else r
 
     def _keys(self, prefix):
         return [k for k in self.global_keys if k.startswith(prefix)]

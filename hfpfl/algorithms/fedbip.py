@@ -505,7 +505,7 @@ class FedBiP(Algorithm):
                                                    steps=self.config.classifier_steps, data=syn,
                                                    tag="fedbip-classifier")
         self.server_training = self.classifier_metrics   # the budget of the one model this method evaluates
-        if self.config.save_grid and self.sim.accelerator.is_main_process:
+        if self.config.save_grid and self.ctx.is_main_process:
             self.save_grid()
         return {**server_state, MODEL: self.ctx.snapshot(self.global_keys)}
 

@@ -37,8 +37,8 @@ class FedNova(Algorithm):
 
     def __init__(self, ctx, config):
         super().__init__(ctx, config)
-        if ctx.args.optimizer != "sgd":
-            raise ValueError(f"fednova normalizes SGD updates; got --optimizer {ctx.args.optimizer} (use sgd)")
+        if ctx.run_hparams.optimizer != "sgd":
+            raise ValueError(f"fednova normalizes SGD updates; got --optimizer {ctx.run_hparams.optimizer} (use sgd)")
 
     def client_update(self, client_id, down, private, round_idx):
         hp = self.ctx.hparams(client_id)

@@ -120,7 +120,7 @@ class _PCELoop(Algorithm):
     def _lr(self, start: float, floor: float, round_idx: int) -> float:
         if not self.config.cosine:
             return start
-        total = max(1, self.ctx.args.num_rounds)
+        total = max(1, self.ctx.run.num_rounds)
         t = min(max(round_idx - 1, 0), total - 1) / max(1, total - 1) if total > 1 else 0.0
         return floor + 0.5 * (start - floor) * (1 + math.cos(math.pi * t))
 

@@ -131,7 +131,7 @@ class FedProto(Algorithm):
         was = self.model.training
         self.model.eval()
         sums, counts = {}, {}
-        for batch in iterate_batches(data, self.ctx.args.eval_batch_size, shuffle=False, merge_small_last=False):
+        for batch in iterate_batches(data, self.ctx.run.eval_batch_size, shuffle=False, merge_small_last=False):
             batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
             f = forward_with_embedding(self.model, batch)[1].double()
             for c in batch["labels"].unique().tolist():
@@ -178,7 +178,7 @@ class FedProto(Algorithm):
     def personalize_new_client(self, client_id, server_state, data, round_idx):
         """Sec. "Model Inference": a new client fine-tunes its model on its own objective, global prototypes fixed."""
         self.load_client({}, self.init_private_state(client_id))
-        if self.ctx.args.new_client_epochs > 0:
-            self.local_train(client_id, round_idx, epochs=self.ctx.args.new_client_epochs, tag="new-client",
+        if self.ctx.run.new_client_epochs > 0:
+            self.local_train(client_id, round_idx, epochs=self.ctx.run.new_client_epochs, tag="new-client",
                              data=data, loss_fn=self.loss_fn(self.download(server_state, client_id)[PROTO]))
         return self.predictor(self.model, server_state)

@@ -34,8 +34,7 @@ class Scaffold(Algorithm):
 
     def __init__(self, ctx, config):
         super().__init__(ctx, config)
-        from .base import HParams
-        check_plain_sgd(HParams.from_args(ctx.args))
+        check_plain_sgd(ctx.run_hparams)
 
     def _param_keys(self):
         params = dict(self.model.named_parameters())

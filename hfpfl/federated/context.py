@@ -98,21 +98,47 @@ def dropout_rate(model: nn.Module, p: float | None):
             m.p = q
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """The run's settings a method may read (``ctx.run``): the rest of the run's options are the engine's."""
+
+    seed: int = 0
+    num_rounds: int = 1
+    eval_batch_size: int = 256
+    new_client_epochs: int = 0
+    model: str = ""
+    adapter: str = "none"
+    lora_r: int = 4
+
+    @classmethod
+    def from_args(cls, args) -> "RunSettings":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
 class MethodContext:
     """What a method may read and call. Nothing else of the engine is part of the protocol.
 
     Model: ``model``, ``model_state`` (the model's cached state dict, shares storage), ``keys(role)``,
-    ``initial_private``, ``load(values)``, ``snapshot(keys)``, ``build_default_model()``, ``device``.
+    ``initial_private``, ``load(values)``, ``snapshot(keys)``, ``build_default_model()``, ``device``,
+    ``cache(name)`` (a per-run dict).
     Data: ``data`` (the FederatedData), ``num_clients``, ``num_labels``, ``client(i)``, ``train_data(i)``,
-    ``val_data(i)``, ``test_data(i)``, ``global_test_data()``, ``public_data()``.
-    Training: ``hparams(i)``, ``server_hparams()``, ``train(...)``, ``evaluate(model, data)``, ``metric()``,
-    ``make_optimizer(params, hp)``, ``generator(round, i, tag)``, ``seed_for(round, i, tag)``, ``args`` (read-only run
-    settings).
-    Several processes: ``is_main_process``, ``owned(clients)``, ``gather(items)``, ``private_state(i)``;
-    ``output_dir`` for artefacts (grids, adapters)."""
+    ``val_data(i)``, ``test_data(i)``.
+    Training: ``run`` (:class:`RunSettings`), ``round``, ``run_hparams`` (the run's client hyperparameters),
+    ``hparams(i)`` (client i's this round), ``server_hparams()``, ``train(...)``, ``evaluate(model, data)``,
+    ``metric()``, ``generator(round, i, tag)``, ``seed_for(round, i, tag)``, ``backward(loss)``.
+    Several processes: ``is_main_process``, ``process_index``, ``owned(clients)``, ``gather(items)``,
+    ``private_state(i)``; ``output_dir`` for artefacts (grids, adapters)."""
 
     def __init__(self, sim: "Simulation"):
         self._sim = sim
+        self._run = None
+
+    @property
+    def run(self) -> RunSettings:
+        """The run's settings a method reads (seed, rounds, evaluation batch size, ...)."""
+        if self._run is None or self._run[0] is not self._sim.args:  # a one-shot method's run is cut to 1 round
+            self._run = (self._sim.args, RunSettings.from_args(self._sim.args))
+        return self._run[1]
 
     # model ------------------------------------------------------------------------------------------------
     @property
@@ -125,10 +151,6 @@ class MethodContext:
 
     def keys(self, role: str) -> list[str]:
         return self._sim.keys_by_role[role]
-
-    @property
-    def keys_by_role(self) -> dict[str, list[str]]:
-        return self._sim.keys_by_role
 
     @property
     def initial_private(self) -> TensorDict:
@@ -177,20 +199,15 @@ class MethodContext:
     def test_data(self, client_id: int) -> TensorData:
         return self._sim.test_data(client_id)
 
-    def global_test_data(self) -> TensorData:
-        return self._sim.global_test_data()
-
-    def public_data(self) -> TensorData:
-        return self._sim.public_data()
-
     # training ---------------------------------------------------------------------------------------------
-    @property
-    def args(self):
-        return self._sim.args
-
     @property
     def round(self) -> int:
         return self._sim.round
+
+    @property
+    def run_hparams(self) -> HParams:
+        """The run's client hyperparameters (``--lr``, ``--optimizer``, ...), before any client's own."""
+        return HParams.from_args(self._sim.args)
 
     def hparams(self, client_id: int) -> HParams:
         return self._sim.client_hparams(client_id)
@@ -201,8 +218,7 @@ class MethodContext:
     def metric(self) -> Metric:
         return self._sim.algorithm.metric()
 
-    def make_optimizer(self, params, hp: HParams | None = None) -> torch.optim.Optimizer:
-        hp = hp or HParams.from_args(self.args)
+    def _make_optimizer(self, params, hp: HParams) -> torch.optim.Optimizer:
         return make_optimizer(params, hp.optimizer, hp.lr, hp.momentum, hp.weight_decay)
 
     def generator(self, round_idx: int, client_id: int, tag: str = "") -> torch.Generator:
@@ -212,13 +228,13 @@ class MethodContext:
         return self._sim.seed_for(round_idx, client_id, tag)
 
     def evaluate(self, model: nn.Module, data: TensorData, metric: Metric | None = None) -> dict:
-        with conv_channels_last(model, self.channels_last(model)):
-            return evaluate(model, data, batch_size=self.args.eval_batch_size, device=self.device,
+        with conv_channels_last(model, self._channels_last(model)):
+            return evaluate(model, data, batch_size=self.run.eval_batch_size, device=self.device,
                             metric=metric or self.metric())
 
-    def channels_last(self, model: nn.Module) -> bool:
+    def _channels_last(self, model: nn.Module) -> bool:
         """Whether this run's ``--channels_last`` applies to ``model`` (:func:`hfpfl.training.channels_last_pays`)."""
-        return channels_last_pays(model, getattr(self.args, "channels_last", "off"), self.device)
+        return channels_last_pays(model, getattr(self._sim.args, "channels_last", "off"), self.device)
 
     def train(self, client_id: int, round_idx: int, *, params=None, hp: HParams | None = None, epochs=None,
               steps=None, data=None, tag: str = "", optimizer_state: TensorDict | None = None,
@@ -237,7 +253,7 @@ class MethodContext:
         several = isinstance(hooks.get("loss_fn"), (list, tuple))
         param_sets = list(params) if several else [params]
         names = {id(p): n for n, p in self.model.named_parameters()}
-        optimizers = [(optimizer or self.make_optimizer)(ps, hp) for ps in param_sets]
+        optimizers = [(optimizer or self._make_optimizer)(ps, hp) for ps in param_sets]
         if schedule is not None:
             if "scheduler" in hooks:
                 raise ValueError("pass either schedule= (built on this call's optimizers) or scheduler=, not both")
@@ -248,7 +264,7 @@ class MethodContext:
                                            if k.startswith(f"{i}:")}, names)
         if epochs is None and steps is None:
             epochs, steps = hp.local_epochs, hp.local_steps
-        with dropout_rate(self.model, hp.dropout), conv_channels_last(self.model, self.channels_last(self.model)):
+        with dropout_rate(self.model, hp.dropout), conv_channels_last(self.model, self._channels_last(self.model)):
             metrics = train_local(self.model, data if data is not None else self.train_data(client_id),
                                   optimizers if several else optimizers[0], batch_size=hp.batch_size,
                                   epochs=epochs or 1, max_steps=steps,
@@ -279,10 +295,14 @@ class MethodContext:
     def output_dir(self):
         return self._sim.output_dir
 
-    # older plug-ins used ``self.sim.store.get`` / ``self.sim.accelerator``; keep the two read paths they need
     @property
-    def accelerator(self):
-        return self._sim.accelerator
+    def process_index(self) -> int:
+        return self._sim.accelerator.process_index
+
+    def backward(self, loss) -> None:
+        """``loss.backward()`` as the run's accelerator does it (mixed precision, several processes): for a method's
+        own training loop."""
+        self._sim.accelerator.backward(loss)
 
 
 class _Schedules:

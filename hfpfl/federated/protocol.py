@@ -258,7 +258,7 @@ class Algorithm:
     def personalize_new_client(self, client_id: int, server_state: Parts, data, round_idx: int) -> nn.Module:
         """Default new-client protocol: start from the global state and fine-tune on the client's train split."""
         self.load_client(self.download(server_state, client_id), self.init_private_state(client_id))
-        epochs = self.ctx.args.new_client_epochs
+        epochs = self.ctx.run.new_client_epochs
         if epochs > 0:
             self.local_train(client_id, round_idx, params=self.trainable_parameters(self.new_client_keys()),
                              epochs=epochs, tag="new-client", data=data)

@@ -53,9 +53,9 @@ def _algo(eval_batch_size=3):
     """What ensemble_distill reads of a method: its model, the simulation's state dict / batch size / device / KD
     generator / backward, and the trainable parameters among the distilled keys."""
     model = Tiny()
-    sim = SimpleNamespace(model_state=model.state_dict(), args=SimpleNamespace(eval_batch_size=eval_batch_size),
+    sim = SimpleNamespace(model_state=model.state_dict(), run=SimpleNamespace(eval_batch_size=eval_batch_size),
                           device="cpu", generator=lambda r, c, tag: torch.Generator().manual_seed(0),
-                          accelerator=SimpleNamespace(backward=lambda loss: loss.backward()))
+                          backward=lambda loss: loss.backward())
     allowed = lambda keys: [p for n, p in model.named_parameters() if n in set(keys)]  # noqa: E731
     return SimpleNamespace(ctx=sim, model=model, trainable_parameters=allowed)
 
@@ -222,7 +222,7 @@ def _pool_sim(n_public=10, seed=0):
         pub = Dataset.from_dict({"pixel_values": [[[[i / 16.0]]] for i in range(n_public)],
                                  "labels": list(range(n_public))}).with_format("torch")
     caches: dict = {}
-    return SimpleNamespace(data=SimpleNamespace(public=pub, image_size=8, num_channels=1), args=SimpleNamespace(seed=seed),
+    return SimpleNamespace(data=SimpleNamespace(public=pub, image_size=8, num_channels=1), run=SimpleNamespace(seed=seed),
                            cache=lambda name: caches.setdefault(name, {}))
 
 
@@ -343,12 +343,12 @@ def test_push_global_adapter_publishes_the_given_state_as_the_round_revision(mon
         ({k: v.clone() for k, v in model.state_dict().items()}, repo, revisions)) or "/snap")
     monkeypatch.setattr(adapters, "is_adapter_model", lambda model: isinstance(model, Tiny))
     algo = _algo()
-    algo.ctx.model, algo.ctx.accelerator.is_main_process = algo.model, True
+    algo.ctx.model, algo.ctx.is_main_process = algo.model, True
     st = _state(TEACHERS[1])
     assert distill.push_global_adapter(algo, st, 3, "me/g") == "/snap"
     (sd, repo, revisions), = published
     assert repo == "me/g" and revisions == ["round-3", "main"] and all(torch.equal(sd[k], v) for k, v in st.items())
-    algo.ctx.accelerator.is_main_process = False
+    algo.ctx.is_main_process = False
     assert distill.push_global_adapter(algo, st, 4, "me/g") == "" and len(published) == 1
     algo.ctx.model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="needs an adapter model"):

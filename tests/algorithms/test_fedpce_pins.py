@@ -125,7 +125,7 @@ def test_new_client_steps_zero_means_no_adaptation(run_sim, steps):
 
 
 def _stub(method=pce.FedPCE, num_rounds=5, privates=None, gathered_extra=(), **cfg):
-    ctx = SimpleNamespace(args=SimpleNamespace(num_rounds=num_rounds), num_clients=len(privates or {}),
+    ctx = SimpleNamespace(run=SimpleNamespace(num_rounds=num_rounds), num_clients=len(privates or {}),
                           private_state=lambda i: (privates or {}).get(i),
                           gather=lambda items: list(items) + list(gathered_extra),
                           initial_private={EMBEDDING_KEY: torch.zeros(2)},

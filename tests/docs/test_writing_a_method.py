@@ -38,3 +38,17 @@ def test_declarations_in_the_table_are_the_protocols():
     for name in names:
         assert hasattr(Algorithm, name), name
     assert (Algorithm.aggregation, Algorithm.local_update, Algorithm.personal_model) == ("mean", "engine", "loaded")
+
+
+def test_the_context_paragraph_names_every_member_of_the_context_and_no_other():
+    from hfpfl.federated.context import MethodContext
+
+    text = PAGE.read_text()
+    para = text[text.index("**The context.**"):]
+    para = para[:para.index("checks this list against")]
+    named = {m.split("(")[0] for m in re.findall(r"`(\w+)(?:\([^`]*\))?`", para)}
+    members = {n for n in vars(MethodContext) if not n.startswith("_")}
+    assert members <= named, sorted(members - named)
+    assert {"train", "evaluate"} <= named
+    assert not {n for n in named if n not in members and n in {"args", "accelerator", "public_data",
+                                                                  "global_test_data", "make_optimizer"}}
