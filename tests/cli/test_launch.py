@@ -228,7 +228,7 @@ class ReceivingFedAvg(FedAvg):
     aggregation = "gather"
 
     def receive(self, upd, round_idx):
-        upd.received["process"] = self.ctx.accelerator.process_index
+        upd.received["process"] = self.ctx.process_index
 
     def aggregate(self, server_state, updates, round_idx):
         seen = {u.client_id: u.received["process"] for u in updates}
@@ -286,7 +286,7 @@ class CountingFedAvg(FedAvg):
     local_update = "own"
 
     def client_update(self, client_id, down, private, round_idx):
-        rank = self.ctx.accelerator.process_index
+        rank = self.ctx.process_index
         with open(os.path.join(self.ctx.output_dir, f"threads_{rank}.json"), "w") as f:
             json.dump(torch.get_num_threads(), f)
         return super().client_update(client_id, down, private, round_idx)
