@@ -55,6 +55,8 @@ class Target:
     k: str | None = None
 
 
+FEDBIP_PINS = ["tests/fedbip/test_fedbip_pins.py", "tests/fedbip/test_fedbip_*_pins.py"]
+FEDBIP_FAST = ["tests/fedbip/test_fedbip_algorithm.py", "tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS]
 BASELINE_TESTS = ["tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py"]
 #: method -> core -> tests, the one table. Targets share no file unless a file is genuinely part of both cores.
 TARGETS: dict[str, Target] = {
@@ -96,6 +98,28 @@ TARGETS: dict[str, Target] = {
                             functions=["xǁFedBiPǁaggregate", "xǁFedBiPǁwords", "x_caption_word"],
                             k="budget_is_the_server or learnt_it or keep_the_real_words or one_round_and_only or "
                               "given_domain or aggregate_called_directly"),
+    # the rest of the fedbip target in parts of minutes each, every function mutmut mutates in exactly one part
+    # (with fedbip_server; tests/scripts/test_mutation_targets.py checks it), each against the fast tests that pin it
+    "fedbip_protocol": Target(["hfpfl/fedbip/protocol.py"], FEDBIP_FAST, functions=["*"],
+                              k="pins or noise_to_the_samplers or out_of_range_timesteps or resolution_matched or "
+                                "random_latent_rows or concept_lr_and_sigma or keep_the_real_words or "
+                                "synthetic_set_size or aggregate_called_directly"),
+    "fedbip_client": Target(["hfpfl/fedbip/client.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
+                            functions=["*"]),
+    "fedbip_pipeline": Target(["pipelines/pipeline_fedbip.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
+                              functions=["*"]),
+    # the client side of the engine plug-in: the client's images, Eq. 3's latents, Eq. 4's concepts, the upload
+    "fedbip_concepts": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_FAST,
+                              functions=["xǁFedBiPǁtrain_concepts", "xǁFedBiPǁinstance_latents",
+                                         "xǁFedBiPǁclient_update", "xǁFedBiPǁreal_images", "xǁFedBiPǁword_concepts",
+                                         "xǁFedBiPǁdownload", "xǁFedBiPǁinit_private_state"]),
+    # the options' checks, the LDM's loading, the server's check and synthesis of an upload, the grid, evaluation
+    "fedbip_rest": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_FAST,
+                          functions=["x__template_ok", "x__sampler_ok", "xǁFedBiPConfigǁ*", "x_resolve_ldm",
+                                     "x_load_ldm", "x__digest", "xǁFedBiPǁ__init__", "xǁFedBiPǁcheck_upload",
+                                     "xǁFedBiPǁsynthesize", "xǁFedBiPǁreceive", "xǁFedBiPǁsave_grid",
+                                     "xǁFedBiPǁload_personal", "xǁFedBiPǁpersonalize_new_client",
+                                     "xǁFedBiPǁextra_metrics"]),
     "server": Target(["hfpfl/federated/protocol.py"],
                      ["tests/federated/test_protocol.py", "tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py",
                       "tests/algorithms/test_server_pins.py",
@@ -118,6 +142,44 @@ def expand(patterns: list[str]) -> list[str]:
         path, sep, node = p.partition("::")
         hits = sorted(glob.glob(path, root_dir=ROOT)) if any(c in path for c in "*?[") else [path]
         out += [h + sep + node for h in hits if h + sep + node not in out]
+    return out
+
+
+def mutated_functions(path: str | Path) -> list[str]:
+    """The mutmut keys (``x_f``, ``xǁClassǁmethod``) of the functions mutmut mutates in one file: module-level
+    functions and the methods of (possibly decorated) classes, unless a decorator other than @staticmethod /
+    @classmethod sits on the function itself (mutmut leaves those alone, as it does ``__new__`` and the like)."""
+    import ast
+
+    def mutated(f):
+        if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) or f.name in NEVER_MUTATED:
+            return False
+        return not f.decorator_list or (len(f.decorator_list) == 1 and isinstance(f.decorator_list[0], ast.Name)
+                                        and f.decorator_list[0].id in ("staticmethod", "classmethod"))
+
+    tree = ast.parse((ROOT / path).read_text())
+    out = [f"x_{f.name}" for f in tree.body if mutated(f)]
+    for c in tree.body:
+        if isinstance(c, ast.ClassDef):
+            out += [f"xǁ{c.name}ǁ{f.name}" for f in c.body if mutated(f)]
+    return out
+
+
+NEVER_MUTATED = {"__getattribute__", "__setattr__", "__new__"}  # mutmut's NEVER_MUTATE_FUNCTION_NAMES
+
+
+def parts_cover(files: list[str], targets: list[str]) -> dict[str, dict[str, list[str]]]:
+    """Whether the targets ``targets`` together mutate every function of ``files`` once: per file, the functions no
+    target selects (``missing``) and those two or more select (``twice``, with the targets). Empty dicts: they do."""
+    out = {}
+    for f in files:
+        by_fn = {fn: [n for n in targets if f in expand(TARGETS[n].core)
+                      and any(fnmatch.fnmatchcase(fn, g) for g in (TARGETS[n].functions or ["*"]))]
+                 for fn in mutated_functions(f)}
+        missing = [fn for fn, ts in by_fn.items() if not ts]
+        twice = [f"{fn} ({', '.join(ts)})" for fn, ts in by_fn.items() if len(ts) > 1]
+        if missing or twice:
+            out[f] = {"missing": missing, "twice": twice}
     return out
 
 
