@@ -85,8 +85,8 @@ def _algo(pipe, concept_init, concept_space="input", n_s=2, n_v=1):
     cfg = SimpleNamespace(concept_init=concept_init, n_s=n_s, n_v=n_v, prompt_template="A [S] style of a [V]",
                           concept_space=concept_space)
     return SimpleNamespace(config=cfg, pipe=pipe, sim=SimpleNamespace(data=SimpleNamespace(num_labels=2)),
-                           word_concepts=lambda cid: (torch.full((n_s, d), -1.0), torch.full((2, n_v, d), -2.0)),
-                           words=lambda cid: ("mnist", ["zero", "one"]))
+                           word_concepts=lambda cid: (torch.full((n_s, d), -1.0 * cid), torch.full((2, n_v, d), -2.0 * cid)),
+                           words=lambda cid: {1: ("mnist", ["zero", "one"]), 2: ("usps", ["two", "three"])}[cid])
 
 
 @pytest.mark.parametrize("train_s,train_v", [(True, False), (False, True)])
@@ -98,9 +98,9 @@ def test_mixed_init_learned_half_is_the_seeded_random_draw(pipe, train_s, train_
     s = float(pipe.text_encoder.get_input_embeddings().weight.detach().std())
     g = torch.Generator().manual_seed(11)
     S_exp, V_exp = s * torch.randn(2, d, generator=g), s * torch.randn(2, 1, d, generator=g)
-    S, V = mixed_init(_algo(pipe, "random"), 0, train_s, train_v, seed=11)
-    assert torch.equal(S, S_exp if train_s else torch.full((2, d), -1.0))
-    assert torch.equal(V, V_exp if train_v else torch.full((2, 1, d), -2.0))
+    S, V = mixed_init(_algo(pipe, "random"), 2, train_s, train_v, seed=11)
+    assert torch.equal(S, S_exp if train_s else torch.full((2, d), -2.0))  # client 2's words
+    assert torch.equal(V, V_exp if train_v else torch.full((2, 1, d), -4.0))
 
 
 def test_mixed_init_output_space_draw_is_at_the_encoder_outputs_scale(pipe):
@@ -109,8 +109,8 @@ def test_mixed_init_output_space_draw_is_at_the_encoder_outputs_scale(pipe):
     d = pipe.text_encoder.config.hidden_size
     g = torch.Generator().manual_seed(3)
     rs, rv = torch.randn(2, d, generator=g), torch.randn(2, 1, d, generator=g)
-    S, V = mixed_init(_algo(pipe, "random", "output"), 0, True, False, seed=3)
-    S2, V2 = mixed_init(_algo(pipe, "random", "output"), 0, False, True, seed=3)
+    S, V = mixed_init(_algo(pipe, "random", "output"), 1, True, False, seed=3)
+    S2, V2 = mixed_init(_algo(pipe, "random", "output"), 1, False, True, seed=3)
     scale = float((S / rs).mean())
     assert torch.allclose(S, scale * rs) and torch.allclose(V2, scale * rv)
     assert abs(scale - float(pipe.text_encoder.get_input_embeddings().weight.std())) > 1e-3
@@ -125,7 +125,7 @@ def test_mixed_init_words_learned_half_starts_at_the_real_words(pipe):
         ids = tok(w, add_special_tokens=False).input_ids
         return table[[ids[i % len(ids)] for i in range(n)]]
 
-    S, _ = mixed_init(_algo(pipe, "words"), 0, True, False, seed=0)
-    _, V = mixed_init(_algo(pipe, "words"), 0, False, True, seed=0)
-    assert torch.equal(S, rows("mnist", 2))
-    assert torch.equal(V, torch.stack([rows("zero", 1), rows("one", 1)]))
+    S, _ = mixed_init(_algo(pipe, "words"), 2, True, False, seed=0)
+    _, V = mixed_init(_algo(pipe, "words"), 2, False, True, seed=0)
+    assert torch.equal(S, rows("usps", 2))  # client 2's words
+    assert torch.equal(V, torch.stack([rows("two", 1), rows("three", 1)]))
