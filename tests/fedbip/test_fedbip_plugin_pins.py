@@ -116,3 +116,145 @@ def test_memoised_concepts_are_reused_only_for_the_same_pipe_data_and_seed(calls
     off = _self(reuse=False, pipe=pipe)
     FedBiP.train_concepts(off, 1, X, Y, 0, object())
     assert len(calls["train"]) == 7
+
+
+def _inst_self(singleton="self", class_average=False):
+    cfg = SimpleNamespace(multiplier=3, class_average=class_average, singleton_classes=singleton, gamma_std=0.2)
+    gen = torch.Generator()
+    return SimpleNamespace(config=cfg, pipe=SimpleNamespace(vae="vae"), noise_t=651, gen=gen,
+                           sim=SimpleNamespace(generator=lambda r, c, tag: {(2, 1, "fedbip-instance"): gen}[(r, c, tag)],
+                                               data=SimpleNamespace(num_labels=4)))
+
+
+@pytest.fixture
+def latent_calls(monkeypatch):
+    """instance_level_latents recorded; its "latents" are the images + 100 when class-averaged."""
+    calls = []
+
+    def fake(vae, ns, x, y, m, class_average, gamma_mean, gamma_std, g, timestep=None):
+        calls.append(dict(vae=vae, ns=ns, x=x.clone(), y=y.tolist(), m=m, ca=class_average, gamma=(gamma_mean, gamma_std),
+                          g=g, t=timestep))
+        return x + (100 if class_average else 0), y.clone()
+
+    monkeypatch.setattr(fedbip_pkg, "instance_level_latents", fake)
+    return calls
+
+
+XI = torch.arange(5.0).view(5, 1, 1, 1)
+
+
+@pytest.mark.parametrize("singleton,class_average,y", [("error", False, [0, 1, 0, 2, 3]),
+                                                       ("self", True, [0, 1, 0, 2, 3]),
+                                                       ("self", False, [0, 0, 1, 1, 1])])
+def test_instance_latents_in_one_call_unless_singletons_are_handled(latent_calls, singleton, class_average, y):
+    """Eq. 3 for every image in one call (multiplier draws, gamma ~ N(0.5, gamma_std^2), the client's instance
+    stream, the noising timestep) when single-image classes raise (error), when the class average needs no partner,
+    or when no class has a single image."""
+    me = _inst_self(singleton, class_average)
+    z, labels = FedBiP.instance_latents(me, 1, XI, torch.tensor(y), 2, "sched")
+    (c,) = latent_calls
+    assert (c["vae"], c["ns"], c["m"], c["ca"], c["gamma"], c["t"]) == ("vae", "sched", 3, class_average, (0.5, 0.2),
+                                                                        651)
+    assert c["g"] is me.gen and c["y"] == y and torch.equal(c["x"], XI)
+    assert labels.tolist() == y
+
+
+@pytest.mark.parametrize("singleton", ["self", "drop"])
+def test_singleton_classes_are_interpolated_apart(latent_calls, singleton):
+    """Classes 1, 2 and 3 hold a single image each (images 1, 3, 4): the others are interpolated (Eq. 3), then
+    "self" adds the single images as their own class average (i' = i, one more call on the same stream), "drop"
+    leaves them out; the uploaded latents and labels are the calls' outputs in that order."""
+    me = _inst_self(singleton)
+    z, labels = FedBiP.instance_latents(me, 1, XI, torch.tensor([0, 1, 0, 2, 3]), 2, "sched")
+    assert [(c["y"], c["ca"], c["m"], c["g"] is me.gen, c["t"]) for c in latent_calls] == (
+        [([0, 0], False, 3, True, 651)] + ([([1, 2, 3], True, 3, True, 651)] if singleton == "self" else []))
+    assert torch.equal(latent_calls[0]["x"], XI[[0, 2]])
+    if singleton == "self":
+        assert torch.equal(latent_calls[1]["x"], XI[[1, 3, 4]])
+        assert z.flatten().tolist() == [0.0, 2.0, 101.0, 103.0, 104.0] and labels.tolist() == [0, 0, 1, 2, 3]
+    else:
+        assert z.flatten().tolist() == [0.0, 2.0] and labels.tolist() == [0, 0]
+
+
+def test_only_singleton_classes(latent_calls):
+    """Every class single: "self" uploads the class averages alone; "drop" has nothing to upload and says so."""
+    z, labels = FedBiP.instance_latents(_inst_self("self"), 1, XI[:3], torch.tensor([0, 1, 2]), 2, "sched")
+    assert [c["y"] for c in latent_calls] == [[0, 1, 2]] and z.flatten().tolist() == [100.0, 101.0, 102.0]
+    with pytest.raises(ValueError, match="every class has a single image and singleton_classes=drop: nothing to "
+                                         "upload"):
+        FedBiP.instance_latents(_inst_self("drop"), 1, XI[:3], torch.tensor([0, 1, 2]), 2, "sched")
+
+
+def _upd_self(level, fail=None):
+    from diffusers import PNDMScheduler
+
+    from hfpfl.algorithms.fedbip import UPLOAD_KEYS_BY_LEVEL
+
+    seen = {}
+
+    def inst(cid, x, y, r, ns):
+        seen["inst"] = (cid, x, y, r, ns)
+        if fail:
+            raise ValueError(fail)
+        return torch.full((4, 2), 9.0), torch.tensor([1, 1, 0, 0])
+
+    def conc(cid, x, y, r, ns):
+        seen["conc"] = (cid, x, y, r, ns)
+        return torch.ones(1, 2), -torch.ones(2, 1, 2)
+
+    cfg = SimpleNamespace(personalization=level, upload_keys=UPLOAD_KEYS_BY_LEVEL[level])
+    return SimpleNamespace(config=cfg, pipe=SimpleNamespace(scheduler=PNDMScheduler()), seen=seen,
+                           real_images=lambda cid: (torch.zeros(2, 3, 4, 4), torch.tensor([1, 0])),
+                           instance_latents=inst, train_concepts=conc)
+
+
+@pytest.mark.parametrize("level,inst,conc", [("full", True, True), ("instance", True, False), ("concept", False, True),
+                                             ("domain", False, True), ("class", False, True), ("none", False, False)])
+def test_client_update_uploads_what_its_level_uses(level, inst, conc):
+    """Each Table 3 level runs the levels it uses, on the client's images and one DDPM noise scheduler built from
+    the LDM's, and uploads exactly its keys: latents / labels from Eq. 3 (else the client's labels), S unless V
+    only, V unless S only; num_samples is the client's image count, the metric the number of latents."""
+    from hfpfl.algorithms.fedbip import UPLOAD
+
+    me = _upd_self(level)
+    upd = FedBiP.client_update(me, 3, {}, {}, 2)
+    up = upd.upload[UPLOAD]
+    assert set(upd.upload) == {UPLOAD} and set(up) == set(me.config.upload_keys)
+    assert upd.client_id == 3 and upd.num_samples == 2 and upd.private is None
+    assert upd.metrics == {"num_upload_latents": 4 if inst else 0}
+    assert ("inst" in me.seen, "conc" in me.seen) == (inst, conc)
+    for cid, x, y, r, ns in me.seen.values():
+        assert (cid, r, y.tolist(), tuple(x.shape)) == (3, 2, [1, 0], (2, 3, 4, 4))
+        assert type(ns).__name__ == "DDPMScheduler" and ns.config.num_train_timesteps == 1000
+    if inst:
+        assert torch.equal(up["latents"], torch.full((4, 2), 9.0)) and up["labels"].tolist() == [1, 1, 0, 0]
+    else:
+        assert up["labels"].tolist() == [1, 0]
+    if "domain_concept" in up:
+        assert torch.equal(up["domain_concept"], torch.ones(1, 2))
+    if "class_concepts" in up:
+        assert torch.equal(up["class_concepts"], -torch.ones(2, 1, 2))
+
+
+def test_client_update_names_the_client_in_its_errors():
+    with pytest.raises(ValueError, match="^FedBiP client 3: class 1 has a single image$"):
+        FedBiP.client_update(_upd_self("instance", fail="class 1 has a single image"), 3, {}, {}, 2)
+
+
+def test_real_images_are_rgb_at_the_ldms_size():
+    """A grey 2 x 2 image with columns (0, 4) becomes 3 equal channels, bilinearly upsampled (half-pixel centres)
+    to the LDM's 4 px: columns (0, 0.75 * 0 + 0.25 * 4, 0.25 * 0 + 0.75 * 4, 4) = (0, 1, 3, 4); at the LDM's size
+    it is only expanded."""
+    x = torch.tensor([[0.0, 4.0], [0.0, 4.0]])[None, None]
+    data = SimpleNamespace(pixel_values=x, labels=torch.tensor([2]))
+    me = SimpleNamespace(ldm_size=4, sim=SimpleNamespace(train_data=lambda c: {5: data}[c]))
+    img, y = FedBiP.real_images(me, 5)
+    assert img.shape == (1, 3, 4, 4) and img.is_contiguous() and y.tolist() == [2]
+    assert torch.allclose(img, torch.tensor([0.0, 1.0, 3.0, 4.0]).expand(1, 3, 4, 4))
+    me.ldm_size = 2
+    img, _ = FedBiP.real_images(me, 5)
+    assert torch.equal(img, x.expand(1, 3, 2, 2)) and img.is_contiguous()
+
+
+def test_nothing_travels_down_and_nothing_is_kept_on_clients():
+    assert FedBiP.download(None, {"model": 1}, 0) == {} and FedBiP.init_private_state(None, 0) == {}
