@@ -408,3 +408,8 @@ def test_sampler_timesteps_are_read_off_a_copy():
     assert client.sampler_start_timestep(PNDMScheduler(skip_prk_steps=True, steps_offset=1,
                                                        timestep_spacing="trailing"), 10) == 999
     assert sched.timesteps is None
+
+
+def test_vae_size_is_the_first_side_of_a_listed_sample_size():
+    assert client._vae_size(SimpleNamespace(config=SimpleNamespace(sample_size=(4, 5)))) == 4
+    assert client._vae_size(SimpleNamespace(config=SimpleNamespace(sample_size=7))) == 7
