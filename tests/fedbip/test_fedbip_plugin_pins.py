@@ -258,3 +258,35 @@ def test_real_images_are_rgb_at_the_ldms_size():
 
 def test_nothing_travels_down_and_nothing_is_kept_on_clients():
     assert FedBiP.download(None, {"model": 1}, 0) == {} and FedBiP.init_private_state(None, 0) == {}
+
+
+@pytest.mark.parametrize("field,value", [("n_s", 1), ("n_v", 1), ("prompt_template", "[V] in [S]"),
+                                         ("concept_epochs", 8), ("concept_steps", None), ("concept_batch_size", 2),
+                                         ("concept_init", "words"), ("concept_space", "input")])
+def test_memoised_concepts_are_not_reused_under_another_setting(calls, field, value):
+    """Each concept-training setting is part of the memo's key: changing one trains again."""
+    pipe = object()
+    FedBiP.train_concepts(_self(reuse=True, pipe=pipe), 1, X, Y, 0, object())
+    other = _self(reuse=True, pipe=pipe)
+    setattr(other.config, field, value)
+    FedBiP.train_concepts(other, 1, X, Y, 0, object())
+    assert len(calls["train"]) == 2
+
+
+def test_memoised_concepts_key_the_lr_classes_words_and_trained_halves(calls):
+    """The space-scaled lr, the number of classes, the real words and which halves are trained are in the key."""
+    pipe = object()
+    base = _self(reuse=True, pipe=pipe, concept_init="words")
+    FedBiP.train_concepts(base, 1, X, Y, 0, object())
+    n = 1
+    for change in (lambda s: setattr(s, "concept_lr", 0.5),
+                   lambda s: setattr(s.sim.data, "num_labels", 3),
+                   lambda s: setattr(s, "words", lambda cid: ("mnistm", ["zero", "one"])),
+                   lambda s: setattr(s, "words", lambda cid: ("usps", ["nought", "one"])),
+                   lambda s: setattr(s.config, "personalization", "domain"),
+                   lambda s: setattr(s.config, "personalization", "class")):
+        other = _self(reuse=True, pipe=pipe, concept_init="words")
+        change(other)
+        FedBiP.train_concepts(other, 1, X, Y, 0, object())
+        n += 1
+        assert len(calls["train"]) == n
