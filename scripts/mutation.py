@@ -108,8 +108,10 @@ TARGETS: dict[str, Target] = {
                             functions=["*"]),
     "fedbip_pipeline": Target(["pipelines/pipeline_fedbip.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
                               functions=["*"]),
-    # the client side of the engine plug-in: the client's images, Eq. 3's latents, Eq. 4's concepts, the upload
-    "fedbip_concepts": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_FAST,
+    # the client side of the engine plug-in: the client's images, Eq. 3's latents, Eq. 4's concepts, the upload,
+    # against the pins on a stand-in self (mutmut runs a mutant's tests in name order: with the plug-in's federation
+    # tests selected every mutant would first wait for a federation)
+    "fedbip_concepts": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_PINS,
                               functions=["xǁFedBiPǁtrain_concepts", "xǁFedBiPǁinstance_latents",
                                          "xǁFedBiPǁclient_update", "xǁFedBiPǁreal_images", "xǁFedBiPǁword_concepts",
                                          "xǁFedBiPǁdownload", "xǁFedBiPǁinit_private_state"]),

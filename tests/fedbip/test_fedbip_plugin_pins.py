@@ -290,3 +290,14 @@ def test_memoised_concepts_key_the_lr_classes_words_and_trained_halves(calls):
         FedBiP.train_concepts(other, 1, X, Y, 0, object())
         n += 1
         assert len(calls["train"]) == n
+
+
+def test_word_concepts_are_the_clients_real_words_in_the_configured_space(monkeypatch):
+    """The real-word concepts: init_concepts(init="words") with the client's domain and class words, the run's
+    n_s / n_v / template / space and the data's class count."""
+    seen = []
+    monkeypatch.setattr(fedbip_pkg, "init_concepts", lambda *a, **kw: seen.append((a, kw)) or ("S", "V"))
+    me = _self()
+    assert FedBiP.word_concepts(me, 2) == ("S", "V")
+    assert seen == [((me.pipe, 2, 2, 3, "[S] of [V]"), dict(init="words", domain_word="syn",
+                                                             class_words=["zero", "one"], concept_space="output"))]
