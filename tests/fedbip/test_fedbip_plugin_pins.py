@@ -166,8 +166,9 @@ def test_singleton_classes_are_interpolated_apart(latent_calls, singleton):
     leaves them out; the uploaded latents and labels are the calls' outputs in that order."""
     me = _inst_self(singleton)
     z, labels = FedBiP.instance_latents(me, 1, XI, torch.tensor([0, 1, 0, 2, 3]), 2, "sched")
-    assert [(c["y"], c["ca"], c["m"], c["g"] is me.gen, c["t"]) for c in latent_calls] == (
-        [([0, 0], False, 3, True, 651)] + ([([1, 2, 3], True, 3, True, 651)] if singleton == "self" else []))
+    assert [(c["y"], c["ca"], c["m"], c["g"] is me.gen, c["t"], c["vae"], c["ns"], c["gamma"]) for c in latent_calls] == (
+        [([0, 0], False, 3, True, 651, "vae", "sched", (0.5, 0.2))]
+        + ([([1, 2, 3], True, 3, True, 651, "vae", "sched", (0.5, 0.2))] if singleton == "self" else []))
     assert torch.equal(latent_calls[0]["x"], XI[[0, 2]])
     if singleton == "self":
         assert torch.equal(latent_calls[1]["x"], XI[[1, 3, 4]])
@@ -204,7 +205,7 @@ def _upd_self(level, fail=None):
 
     cfg = SimpleNamespace(personalization=level, upload_keys=UPLOAD_KEYS_BY_LEVEL[level])
     return SimpleNamespace(config=cfg, pipe=SimpleNamespace(scheduler=PNDMScheduler()), seen=seen,
-                           real_images=lambda cid: (torch.zeros(2, 3, 4, 4), torch.tensor([1, 0])),
+                           real_images=lambda cid: {3: (torch.zeros(2, 3, 4, 4), torch.tensor([1, 0]))}[cid],
                            instance_latents=inst, train_concepts=conc)
 
 
@@ -245,15 +246,15 @@ def test_real_images_are_rgb_at_the_ldms_size():
     """A grey 2 x 2 image with columns (0, 4) becomes 3 equal channels, bilinearly upsampled (half-pixel centres)
     to the LDM's 4 px: columns (0, 0.75 * 0 + 0.25 * 4, 0.25 * 0 + 0.75 * 4, 4) = (0, 1, 3, 4); at the LDM's size
     it is only expanded."""
-    x = torch.tensor([[0.0, 4.0], [0.0, 4.0]])[None, None]
-    data = SimpleNamespace(pixel_values=x, labels=torch.tensor([2]))
+    x = torch.tensor([[0.0, 4.0], [0.0, 4.0]])[None, None].expand(2, 1, 2, 2)  # two images
+    data = SimpleNamespace(pixel_values=x, labels=torch.tensor([2, 1]))
     me = SimpleNamespace(ldm_size=4, sim=SimpleNamespace(train_data=lambda c: {5: data}[c]))
     img, y = FedBiP.real_images(me, 5)
-    assert img.shape == (1, 3, 4, 4) and img.is_contiguous() and y.tolist() == [2]
-    assert torch.allclose(img, torch.tensor([0.0, 1.0, 3.0, 4.0]).expand(1, 3, 4, 4))
+    assert img.shape == (2, 3, 4, 4) and img.is_contiguous() and y.tolist() == [2, 1]
+    assert torch.allclose(img, torch.tensor([0.0, 1.0, 3.0, 4.0]).expand(2, 3, 4, 4))
     me.ldm_size = 2
     img, _ = FedBiP.real_images(me, 5)
-    assert torch.equal(img, x.expand(1, 3, 2, 2)) and img.is_contiguous()
+    assert torch.equal(img, x.expand(2, 3, 2, 2)) and img.is_contiguous()
 
 
 def test_nothing_travels_down_and_nothing_is_kept_on_clients():

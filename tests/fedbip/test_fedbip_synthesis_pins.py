@@ -37,7 +37,7 @@ class StubPipe:
         self.calls.append(dict(latents=latents.clone(), labels=labels.clone(), S=S, V=V, **kw))
         x = torch.tensor([0.0, 0.0, 0.0, 1.75])[None, None, None, :] + torch.tensor([-0.3, 0.0, 0.3])[None, :, None,
                                                                                                    None]
-        images = ((x + 1) / 2).expand(len(labels), 3, 4, 4).double()
+        images = ((x + 1) / 2 + getattr(self, "shift", 0.0)).expand(len(labels), 3, 4, 4).double()
         return SimpleNamespace(images=images, labels=labels.int())
 
 
@@ -83,12 +83,17 @@ def test_synthesis_of_a_full_upload_starts_from_its_latents_with_its_concepts():
 
 
 def test_synthesis_keeps_rgb_at_the_ldm_size_and_clamps():
-    """A 3-channel classifier at the LDM's own 4 px: no resize, no channel mean, values clamped to [-1, 1]."""
+    """A 3-channel classifier at the LDM's own 4 px: no resize, no channel mean, values clamped to [-1, 1] at both
+    ends (the stub's images shifted by -1.5 reach -1.8)."""
     me = _self(size=4, channels=3)
     x, _ = FedBiP.synthesize(me, _upload(["latents", "labels", "domain_concept", "class_concepts"]), 4)
-    want = (torch.tensor([0.0, 0.0, 0.0, 1.75])[None, None, None, :]
-            + torch.tensor([-0.3, 0.0, 0.3])[None, :, None, None]).clamp(-1, 1).expand(2, 3, 4, 4)
+    raw = (torch.tensor([0.0, 0.0, 0.0, 1.75])[None, None, None, :]
+           + torch.tensor([-0.3, 0.0, 0.3])[None, :, None, None]).expand(2, 3, 4, 4)
+    want = raw.clamp(-1, 1)
     assert x.shape == (2, 3, 4, 4) and torch.allclose(x, want, atol=1e-6)
+    me.pipe.shift = -0.75  # -1.5 once mapped to [-1, 1]
+    x, _ = FedBiP.synthesize(me, _upload(["latents", "labels", "domain_concept", "class_concepts"]), 4)
+    assert torch.allclose(x, (raw - 1.5).clamp(-1, 1), atol=1e-6) and float(x.min()) == -1.0
 
 
 @pytest.mark.parametrize("level,keys,S_word,V_word,sigma", [
