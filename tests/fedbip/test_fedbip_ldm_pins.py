@@ -93,3 +93,9 @@ def test_load_ldm_holds_one_frozen_pipeline_per_folder_and_device(monkeypatch, t
     q = load_ldm(str(tmp_path / "ldm"), "meta")
     assert q is not p and q.device == torch.device("meta") and len(loads) == 2
     assert set(fedbip_mod._PIPES) == {f"{tmp_path / 'ldm'}@cpu", f"{tmp_path / 'ldm'}@meta"}
+
+
+def test_resolve_ldm_online_when_hf_hub_offline_is_unset(hub, monkeypatch):
+    """No HF_HUB_OFFLINE at all counts as online: an uncached id is downloaded."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert resolve_ldm("org/online") == "/dl" and hub == [("download", "org/online")]
