@@ -55,6 +55,11 @@ class Target:
     k: str | None = None
 
 
+def fedpop_nodes(file: str, *tests: str) -> list[str]:
+    """Node ids of some tests of one file under tests/tuning/."""
+    return [f"tests/tuning/{file}::{t}" for t in tests]
+
+
 FEDBIP_PINS = ["tests/fedbip/test_fedbip_pins.py", "tests/fedbip/test_fedbip_*_pins.py"]
 FEDBIP_FAST = ["tests/fedbip/test_fedbip_algorithm.py", "tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS]
 BASELINE_TESTS = ["tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py"]
@@ -88,6 +93,59 @@ TARGETS: dict[str, Target] = {
                          ["tests/tuning/test_fedpop_pins.py", "tests/tuning/test_fedpop_hparams.py"],
                          functions=["xǁTunerǁ_eliminate", "xǁTunerǁ_run_sha_wrapped", "x_fedpop_sha", "x_fedex_sha"],
                          k="sha"),
+    # the fedpop target's parts, each against the fast tests that pin it (the whole target takes hours on 2 cores);
+    # `--parts fedpop` checks that they mutate every function of its core, each in exactly one part
+    "fedpop_space": Target(["hfpfl/tuning/search_space.py"],
+                           ["tests/tuning/test_search_space_pins.py", *fedpop_nodes(
+                               "test_fedpop.py", "test_search_space_defaults_and_unknown_keys",
+                               "test_evo_identity_bounds_and_resampling", "test_delta_box_sampling"), *fedpop_nodes(
+                               "test_fedpop_pins.py", "test_evo_moves_each_coordinate_by_eps_times_its_range_and_clips",
+                               "test_delta_box_bounds_sampling_and_projection_by_hand",
+                               "test_coordinate_inverts_value_for_each_kind_by_hand", "test_in_ball_is_the_closed_delta_box",
+                               "test_method_values_apply_the_members_value_and_run_the_configs_checks"), *fedpop_nodes(
+                               "test_fedpop_hparams.py", "test_scaffold_client_momentum_in_a_file_is_refused_and_dropped_"
+                               "from_the_default", "test_adam_has_no_momentum_and_a_model_without_dropout_has_no_dropout",
+                               "test_unknown_method_hparams_are_refused_with_did_you_mean")]),
+    # population steps: Eq. 3-5 (annealing, quantile sets, the power-law score), FedPop-L and FedPop-G
+    "fedpop_evo": Target(["hfpfl/tuning/fedpop.py"],
+                         ["tests/tuning/test_fedpop_core_pins.py", *fedpop_nodes(
+                             "test_fedpop.py", "test_cos_anneal_endpoints_and_stop", "test_eq5_power_law_score",
+                             "test_fedpop_l_replaces_only_the_worst_slots_with_perturbed_best"), *fedpop_nodes(
+                             "test_fedpop_pins.py", "test_fedpop_l_on_known_scores_replaces_the_worst_third_by_the_best_"
+                             "perturbed_into_the_box", "test_fedpop_g_on_known_scores_exploits_the_best_and_explores_"
+                             "within_eps")],
+                         functions=["x_cos_anneal", "x_quantile_sets", "x_eq5_weights", "x_eq5_score", "x_clone_state",
+                                    "xǁTunerǁlocal_window", "xǁTunerǁfedpop_l", "xǁTunerǁfedpop_g"]),
+    # FedEx's client-configuration draws and its exponentiated-gradient step (and FedPop-L's slot vectors)
+    "fedpop_fedex": Target(["hfpfl/tuning/fedpop.py"],
+                           ["tests/tuning/test_fedpop_core_pins.py", *fedpop_nodes(
+                               "test_fedpop.py", "test_fedex_exponentiated_gradient_steps_by_hand",
+                               "test_slot_vectors_reach_the_engine")],
+                           functions=["xǁTunerǁfedex_update", "xǁTunerǁ_slot_vectors"]),
+    # the population checkpoint (state, fingerprint, atomic save, load)
+    "fedpop_resume": Target(["hfpfl/tuning/fedpop.py"],
+                            ["tests/tuning/test_fedpop_core_pins.py", *fedpop_nodes(
+                                "test_fedpop_pins.py", "test_population_checkpoint_restores_the_tuner_and_refuses_other_"
+                                "settings"), *fedpop_nodes(
+                                "test_fedpop_hparams.py", "test_fitted_space_round_trips_through_resume_fingerprint")],
+                            functions=["xǁMemberǁmeta", "xǁTunerǁ_state", "xǁTunerǁfingerprint", "xǁTunerǁsave",
+                                       "xǁTunerǁload", "x__tuplify"]),
+    # the driver: building the population, one member's round, the run loops, SHA's schedule and stages
+    "fedpop_driver": Target(["hfpfl/tuning/fedpop.py"],
+                            ["tests/tuning/test_fedpop_driver_pins.py", *fedpop_nodes(
+                                "test_fedpop.py", "test_sha_schedule_27_9_3_within_budget"), *fedpop_nodes(
+                                "test_fedpop_pins.py", "test_sha_keeps_exactly_the_best_third_by_its_stage_scores")],
+                            functions=["xǁTunerǁ__init__", "xǁTunerǁ_new_member", "xǁTunerǁ_apply_method_hparams",
+                                       "xǁTunerǁ_install_scorer", "xǁTunerǁ_gather_scores", "xǁTunerǁmember_round",
+                                       "xǁTunerǁrun", "xǁTunerǁsha_schedule", "xǁTunerǁ_run_sha"]),
+    # the final pick and what a run writes (val loss over all clients, Loc(beta^0) fine-tuning, results, plots)
+    "fedpop_results": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop_results_pins.py"],
+                             functions=["xǁTunerǁmember_val_loss", "xǁTunerǁfinetuned_accuracy", "xǁTunerǁfinish",
+                                        "x_plot_population"]),
+    "fedpop_baselines": Target(["hfpfl/tuning/baselines.py"], ["tests/tuning/test_fedpop_pins.py"],
+                               functions=["x__run", "x_random_search", "x_successive_halving", "x_fedex", "x_fedpop"],
+                               k="baseline_entry"),
+    "fedpop_models": Target(["hfpfl/tuning/models.py"], ["tests/tuning/test_fedpop_models_pins.py"]),
     "adapters": Target(["hfpfl/models/adapters/layer.py", "hfpfl/models/adapters/model.py"],
                        ["tests/models/test_adapters*.py", "tests/algorithms/test_fedadapter*.py", "tests/models/test_adapter_shortcut.py"]),
     # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
@@ -99,7 +157,7 @@ TARGETS: dict[str, Target] = {
                             k="budget_is_the_server or learnt_it or keep_the_real_words or one_round_and_only or "
                               "given_domain or aggregate_called_directly"),
     # the rest of the fedbip target in parts of minutes each, every function mutmut mutates in exactly one part
-    # (with fedbip_server; tests/scripts/test_mutation_targets.py checks it), each against the fast tests that pin it
+    # (with fedbip_server; `--parts fedbip` checks it), each against the fast tests that pin it
     "fedbip_protocol": Target(["hfpfl/fedbip/protocol.py"], FEDBIP_FAST, functions=["*"],
                               k="pins or noise_to_the_samplers or out_of_range_timesteps or resolution_matched or "
                                 "random_latent_rows or concept_lr_and_sigma or keep_the_real_words or "
@@ -113,8 +171,8 @@ TARGETS: dict[str, Target] = {
     # tests selected every mutant would first wait for a federation)
     "fedbip_concepts": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_PINS,
                               functions=["xǁFedBiPǁtrain_concepts", "xǁFedBiPǁinstance_latents",
-                                         "xǁFedBiPǁclient_update", "xǁFedBiPǁreal_images", "xǁFedBiPǁword_concepts",
-                                         "xǁFedBiPǁdownload", "xǁFedBiPǁinit_private_state"]),
+                                         "xǁFedBiPǁclient_update", "xǁFedBiPǁreal_images",
+                                         "xǁFedBiPǁword_concepts"]),  # download / init_private_state: no mutants
     # the options' checks, the LDM's loading, the server's check and synthesis of an upload, the grid, evaluation
     "fedbip_rest": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_FAST,
                           functions=["x__template_ok", "x__sampler_ok", "xǁFedBiPConfigǁ*", "x_resolve_ldm",
@@ -144,44 +202,6 @@ def expand(patterns: list[str]) -> list[str]:
         path, sep, node = p.partition("::")
         hits = sorted(glob.glob(path, root_dir=ROOT)) if any(c in path for c in "*?[") else [path]
         out += [h + sep + node for h in hits if h + sep + node not in out]
-    return out
-
-
-def mutated_functions(path: str | Path) -> list[str]:
-    """The mutmut keys (``x_f``, ``xǁClassǁmethod``) of the functions mutmut mutates in one file: module-level
-    functions and the methods of (possibly decorated) classes, unless a decorator other than @staticmethod /
-    @classmethod sits on the function itself (mutmut leaves those alone, as it does ``__new__`` and the like)."""
-    import ast
-
-    def mutated(f):
-        if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) or f.name in NEVER_MUTATED:
-            return False
-        return not f.decorator_list or (len(f.decorator_list) == 1 and isinstance(f.decorator_list[0], ast.Name)
-                                        and f.decorator_list[0].id in ("staticmethod", "classmethod"))
-
-    tree = ast.parse((ROOT / path).read_text())
-    out = [f"x_{f.name}" for f in tree.body if mutated(f)]
-    for c in tree.body:
-        if isinstance(c, ast.ClassDef):
-            out += [f"xǁ{c.name}ǁ{f.name}" for f in c.body if mutated(f)]
-    return out
-
-
-NEVER_MUTATED = {"__getattribute__", "__setattr__", "__new__"}  # mutmut's NEVER_MUTATE_FUNCTION_NAMES
-
-
-def parts_cover(files: list[str], targets: list[str]) -> dict[str, dict[str, list[str]]]:
-    """Whether the targets ``targets`` together mutate every function of ``files`` once: per file, the functions no
-    target selects (``missing``) and those two or more select (``twice``, with the targets). Empty dicts: they do."""
-    out = {}
-    for f in files:
-        by_fn = {fn: [n for n in targets if f in expand(TARGETS[n].core)
-                      and any(fnmatch.fnmatchcase(fn, g) for g in (TARGETS[n].functions or ["*"]))]
-                 for fn in mutated_functions(f)}
-        missing = [fn for fn, ts in by_fn.items() if not ts]
-        twice = [f"{fn} ({', '.join(ts)})" for fn, ts in by_fn.items() if len(ts) > 1]
-        if missing or twice:
-            out[f] = {"missing": missing, "twice": twice}
     return out
 
 
@@ -308,11 +328,49 @@ def _summarize(files, globs, get_diff_for_mutant, status_by_exit_code) -> dict:
 RECORDS = ROOT / "docs" / "mutation"
 
 
+def recorded_targets() -> list[str]:
+    """The targets whose records make the tables: every target but an alias (``fedavg``) and a target split into
+    parts (its parts' records replace it: together they mutate its whole core, each function once)."""
+    return [n for n in TARGETS if n != "fedavg" and not parts_of(n)]
+
+
+def file_scores(out: Path) -> dict[str, dict]:
+    """Per core file: mutants and killed summed over the records of :func:`recorded_targets` that mutate it (they
+    share no function), with the targets and whether any mutant went unchecked."""
+    files: dict[str, dict] = {}
+    for name in recorded_targets():
+        js = out / f"{name}.json"
+        if not js.exists():
+            continue
+        s = json.loads(js.read_text())
+        for f, r in s["files"].items():
+            e = files.setdefault(f, {"mutants": 0, "killed": 0, "not_checked": 0, "targets": []})
+            e["mutants"] += r["mutants"]
+            e["killed"] += r["killed"]
+            e["not_checked"] += r.get("not_checked", 0)
+            e["targets"].append(s["target"])
+    return files
+
+
+def file_table(out: Path) -> str:
+    """One row per core file, all its targets together: the score the tests issue asks of each file."""
+    rows = ["| core file | mutants | killed | score | targets |", "|---|---|---|---|---|"]
+    for f, e in sorted(file_scores(out).items()):
+        checked = e["mutants"] - e["not_checked"]
+        score = f"{100 * e['killed'] / checked:.1f}%" if checked else "-"
+        unchecked = f" ({e['not_checked']} not checked)" if e["not_checked"] else ""
+        rows.append(f"| `{f}` | {e['mutants']}{unchecked} | {e['killed']} | {score} | "
+                    + ", ".join(f"[{t}]({t}.md)" if (out / f"{t}.md").exists() else t for t in e["targets"]) + " |")
+    return "\n".join(rows)
+
+
 def markdown_table(out: Path) -> str:
-    """One row per core file of every target's summary under ``out``: what docs/testing.md shows."""
-    rows = ["| file | target | mutants | killed | score | surviving mutants (no tests: no selected test runs it) | commit |",
+    """Per core file, then one row per core file of every target's summary under ``out``: what docs/testing.md
+    shows."""
+    rows = [file_table(out), "",
+            "| file | target | mutants | killed | score | surviving mutants (no tests: no selected test runs it) | commit |",
             "|---|---|---|---|---|---|---|"]
-    for js in sorted(out / f"{name}.json" for name in TARGETS if name != "fedavg"):
+    for js in sorted(out / f"{name}.json" for name in recorded_targets()):
         if not js.exists():
             continue
         s = json.loads(js.read_text())
@@ -331,6 +389,68 @@ def markdown_table(out: Path) -> str:
             rows.append(f"| `{f}` | {page} | {r['mutants']}{unchecked} | {r['killed']} | {score} | {names or '-'} | "
                         f"{s['commit'][:7]}{'+' if s['dirty'] else ''} |")
     return "\n".join(rows)
+
+
+def mutated_functions(files: list[str]) -> dict[str, dict[str, int]]:
+    """Per file: the mutmut key of every function mutmut mutates in it (``x_f``, ``xǁClassǁmethod``) -> its number
+    of mutants. mutmut's own generator finds the mutations; the keys follow its trampolines (module functions and
+    the methods of an indented class body; a mutation elsewhere is dropped), without rendering the mutated files."""
+    import tempfile
+
+    import libcst as cst
+    from mutmut import configuration
+    from mutmut.mutation.file_mutation import create_mutations, group_by_top_level_node
+
+    out, cwd = {}, os.getcwd()
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "pyproject.toml").write_text(mutmut_config(files, [], None))
+        os.chdir(d)  # mutmut reads its configuration from the working directory
+        configuration.reset_config()
+        try:
+            for f in files:
+                module, mutations, _, _ = create_mutations(f, (ROOT / f).read_text())
+                by_node = group_by_top_level_node(mutations)
+                counts: dict[str, int] = {}
+                for st in module.body:
+                    if isinstance(st, cst.FunctionDef) and by_node.get(st):
+                        counts[f"x_{st.name.value}"] = len(by_node[st])
+                    elif isinstance(st, cst.ClassDef) and isinstance(st.body, cst.IndentedBlock):
+                        for fn in st.body.body:
+                            if isinstance(fn, cst.FunctionDef) and by_node.get(fn):
+                                counts[f"xǁ{st.name.value}ǁ{fn.name.value}"] = len(by_node[fn])
+                out[f] = counts
+        finally:
+            os.chdir(cwd)
+            configuration.reset_config()
+    return out
+
+
+def parts_of(parent: str) -> dict[str, Target]:
+    """The narrow targets ``<parent>_<part>`` that split a target's core by function."""
+    return {n: t for n, t in TARGETS.items() if n.startswith(parent + "_")}
+
+
+def check_parts(parent: str, fns: dict[str, dict[str, int]] | None = None) -> list[str]:
+    """What is wrong with the split of ``parent`` into its parts: a mutated function of its core that no part
+    mutates or that two parts mutate, a part's core file outside the parent's, a part's function glob that matches
+    nothing. Empty when every mutant of the parent is in exactly one part. ``fns``: :func:`mutated_functions` of the
+    parent's core, if already computed."""
+    core = expand(TARGETS[parent].core)
+    parts = parts_of(parent)
+    problems = [f"{n}: {f} is not in {parent}'s core" for n, t in parts.items() for f in expand(t.core) if f not in core]
+    fns = fns if fns is not None else mutated_functions(core)
+    for f, counts in fns.items():
+        for fn in sorted(counts):
+            owners = [n for n, t in parts.items() if f in expand(t.core)
+                      and any(fnmatch.fnmatchcase(fn, g) for g in (t.functions or ["*"]))]
+            if len(owners) != 1:
+                problems.append(f"{f}: {fn} ({counts[fn]} mutants) is in " + (" and ".join(owners) if owners else
+                                                                                "no part"))
+    for n, t in parts.items():
+        for g in t.functions or ["*"]:
+            if not any(fnmatch.fnmatchcase(fn, g) for f in expand(t.core) for fn in fns.get(f, {})):
+                problems.append(f"{n}: function {g!r} matches no mutated function of {' '.join(expand(t.core))}")
+    return problems
 
 
 def git(*args: str) -> str:
@@ -356,7 +476,25 @@ def main(argv=None) -> int:
     p.add_argument("--records", default=str(RECORDS), help="where --record copies summaries and --table reads them")
     p.add_argument("--record", action="store_true",
                    help="after the run, copy its summary to --records (the committed scores docs/testing.md shows)")
+    p.add_argument("--parts", metavar="TARGET",
+                   help="check that the targets TARGET_<part> mutate every function of TARGET's core exactly once, "
+                        "print each part's functions and mutants, and exit (1 if a function is left out or doubled)")
     a = p.parse_args(argv)
+    if a.parts:
+        if a.parts not in TARGETS or not parts_of(a.parts):
+            print(f"error: --parts {a.parts!r}: no target with parts {a.parts}_<part>; see --list", file=sys.stderr)
+            return 2
+        fns = mutated_functions(expand(TARGETS[a.parts].core))
+        for n, t in parts_of(a.parts).items():
+            mine = {fn: c for f in expand(t.core) for fn, c in fns.get(f, {}).items()
+                    if any(fnmatch.fnmatchcase(fn, g) for g in (t.functions or ["*"]))}
+            print(f"{n}: {sum(mine.values())} mutants in {len(mine)} functions ({' '.join(expand(t.core))})")
+        problems = check_parts(a.parts, fns)
+        for line in problems:
+            print("error: " + line, file=sys.stderr)
+        print(f"{a.parts}: {sum(sum(c.values()) for c in fns.values())} mutants; "
+              + ("every function in exactly one part" if not problems else f"{len(problems)} problem(s)"))
+        return 1 if problems else 0
     if a.table:
         print(markdown_table(Path(a.records)))
         return 0
@@ -371,6 +509,16 @@ def main(argv=None) -> int:
     if a.max_children < 1:
         print("error: --max-children must be >= 1", file=sys.stderr)
         return 2
+    if a.target in TARGETS and parts_of(a.target) and not (a.tests or a.k or a.summarize):
+        # a target split into parts runs each part against its own tests (the whole core against every test of
+        # every part would take hours), then reports the core's files with all parts together
+        codes = []
+        for part in parts_of(a.target):
+            print(f"== {part}", flush=True)
+            codes.append(main([part, "--max-children", str(a.max_children), "--out", a.out, "--records", a.records]
+                              + ["--resume"] * a.resume + ["--record"] * a.record))
+        print(file_table(Path(a.out)))
+        return max(codes)
     if Path(a.target).suffix == ".py" and a.tests and a.target not in TARGETS:
         name, t = Path(a.target).stem, Target([os.path.relpath(Path(a.target).resolve(), ROOT)], a.tests)
     elif target_for(a.target):

@@ -261,6 +261,32 @@ def test_fedpop_wrapped_in_sha_on_known_scores(make_tuner):
     assert elim[1]["kept"] == [3] and [m.idx for m in tuner.members if m.alive] == [3]
     assert calls == {0: 3, 1: 14, 2: 3, 3: 14, 4: 14, 5: 3, 6: 3, 7: 3, 8: 3}
     assert tuner.rounds_used == 9 * 3 + 3 * 11 == 60 and tuner.round == 2
+    assert [e["rounds_each"] for e in elim] == [3, 11]
+
+
+def test_fedpop_sha_resumed_after_its_first_stage_trains_only_the_later_stages():
+    """4 -> 2 -> 1 (eta 2) over R_t = 16: stages (4 x 2 rounds, 2 x 4 rounds). Resumed with stage 1 done
+    (round = 1; members 2 and 3 eliminated): the survivors' round counter starts at 2, so stage 2 trains members 0 and
+    1 four rounds each (rounds 3-6), FedPop-G (T_g = 3) fires at round 3 only (6 ends the stage), and SHA keeps the
+    lower Eq. 5 score of those four rounds."""
+    from types import SimpleNamespace
+
+    t = Tuner.__new__(Tuner)
+    t.t = TunerArguments(tuner="fedpop_sha", sha_start=4, sha_eta=2, gamma_g=0.5)
+    t.budget, t.T_g, t.round, t.events = 16, 3, 1, []
+    t.members = [SimpleNamespace(idx=i, alive=i < 2, hist=[], stage_hist=[9.0]) for i in range(4)]
+    assert t.sha_schedule() == [(4, 2), (2, 4)]
+    trained, fired = [], []
+
+    def member_round(m):
+        trained.append(m.idx)
+        m.hist.append(1.0 + m.idx)
+
+    t.member_round, t.fedpop_g, t.save = member_round, fired.append, (lambda: None)
+    t._run_sha_wrapped()
+    assert trained == [0, 1] * 4 and fired == [3]
+    assert t.events == [{"stage": 1, "kind": "eliminate", "kept": [0], "dropped": [1], "rounds_each": 4}]
+    assert t.round == 2 and [m.alive for m in t.members] == [True, False, False, False]
 
 
 def test_fedex_wrapped_in_sha_runs_fedex_in_every_member_and_eliminates_by_stage_scores(make_tuner):
