@@ -60,6 +60,8 @@ def fedpop_nodes(file: str, *tests: str) -> list[str]:
     return [f"tests/tuning/{file}::{t}" for t in tests]
 
 
+FEDBIP_PINS = ["tests/fedbip/test_fedbip_pins.py", "tests/fedbip/test_fedbip_*_pins.py"]
+FEDBIP_FAST = ["tests/fedbip/test_fedbip_algorithm.py", "tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS]
 BASELINE_TESTS = ["tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py"]
 #: method -> core -> tests, the one table. Targets share no file unless a file is genuinely part of both cores.
 TARGETS: dict[str, Target] = {
@@ -149,11 +151,38 @@ TARGETS: dict[str, Target] = {
     # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
     # FedBiP's server side (the classifier's budget, Eq. 6) and the real words of its ablation prompts, against the
     # tests that pin them: a run of minutes, where the whole fedbip target takes hours on 2 cores
-    "fedbip_server": Target(["hfpfl/algorithms/fedbip.py", "hfpfl/fedbip/pool.py"],
+    "fedbip_server": Target(["hfpfl/algorithms/fedbip.py"],
                             ["tests/fedbip/test_fedbip_algorithm.py"],
-                            functions=["xǁFedBiPǁaggregate", "xǁFedBiPǁwords", "x_caption_word"],
+                            functions=["xǁFedBiPǁaggregate", "xǁFedBiPǁwords"],
                             k="budget_is_the_server or learnt_it or keep_the_real_words or one_round_and_only or "
                               "given_domain or aggregate_called_directly"),
+    # the real style word of each Digits domain in FedBiP's prompts (the rest of pool.py renders the LDM's
+    # pretraining pool, not the method)
+    "caption_word": Target(["hfpfl/fedbip/pool.py"], ["tests/fedbip/test_fedbip_algorithm.py"],
+                           functions=["x_caption_word"], k="keep_the_real_words or given_domain or learnt_it"),
+    # the rest of the fedbip target in parts of minutes each, every function mutmut mutates in exactly one part
+    # (with fedbip_server; `--parts fedbip` checks it), each against the fast tests that pin it
+    "fedbip_protocol": Target(["hfpfl/fedbip/protocol.py"], FEDBIP_FAST, functions=["*"],
+                              k="pins or noise_to_the_samplers or out_of_range_timesteps or resolution_matched or "
+                                "random_latent_rows or concept_lr_and_sigma or keep_the_real_words or "
+                                "synthetic_set_size or aggregate_called_directly"),
+    "fedbip_client": Target(["hfpfl/fedbip/client.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
+                            functions=["*"]),
+    "fedbip_pipeline": Target(["pipelines/pipeline_fedbip.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
+                              functions=["*"]),
+    # the client side of the engine plug-in: the client's images, Eq. 3's latents, Eq. 4's concepts, the upload,
+    # against the pins on a stand-in self (mutmut runs a mutant's tests in name order: with the plug-in's federation
+    # tests selected every mutant would first wait for a federation)
+    "fedbip_concepts": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_PINS,
+                              functions=["xǁFedBiPǁtrain_concepts", "xǁFedBiPǁinstance_latents",
+                                         "xǁFedBiPǁclient_update", "xǁFedBiPǁreal_images",
+                                         "xǁFedBiPǁword_concepts"]),  # download / init_private_state: no mutants
+    # the options' checks, the LDM's loading, the server's check and synthesis of an upload, the grid, evaluation
+    "fedbip_rest": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_FAST,
+                          functions=["x__template_ok", "x__sampler_ok", "xǁFedBiPConfigǁ*", "x_load_ldm", "x__digest", "xǁFedBiPǁ__init__", "xǁFedBiPǁcheck_upload",
+                                     "xǁFedBiPǁsynthesize", "xǁFedBiPǁreceive", "xǁFedBiPǁsave_grid",
+                                     "xǁFedBiPǁload_personal", "xǁFedBiPǁpersonalize_new_client",
+                                     "xǁFedBiPǁextra_metrics"]),
     "server": Target(["hfpfl/federated/aggregation.py", "hfpfl/federated/protocol.py"],
                      ["tests/federated/test_protocol.py", "tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py",
                       "tests/algorithms/test_server_pins.py",
@@ -460,7 +489,7 @@ def main(argv=None) -> int:
             return 2
         fns = mutated_functions(expand(TARGETS[a.parts].core))
         for n, t in parts_of(a.parts).items():
-            mine = {fn: c for f in expand(t.core) for fn, c in fns[f].items()
+            mine = {fn: c for f in expand(t.core) for fn, c in fns.get(f, {}).items()
                     if any(fnmatch.fnmatchcase(fn, g) for g in (t.functions or ["*"]))}
             print(f"{n}: {sum(mine.values())} mutants in {len(mine)} functions ({' '.join(expand(t.core))})")
         problems = check_parts(a.parts, fns)

@@ -99,11 +99,6 @@ class Algorithm:
         self.ctx = ctx
         self.config = config
 
-    @property
-    def sim(self) -> MethodContext:
-        """Older name of :attr:`ctx` (plug-ins written before the context existed)."""
-        return self.ctx
-
     # ------------------------------------------------------------------ model and key roles
     def build_model(self) -> nn.Module:
         return self.ctx.build_default_model()
