@@ -281,7 +281,7 @@ def test_memoised_concepts_key_the_lr_classes_words_and_trained_halves(calls):
     FedBiP.train_concepts(base, 1, X, Y, 0, object())
     n = 1
     for change in (lambda s: setattr(s, "concept_lr", 0.5),
-                   lambda s: setattr(s.sim.data, "num_labels", 3),
+                   lambda s: setattr(s.ctx.data, "num_labels", 3),
                    lambda s: setattr(s, "words", lambda cid: ("mnistm", ["zero", "one"])),
                    lambda s: setattr(s, "words", lambda cid: ("usps", ["nought", "one"])),
                    lambda s: setattr(s.config, "personalization", "domain"),
