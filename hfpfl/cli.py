@@ -2,67 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
-import warnings
+
+from .logs import setup_logging
 
 USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, KeyError, OSError)
 
-
-class _NoTorchvisionFallbackNotice(logging.Filter):
-    """transformers 5 says "`CLIPImageProcessor` requires torchvision (not installed); falling back to
-    `CLIPImageProcessorPil`" when diffusers' Stable Diffusion modules are imported. The PIL processors are the ones
-    hfpfl uses (torchvision is not in its pinned set), so the notice has nothing for a user to act on."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "requires torchvision (not installed); falling back to" not in record.getMessage()
-
-
-_FALLBACK_FILTER = _NoTorchvisionFallbackNotice()
-_REDIRECTED_LOG = False  # set by _setup_logging: an hfpfl program whose stderr is not a terminal
-
-
-def quiet_library_progress_bars(diffusers: bool = False) -> bool:
-    """In an hfpfl program whose log is redirected (:func:`_setup_logging` ran and stderr is not a terminal), turn
-    off the progress bars of huggingface_hub, transformers, datasets and -- when ``diffusers`` or when it is already
-    imported -- diffusers, through their public switches, so that the log holds plain lines, not bar redraws.
-    Returns whether it did. Library use (hfpfl imported in a notebook, whose stderr is no terminal either) keeps the
-    user's bars. diffusers is imported only when asked: it costs about a second, which runs that never use it
-    should not pay."""
-    if not _REDIRECTED_LOG:
-        return False
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read by huggingface_hub and transformers at import
-    import datasets
-    import huggingface_hub.utils
-    import transformers.utils.logging
-
-    huggingface_hub.utils.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-    if diffusers or "diffusers" in sys.modules:
-        import diffusers.utils.logging
-
-        diffusers.utils.logging.disable_progress_bar()
-    return True
-
-
-def _setup_logging(diffusers: bool = False) -> None:
-    """hfpfl's log format; library noise off: chatty loggers at WARNING, the torchvision fallback notice dropped,
-    and off a terminal every library progress bar off (``diffusers=True`` for programs that load pipelines)."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    for noisy in ("httpx", "urllib3", "filelock", "matplotlib"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # the logger transformers' lazy module warns through (a logger-level filter sees the record before any handler)
-    fallback_logger = logging.getLogger("transformers.utils.import_utils")
-    if _FALLBACK_FILTER not in fallback_logger.filters:
-        fallback_logger.addFilter(_FALLBACK_FILTER)
-    # accelerate warns in every forked worker that it set torch's threads for OMP_NUM_THREADS; the engine sets the
-    # run's --num_threads itself right after (hfpfl.federated.engine), so the notice says nothing about this run
-    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS/MKL_NUM_THREADS unset", category=UserWarning)
-    global _REDIRECTED_LOG
-    _REDIRECTED_LOG = not sys.stderr.isatty()
-    quiet_library_progress_bars(diffusers=diffusers)
 
 
 def format_table(results: dict) -> str:
@@ -204,10 +150,10 @@ def _run_recipe(workers, method, argv, defaults, name, data_fn, after, script, d
     import dataclasses
 
     from . import runtime
-    from .config import parse_run_args
+    from .arguments import parse_run_args
     from .runtime import Interrupted, cleanup_on_failure, interruptible, interrupted_message, resolve_output_dir
 
-    _setup_logging()
+    setup_logging()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     prog = script or (os.path.basename(sys.argv[0]) if argv is None else "hfpfl")
     args_list = list(sys.argv[1:] if argv is None else argv)

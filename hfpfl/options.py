@@ -7,7 +7,7 @@ An option is declared with :func:`option` (or ``dataclasses.field(metadata={"hel
         lr_embedding: float = option(0.1, "Learning rate of the client embedding.", check=positive())
 
 Every dataclass a recipe parses (run, data, method and recipe options) goes through :func:`validate` after parsing
-(``hfpfl.config.parse_run_args``), and the engine validates a method config built in Python, so an option that declares
+(``hfpfl.arguments.parse_run_args``), and the engine validates a method config built in Python, so an option that declares
 a check cannot skip it. A bad value is one ``ValueError`` line naming the flag, the value and what is allowed; the
 command-line layer turns it into ``error: ...`` and exit code 2 before anything is written.
 """

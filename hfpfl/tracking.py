@@ -52,11 +52,9 @@ def describe_run_model(sim) -> str:
     """The model this run trains: ``--model`` as :func:`describe_model` says, or, where the method builds its own
     (``Algorithm.build_model``: FedBasis's basis combination, FedPop's tiny MLP, a user's plain ``nn.Module``), its
     class, and ``--model`` only if the method built around it."""
-    from .federated.protocol import Algorithm
-
-    a, algo = sim.args, sim.algorithm
+    a = sim.args
     given = describe_model(a.model, a.adapter)
-    if type(algo).build_model is Algorithm.build_model and "build_model" not in vars(algo):
+    if sim.model_is_default:
         return given
     built = f"{type(sim.model).__name__}, built by the method {a.method}"
     return f"{built} around {given}" if getattr(sim, "default_model_built", False) else f"{built} (--model unused)"

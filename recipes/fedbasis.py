@@ -61,7 +61,7 @@ def label_weighted_metrics(sim) -> dict:
     out["personal_accuracy_lw"] = float(np.mean(accs))
 
     def new_clients(adapt: bool) -> float:
-        cfg, args = getattr(algo, "config", None), sim.ctx.args
+        cfg, args = getattr(algo, "config", None), sim.args
         saved = (getattr(cfg, "new_client_steps", None), args.new_client_epochs)
         if not adapt:
             if saved[0] is not None:

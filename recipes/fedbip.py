@@ -11,9 +11,9 @@
     python recipes/fedbip.py --help                # every option (run, data, FedBiP, recipe)
 
 The rows are the study fedbip_digits's (docs/results/fedbip_digits.md); the comparison lives in
-:mod:`hfpfl.fedbip.compare`, its summary and claims in the study runner (:mod:`hfpfl.experiments`).
+:mod:`hfpfl.experiments.fedbip_compare`, its summary and claims in the study runner (:mod:`hfpfl.experiments`).
 """
-from hfpfl.fedbip.compare import DEFAULTS, RecipeArguments, format_table, main, parse  # noqa: F401
+from hfpfl.experiments.fedbip_compare import DEFAULTS, RecipeArguments, format_table, main, parse  # noqa: F401
 
 RECIPE_OPTIONS = RecipeArguments  # this recipe's own options (docs/reference/options.md lists them)
 

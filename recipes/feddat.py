@@ -54,7 +54,8 @@ def benchmark_data(run, data, opts: VQABenchmark):
 
 
 def build_data(run, data, split, train_n, test_n, image_ablation="none"):
-    from hfpfl.data.vqa import vqa_benchmark, vqa_tokenizer
+    from hfpfl.data.vqa import vqa_benchmark
+    from hfpfl.models.vqa import vqa_tokenizer
     from hfpfl.models.builders import TINY_VQA_MODELS, build_vqa_tokenizer
     from hfpfl.models.vqa import BACKBONES
 

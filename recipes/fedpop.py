@@ -35,7 +35,7 @@ def recipe_defaults(algo_cls) -> dict:
 
 def main(argv=None):
     from hfpfl.cli import USER_ERRORS, fail
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     from hfpfl.runtime import check_output_dir, cleanup_on_failure, clear_run_files, resolve_output_dir
     from hfpfl.tuning import Tuner
     from hfpfl.tuning.models import TINY_MLP

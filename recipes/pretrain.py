@@ -17,7 +17,7 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from hfpfl.cli import fail  # noqa: E402
-from hfpfl.config import make_parser  # noqa: E402
+from hfpfl.arguments import make_parser  # noqa: E402
 from hfpfl.models.pretrained import PretrainArguments, ensure_pretrained, load_pretrain_info  # noqa: E402
 
 RECIPE_OPTIONS = PretrainArguments  # this recipe's options (docs/reference/options.md lists them)

@@ -163,7 +163,7 @@ def latent_size_advice(image_size: int, latent_size: int | None) -> str:
 def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hfpfl.cli import fail
-    from hfpfl.config import make_parser
+    from hfpfl.arguments import make_parser
 
     try:
         (args,) = make_parser([PretrainArguments], prog="recipes/pretrain_ldm.py").parse_args_into_dataclasses(

@@ -37,9 +37,10 @@ def main(argv=None):
 
     from hfpfl.cli import fail
 
-    from hfpfl.algorithms.fedbip import load_ldm, resolve_ldm
+    from hfpfl.algorithms.fedbip import load_ldm
+    from hfpfl.fedbip.ldm import resolve_ldm
     from hfpfl.data import build_federated_dataset
-    from hfpfl.fedbip import compare
+    from hfpfl.experiments import fedbip_compare as compare
     from hfpfl.fedbip.client import sampler_timesteps
     from hfpfl.fedbip.protocol import noising_timestep
     from hfpfl.fedbip.sweep import check_sweepable, choose_noise_timestep, plot_sweep, train_spacing

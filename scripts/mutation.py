@@ -179,12 +179,11 @@ TARGETS: dict[str, Target] = {
                                          "xǁFedBiPǁword_concepts"]),  # download / init_private_state: no mutants
     # the options' checks, the LDM's loading, the server's check and synthesis of an upload, the grid, evaluation
     "fedbip_rest": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_FAST,
-                          functions=["x__template_ok", "x__sampler_ok", "xǁFedBiPConfigǁ*", "x_resolve_ldm",
-                                     "x_load_ldm", "x__digest", "xǁFedBiPǁ__init__", "xǁFedBiPǁcheck_upload",
+                          functions=["x__template_ok", "x__sampler_ok", "xǁFedBiPConfigǁ*", "x_load_ldm", "x__digest", "xǁFedBiPǁ__init__", "xǁFedBiPǁcheck_upload",
                                      "xǁFedBiPǁsynthesize", "xǁFedBiPǁreceive", "xǁFedBiPǁsave_grid",
                                      "xǁFedBiPǁload_personal", "xǁFedBiPǁpersonalize_new_client",
                                      "xǁFedBiPǁextra_metrics"]),
-    "server": Target(["hfpfl/federated/protocol.py"],
+    "server": Target(["hfpfl/federated/aggregation.py", "hfpfl/federated/protocol.py"],
                      ["tests/federated/test_protocol.py", "tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py",
                       "tests/algorithms/test_server_pins.py",
                       "tests/federated/test_vectorized.py::test_add_stacked_equals_one_add_per_client",

@@ -86,7 +86,7 @@ def parse(argv: list[str]):
     Every user error is a one-line ValueError that names the option."""
     import argparse
 
-    from hfpfl.config import load_config_file, make_parser
+    from hfpfl.arguments import load_config_file, make_parser
     from hfpfl.data import DataArguments
 
     types = (DataArguments, PartitionScriptArguments)
@@ -154,10 +154,11 @@ def run(data_args, args) -> int:
     t0 = time.time()
     if args.vqa_split:
         from hfpfl.data.vqa import SPLITS, vqa_benchmark
+        from hfpfl.models.vqa import vqa_tokenizer
 
         if args.vqa_split not in SPLITS:
             raise ValueError(f"--vqa_split must be one of {', '.join(SPLITS)}, got {args.vqa_split!r}")
-        fed = vqa_benchmark(args.vqa_split, seed=args.seed, train_per_client=args.vqa_train_per_client,
+        fed = vqa_benchmark(args.vqa_split, tokenizer=vqa_tokenizer(), seed=args.seed, train_per_client=args.vqa_train_per_client,
                             test_per_client=args.vqa_test_per_client, image_size=data_args.image_size)
     else:
         fed = build_federated_dataset(data_args, seed=args.seed)  # before anything is written: bad input writes nothing

@@ -1,4 +1,7 @@
-"""The method protocol lives in the engine (:mod:`hfpfl.federated.protocol`); methods import it from here."""
-from ..federated.protocol import (FROZEN, GLOBAL, MODEL, OPTIM, PRIVATE, REGISTRY, Algorithm, HParams,  # noqa: F401
-                                  MethodContext, NoConfig, NonFiniteError, ServerHParams, Update, WeightedSums,
-                                  get_algorithm, register, server_optimizer_step, weighted_average)
+"""The method protocol lives in the engine (:mod:`hfpfl.federated.protocol` and the modules it is made of); methods
+import it from here."""
+from ..federated.aggregation import WeightedSums, server_optimizer_step, weighted_average  # noqa: F401
+from ..federated.context import HParams, MethodContext, NonFiniteError, ServerHParams  # noqa: F401
+from ..federated.protocol import Algorithm, NoConfig, Update  # noqa: F401
+from ..federated.registry import REGISTRY, get_algorithm, register  # noqa: F401
+from ..federated.state import FROZEN, GLOBAL, MODEL, OPTIM, PRIVATE  # noqa: F401

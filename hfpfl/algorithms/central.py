@@ -26,6 +26,9 @@ class Central(Algorithm):
     """Centralized oracle: the classifier trained on the union of all clients' real train data."""
 
     name = "central"
+    aggregation = "gather"
+    local_update = "own"
+    personal_model = "own"
     Config = CentralConfig
     one_shot = True
     # clients only upload their data; the server trains with the run's own settings and config.epochs

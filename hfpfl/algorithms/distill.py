@@ -114,14 +114,14 @@ def public_pool(sim, config: KDConfig) -> tuple[torch.Tensor, TensorData | None]
     KD pixels come from ``config.kd_pool``: the out-of-domain pool (default) or the dataset's in-domain public split.
     The optional selection split (``kd_val_fraction`` > 0, PerAda code) is always a labelled held-out part of the
     dataset's public split: the server's validation data (PerAda: 5,000 held-out CIFAR-10 training images)."""
-    cache = sim.__dict__.setdefault("_kd_pool", {})
+    cache = sim.cache("kd_pool")
     key = (config.kd_pool, config.kd_pool_size, config.kd_public_fraction, config.kd_val_fraction)
     if key not in cache:
         need_public = config.kd_pool == "public" or config.kd_val_fraction > 0
         if need_public and (sim.data.public is None or len(sim.data.public) == 0):
             raise ValueError("this distillation setting needs the dataset's public split (sim.data.public is empty); "
                              "use kd_pool='ood' without kd_val_fraction, or set use_kd=False")
-        gen = torch.Generator().manual_seed(sim.args.seed)
+        gen = torch.Generator().manual_seed(sim.run.seed)
         val = None
         pub_rest = None
         if need_public:
@@ -155,11 +155,11 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
 
 def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig, round_idx: int) -> tuple[dict, dict]:
     """Distil ``student`` (a global-keys state) from the logit ensemble of ``teachers`` (uploaded global-keys states)
-    on the public pool, through ``algo.sim.model``. Returns (new student state, metrics)."""
-    sim, model = algo.sim, algo.model
+    on the public pool, through ``algo.ctx.model``. Returns (new student state, metrics)."""
+    sim, model = algo.ctx, algo.model
     keys = list(student)
     pixels, val = public_pool(sim, config)
-    bs, dev = sim.args.eval_batch_size, sim.device
+    bs, dev = sim.run.eval_batch_size, sim.device
     model.eval()
     teacher_logits = torch.zeros(0)
     for t in teachers:  # uniform mean of the K teachers' logits (the PerAda code)
@@ -198,7 +198,7 @@ def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig
     pool = TensorData(pixels, torch.full((len(pixels),), -1), extras={"teacher_logits": teacher_logits})
     train_local(model, pool, opt, batch_size=min(config.kd_batch_size, len(pixels)), max_steps=config.kd_steps,
                 generator=sim.generator(round_idx, -1, "kd"), device=dev, loss_fn=loss_fn,
-                backward=sim.accelerator.backward, scheduler=sched, after_step=select)
+                backward=sim.backward, scheduler=sched, after_step=select)
     step = len(losses)
     metrics = {"kd_loss_first": losses[0] if losses else math.nan, "kd_loss_last": losses[-1] if losses else math.nan,
                "kd_steps": step}
@@ -217,10 +217,10 @@ def push_global_adapter(algo, state: dict, round_idx: int, repo_id: str) -> str:
     from ..models.adapters import is_adapter_model
     from ..models.adapters.io import publish_adapter
 
-    sim = algo.sim
+    sim = algo.ctx
     if not is_adapter_model(sim.model):
         raise ValueError("push_adapters_to_hub_cache needs an adapter model (--adapter residual|parallel|lora)")
-    if not sim.accelerator.is_main_process:
+    if not sim.is_main_process:
         return ""
     load_into(sim.model_state, state)
     return publish_adapter(sim.model, repo_id, [f"round-{round_idx}", "main"])

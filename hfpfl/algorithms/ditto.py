@@ -28,6 +28,8 @@ class DittoConfig:
 @register
 class Ditto(Algorithm):
     name = "ditto"
+    local_update = "own"
+    personal_model = "own"
     Config = DittoConfig
 
     def client_update(self, client_id, down, private, round_idx):

@@ -19,6 +19,7 @@ class FineTuneConfig:
 @register
 class FedAvgFT(Algorithm):
     name = "fedavg_ft"
+    personal_model = "own"
     Config = FineTuneConfig
 
     def load_personal(self, client_id, server_state, private, round_idx):

@@ -31,6 +31,8 @@ class FedBABUConfig:
 class FedBABU(Algorithm):
     """FedBABU: the head stays at its random init (never trained or sent); the body is averaged; fine-tuned to evaluate."""
     name = "fedbabu"
+    local_update = "own"
+    personal_model = "own"
     Config = FedBABUConfig
 
     def key_role(self, key, default):

@@ -78,9 +78,10 @@ def _ints(s):
 @register
 class FedBasis(Algorithm):
     name = "fedbasis"
+    aggregation = "gather"
+    local_update = "own"
     Config = FedBasisConfig
     has_global_model = False
-    needs_all_uploads = True
     uses_server_hparams = frozenset()  # aggregate: the uniform mean (+ k-means); no FedOpt step
     # local training runs basis_epochs / alpha_epochs of the config, never --local_epochs
     uses_client_hparams = Algorithm.uses_client_hparams - {"local_epochs"}
@@ -105,8 +106,8 @@ class FedBasis(Algorithm):
     def warm_rounds(self) -> int:
         """At least one warm-start round (when there are >= 2 rounds and warm_fraction > 0): bases that start
         identical get identical gradients and uniform alphas forever, so the k-means split is what separates them."""
-        r = int(math.floor(self.config.warm_fraction * self.ctx.args.num_rounds))
-        return max(r, 1) if self.config.warm_fraction > 0 and self.ctx.args.num_rounds >= 2 else r
+        r = int(math.floor(self.config.warm_fraction * self.ctx.run.num_rounds))
+        return max(r, 1) if self.config.warm_fraction > 0 and self.ctx.run.num_rounds >= 2 else r
 
     def _keys(self, prefix):
         return [k for k in self.global_keys if k.startswith(prefix)]

@@ -222,39 +222,18 @@ _PIPES: dict[str, object] = {}
 _CONCEPTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def resolve_ldm(ldm: str) -> str:
-    """Local folder of the LDM: a folder as is; the default tiny repo id published (the shipped snapshot) on first use;
-    any other repo id from the Hub cache (offline) or downloaded. Clear error when offline and not cached."""
-    from ..fedbip.ldm import DEFAULT_LDM_REPO, cached_snapshot, ensure_pretrained_ldm
-
-    if os.path.isdir(ldm):
-        return ldm
-    if ldm == DEFAULT_LDM_REPO:
-        return ensure_pretrained_ldm(ldm)
-    path = cached_snapshot(ldm)
-    if path is not None:
-        return path
-    from huggingface_hub.constants import HF_HUB_OFFLINE
-
-    if HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
-        raise OSError(f"LDM {ldm!r} is not a local folder and not in the local Hub cache, and HF_HUB_OFFLINE=1: "
-                      f"download it once online (huggingface-cli download {ldm}), pass a local folder, or use "
-                      f"the default {DEFAULT_LDM_REPO!r}")
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(ldm)
-
-
 def load_ldm(ldm: str, device=None):
     """The process-wide frozen FedBiPPipeline for ``ldm`` (loaded once per device, shared by clients and
     simulations), on ``device`` (the accelerator's device; CPU when there is none)."""
+    from ..fedbip.ldm import resolve_ldm
+
     path = resolve_ldm(ldm)
     device = torch.device(device or "cpu")
     key = f"{os.path.realpath(path)}@{device}"
     if key not in _PIPES:
         from pipelines.pipeline_fedbip import FedBiPPipeline
 
-        from ..cli import quiet_library_progress_bars
+        from ..logs import quiet_library_progress_bars
         quiet_library_progress_bars(diffusers=True)  # a redirected hfpfl log: no "Loading pipeline components" bars
         pipe = FedBiPPipeline.from_pretrained(path)
         for m in (pipe.unet, pipe.vae, pipe.text_encoder):
@@ -279,6 +258,9 @@ class FedBiP(Algorithm):
     """FedBiP: one-shot upload of noised latents + learned concepts; server synthesis with a frozen LDM."""
 
     name = "fedbip"
+    aggregation = "gather"
+    local_update = "own"
+    personal_model = "own"
     Config = FedBiPConfig
     one_shot = True
     # clients fit concepts with the config's Adam (concept_lr); the server trains the classifier with the run's own
@@ -314,7 +296,7 @@ class FedBiP(Algorithm):
 
     def real_images(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The client's train split as LDM inputs: (N, 3, S, S) in [-1, 1] at the LDM's resolution, labels."""
-        data = self.sim.train_data(client_id)
+        data = self.ctx.train_data(client_id)
         x = data.pixel_values
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
@@ -324,14 +306,14 @@ class FedBiP(Algorithm):
 
     def words(self, client_id: int) -> tuple[str, list[str]]:
         """Real domain word and class words for the real-word prompts (ablations, concept_init=words)."""
-        cfg, data = self.config, self.sim.data
+        cfg, data = self.config, self.ctx.data
         if cfg.domain_words:
             doms = [w.strip() for w in cfg.domain_words.split(",")]
             domain = doms[client_id % len(doms)]
         else:
             from ..fedbip.pool import caption_word
 
-            domain = caption_word(self.sim.client(client_id).domain) or "image"
+            domain = caption_word(self.ctx.client(client_id).domain) or "image"
         if cfg.class_words:
             classes = [w.strip() for w in cfg.class_words.split(",")]
         elif list(data.label_names) == [str(i) for i in range(10)]:
@@ -347,7 +329,7 @@ class FedBiP(Algorithm):
 
         domain, classes = self.words(client_id)
         cfg = self.config
-        return init_concepts(self.pipe, self.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template, init="words",
+        return init_concepts(self.pipe, self.ctx.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template, init="words",
                              domain_word=domain, class_words=classes, concept_space=cfg.concept_space)
 
     # ------------------------------------------------------------------ client
@@ -385,8 +367,8 @@ class FedBiP(Algorithm):
         from ..fedbip import instance_level_latents
 
         cfg, pipe = self.config, self.pipe
-        g = self.sim.generator(round_idx, client_id, "fedbip-instance")
-        counts = torch.bincount(y, minlength=self.sim.data.num_labels)
+        g = self.ctx.generator(round_idx, client_id, "fedbip-instance")
+        counts = torch.bincount(y, minlength=self.ctx.data.num_labels)
         single = counts[y] == 1
         if cfg.class_average or cfg.singleton_classes == "error" or not bool(single.any()):
             return instance_level_latents(pipe.vae, noise_scheduler, x, y, cfg.multiplier, cfg.class_average, 0.5,
@@ -409,7 +391,7 @@ class FedBiP(Algorithm):
         from ..fedbip import train_concepts
 
         cfg = self.config
-        seed = self.sim.seed_for(round_idx, client_id, "fedbip-concepts")
+        seed = self.ctx.seed_for(round_idx, client_id, "fedbip-concepts")
         domain, classes = self.words(client_id) if cfg.concept_init == "words" else (None, None)
         train_s, train_v = cfg.personalization != "class", cfg.personalization != "domain"
         init_s = init_v = None
@@ -418,13 +400,13 @@ class FedBiP(Algorithm):
 
             init_s, init_v = mixed_init(self, client_id, train_s, train_v, seed)
         key = "|".join(map(str, (
-            id(self.pipe), _digest(x, y), seed, self.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
+            id(self.pipe), _digest(x, y), seed, self.ctx.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
             cfg.concept_epochs, cfg.concept_steps, cfg.concept_batch_size, self.concept_lr, cfg.concept_init,
             cfg.concept_space, domain, classes, train_s, train_v)))
         if cfg.reuse_concepts and key in _CONCEPTS:
             S, V = _CONCEPTS[key]
             return S.clone(), V.clone()
-        res = train_concepts(self.pipe, x, y, self.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
+        res = train_concepts(self.pipe, x, y, self.ctx.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
                              cfg.concept_epochs, cfg.concept_steps, cfg.concept_batch_size, self.concept_lr,
                              init=cfg.concept_init, domain_word=domain, class_words=classes,
                              init_domain_concept=init_s, init_class_concepts=init_v,
@@ -448,8 +430,8 @@ class FedBiP(Algorithm):
         labels = up["labels"]
         if labels.ndim != 1 or len(labels) == 0:
             raise ValueError(f"client {cid} uploaded labels of shape {tuple(labels.shape)}; expected (N,), N >= 1")
-        if labels.min() < 0 or labels.max() >= self.sim.data.num_labels:
-            raise ValueError(f"client {cid} uploaded labels outside [0, {self.sim.data.num_labels})")
+        if labels.min() < 0 or labels.max() >= self.ctx.data.num_labels:
+            raise ValueError(f"client {cid} uploaded labels outside [0, {self.ctx.data.num_labels})")
         if "latents" in up:
             exp = pipe.latent_shape()
             z = up["latents"]
@@ -465,15 +447,15 @@ class FedBiP(Algorithm):
                              f"({cfg.n_s}, {d})")
         if "class_concepts" in up:
             V = up["class_concepts"]
-            if tuple(V.shape) != (self.sim.data.num_labels, cfg.n_v, d):
+            if tuple(V.shape) != (self.ctx.data.num_labels, cfg.n_v, d):
                 raise ValueError(f"client {cid} uploaded class_concepts {tuple(V.shape)}; expected "
-                                 f"({self.sim.data.num_labels}, {cfg.n_v}, {d})")
+                                 f"({self.ctx.data.num_labels}, {cfg.n_v}, {d})")
 
     def synthesize(self, upd: Update, round_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """D_syn of one client: (N*M, C, H, W) in [-1, 1] at the classifier's input size, and labels."""
         cfg, pipe, cid = self.config, self.pipe, upd.client_id
         up = upd.upload[UPLOAD]
-        g = self.sim.generator(round_idx, cid, "fedbip-synthesis")  # one generator per client upload
+        g = self.ctx.generator(round_idx, cid, "fedbip-synthesis")  # one generator per client upload
         if "latents" in up:
             latents, labels = up["latents"], up["labels"]
         else:  # concept-only / prompt-only: z(T) ~ N(0, I) drawn on the server, multiplier per uploaded label
@@ -491,7 +473,7 @@ class FedBiP(Algorithm):
                    concept_space=cfg.concept_space,
                    start_timestep=self.sampler_t0 if "latents" in up else None)
         images = out.images.float().cpu() * 2 - 1
-        size, ch = self.sim.data.image_size, self.sim.data.num_channels
+        size, ch = self.ctx.data.image_size, self.ctx.data.num_channels
         if images.shape[-1] != size:
             images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
         if ch == 1:
@@ -523,20 +505,20 @@ class FedBiP(Algorithm):
                                                    steps=self.config.classifier_steps, data=syn,
                                                    tag="fedbip-classifier")
         self.server_training = self.classifier_metrics   # the budget of the one model this method evaluates
-        if self.config.save_grid and self.sim.accelerator.is_main_process:
+        if self.config.save_grid and self.ctx.is_main_process:
             self.save_grid()
         return {**server_state, MODEL: self.ctx.snapshot(self.global_keys)}
 
     def save_grid(self, path=None):
         from ..fedbip.grid import save_real_vs_synthetic_grid
 
-        path = path or (self.sim.output_dir / "synthetic_grid.png")
+        path = path or (self.ctx.output_dir / "synthetic_grid.png")
         clients = sorted(set(self.synthetic["clients"].tolist()))
-        real = [(self.sim.train_data(c).pixel_values, self.sim.train_data(c).labels) for c in clients]
+        real = [(self.ctx.train_data(c).pixel_values, self.ctx.train_data(c).labels) for c in clients]
         syn = [(self.synthetic["images"][self.synthetic["clients"] == c],
                 self.synthetic["labels"][self.synthetic["clients"] == c]) for c in clients]
-        names = [f"client {c}: {self.sim.client(c).domain or 'mixed'}" for c in clients]
-        return save_real_vs_synthetic_grid(path, real, syn, names, self.sim.data.num_labels,
+        names = [f"client {c}: {self.ctx.client(c).domain or 'mixed'}" for c in clients]
+        return save_real_vs_synthetic_grid(path, real, syn, names, self.ctx.data.num_labels,
                                            per_class=self.config.grid_per_class)
 
     # ------------------------------------------------------------------ evaluation: one global classifier
@@ -557,5 +539,5 @@ class FedBiP(Algorithm):
 
         out.update(membership_inference_gap(self, server_state, round_idx))
         if self.synthetic is not None:
-            out.update(synthetic_nearest_neighbors(self.sim, self.synthetic))
+            out.update(synthetic_nearest_neighbors(self.ctx, self.synthetic))
         return out

@@ -37,7 +37,7 @@ class FedBN(Algorithm):
         return default
 
     def vectorizable(self):  # the client_update below differs from the default only when it keeps optimizer state
-        return not self.config.keep_optimizer_state
+        return super().vectorizable() and not self.config.keep_optimizer_state
 
     def client_update(self, client_id, down, private, round_idx):
         if not self.config.keep_optimizer_state:

@@ -81,6 +81,8 @@ class VQAPeft(Algorithm):
     """PEFT of a frozen VQA foundation model with FedAvg of the PEFT module (head local); the paper's baselines."""
 
     name = "vqa_peft"
+    local_update = "own"
+    personal_model = "own"
     Config = VQAPeftConfig
     has_global_model = False      # every client scores with its own head (the paper reports client-local test accuracy)
     uses_client_hparams = Algorithm.uses_client_hparams - {"momentum"}  # AdamW (``optimizer``): no momentum
@@ -90,8 +92,8 @@ class VQAPeft(Algorithm):
         from ..runtime import preserved_rng
 
         with preserved_rng():
-            return build_vqa_peft_model(self.ctx.args.model, list(self.ctx.data.label_names), peft=self.peft_kind(),
-                                        reduction=self.config.reduction, lora_r=self.ctx.args.lora_r,  # the run's --lora_r (paper: 16 on d = 768)
+            return build_vqa_peft_model(self.ctx.run.model, list(self.ctx.data.label_names), peft=self.peft_kind(),
+                                        reduction=self.config.reduction, lora_r=self.ctx.run.lora_r,  # the run's --lora_r (paper: 16 on d = 768)
                                         
                                         adapter_init=self.config.adapter_init, head_init=self.config.head_init)
 
@@ -228,7 +230,7 @@ class FedDAT(VQAAdapter):
             return 1.0
         if self.config.kd_schedule == "round":
             return kd_ramp(step, steps)
-        return kd_ramp((round_idx - 1) * steps + step, self.ctx.args.num_rounds * steps)
+        return kd_ramp((round_idx - 1) * steps + step, self.ctx.run.num_rounds * steps)
 
     def client_update(self, client_id, down, private, round_idx):
         self.load_client(down, private)                    # A_s <- global, A_c + head <- this client's
@@ -292,7 +294,7 @@ class FedDAT(VQAAdapter):
                                                                                                  "local")}
 
     def extra_metrics(self, round_idx, server_state):
-        if round_idx < self.ctx.args.num_rounds:
+        if round_idx < self.ctx.run.num_rounds:
             return {}
         if self.ctx.is_main_process:
             self.save_shared_adapter(server_state)

@@ -10,6 +10,7 @@ class FedDF(Algorithm):
     """FedDF: FedAvg + server-side ensemble distillation on unlabeled public data."""
 
     name = "feddf"
+    aggregation = "gather"
     Config = KDConfig
 
     def aggregate(self, server_state, updates, round_idx):

@@ -30,13 +30,15 @@ class FedNova(Algorithm):
     """FedNova: client updates normalized by their local step counts before averaging."""
 
     name = "fednova"
+    aggregation = "gather"
+    local_update = "own"
     on_non_finite = "skip"  # a diverged client is skipped and logged (as the adapters paper observes), not a run-ending error
     uses_server_hparams = frozenset()  # aggregate applies tau_eff * the normalized mean itself: no FedOpt step
 
     def __init__(self, ctx, config):
         super().__init__(ctx, config)
-        if ctx.args.optimizer != "sgd":
-            raise ValueError(f"fednova normalizes SGD updates; got --optimizer {ctx.args.optimizer} (use sgd)")
+        if ctx.run_hparams.optimizer != "sgd":
+            raise ValueError(f"fednova normalizes SGD updates; got --optimizer {ctx.run_hparams.optimizer} (use sgd)")
 
     def client_update(self, client_id, down, private, round_idx):
         hp = self.ctx.hparams(client_id)

@@ -88,6 +88,7 @@ class _PCELoop(Algorithm):
     """The loop shared by FedPCE and its baselines (see the module docstring)."""
 
     Config = FedPCEConfig
+    local_update = "own"
     conditional = False
     has_global_model = True
 
@@ -119,7 +120,7 @@ class _PCELoop(Algorithm):
     def _lr(self, start: float, floor: float, round_idx: int) -> float:
         if not self.config.cosine:
             return start
-        total = max(1, self.ctx.args.num_rounds)
+        total = max(1, self.ctx.run.num_rounds)
         t = min(max(round_idx - 1, 0), total - 1) / max(1, total - 1) if total > 1 else 0.0
         return floor + 0.5 * (start - floor) * (1 + math.cos(math.pi * t))
 
@@ -147,7 +148,7 @@ class _PCELoop(Algorithm):
         hp = self.ctx.hparams(client_id)
         m = self.local_train(client_id, round_idx, hp=hp, params=self.param_groups(round_idx, hp),
                              optimizer_state=(private or {}).get(OPTIM, {}),
-                             **self.local_hooks(client_id, down, private))
+                             **self.bind_hooks(client_id, down, private))
         return Update(client_id, {MODEL: self.ctx.snapshot(self.global_keys)}, len(self.ctx.train_data(client_id)),
                       {MODEL: self.ctx.snapshot(self.private_keys), OPTIM: m.pop("optimizer_state")}, m)
 
@@ -240,8 +241,8 @@ class PCEFedProx(PCEFedAvg):
     name = "pce_fedprox"
 
     def local_hooks(self, client_id, down, private):
-        anchor = {k: v.detach().to(self.ctx.device, copy=True) for k, v in down[MODEL].items()}
-        return {"regularizer": lambda model: proximal_term(model, anchor, self.config.mu)}
+        mu = self.config.mu
+        return {"regularizer": lambda params, anchor: proximal_term(params, anchor, mu)}
 
 
 @register

@@ -36,6 +36,7 @@ class FedRepConfig:
 @register
 class FedRep(FedPer):
     name = "fedrep"
+    local_update = "own"
     Config = FedRepConfig
     uses_client_hparams = Algorithm.uses_client_hparams - {"local_epochs"}  # head_epochs / body_epochs instead
 

@@ -88,6 +88,9 @@ class NearestPrototype(nn.Module):
 class FedProto(Algorithm):
     """FedProto: only class prototypes travel; local CE + prototype distance; nearest-prototype inference."""
     name = "fedproto"
+    aggregation = "stream"
+    local_update = "own"
+    personal_model = "own"
     Config = FedProtoConfig
     has_global_model = False   # the global state is a set of prototypes, not a classifier
     uses_server_hparams = frozenset()   # reduce averages prototypes; no model travels, no FedOpt step
@@ -128,7 +131,7 @@ class FedProto(Algorithm):
         was = self.model.training
         self.model.eval()
         sums, counts = {}, {}
-        for batch in iterate_batches(data, self.ctx.args.eval_batch_size, shuffle=False, merge_small_last=False):
+        for batch in iterate_batches(data, self.ctx.run.eval_batch_size, shuffle=False, merge_small_last=False):
             batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
             f = forward_with_embedding(self.model, batch)[1].double()
             for c in batch["labels"].unique().tolist():
@@ -175,7 +178,7 @@ class FedProto(Algorithm):
     def personalize_new_client(self, client_id, server_state, data, round_idx):
         """Sec. "Model Inference": a new client fine-tunes its model on its own objective, global prototypes fixed."""
         self.load_client({}, self.init_private_state(client_id))
-        if self.ctx.args.new_client_epochs > 0:
-            self.local_train(client_id, round_idx, epochs=self.ctx.args.new_client_epochs, tag="new-client",
+        if self.ctx.run.new_client_epochs > 0:
+            self.local_train(client_id, round_idx, epochs=self.ctx.run.new_client_epochs, tag="new-client",
                              data=data, loss_fn=self.loss_fn(self.download(server_state, client_id)[PROTO]))
         return self.predictor(self.model, server_state)

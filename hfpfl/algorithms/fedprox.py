@@ -3,9 +3,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from ..options import non_negative, validate
-from .base import MODEL, Algorithm, register
+from .base import Algorithm, register
 
 
 @dataclass
@@ -19,10 +20,12 @@ class FedProxConfig:
         validate(self)
 
 
-def proximal_term(model, anchor: dict, coef: float):
-    """coef/2 * sum ||p - anchor[p]||^2 over the parameters named in `anchor`."""
-    params = dict(model.named_parameters())
-    terms = [((params[k] - a) ** 2).sum() for k, a in anchor.items() if k in params and params[k].requires_grad]
+def proximal_term(params, anchor: dict, coef: float):
+    """coef/2 * sum ||p - anchor[p]||^2 over the trainable parameters named in ``anchor``. ``params``: a model, or
+    its trainable parameters by name (a method's local hook, on either path)."""
+    if isinstance(params, nn.Module):
+        params = {n: p for n, p in params.named_parameters() if p.requires_grad}
+    terms = [((params[k] - a) ** 2).sum() for k, a in anchor.items() if k in params]
     return 0.5 * coef * torch.stack(terms).sum()
 
 
@@ -32,10 +35,5 @@ class FedProx(Algorithm):
     Config = FedProxConfig
 
     def local_hooks(self, client_id, down, private):
-        anchor = {k: v.detach().to(self.ctx.device, copy=True) for k, v in down[MODEL].items()}
-        return {"regularizer": lambda model: proximal_term(model, anchor, self.config.mu)}
-
-    def functional_hooks(self, client_id, down, private):
-        mu = self.config.mu  # the same proximal term on one client's parameters and its download (vectorized)
-        return {"regularizer": lambda params, anchor: 0.5 * mu * torch.stack(
-            [((params[k] - a) ** 2).sum() for k, a in anchor.items() if k in params]).sum()}
+        mu = self.config.mu  # the proximal pull of the client's parameters to its download (Li et al. 2020, Eq. 2)
+        return {"regularizer": lambda params, anchor: proximal_term(params, anchor, mu)}

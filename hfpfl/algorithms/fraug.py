@@ -223,11 +223,12 @@ class FRAug(Algorithm):
     """FRAug: shared embedding generator + local RTNet augment the head's training in embedding space."""
 
     name = "fraug"
+    local_update = "own"
     Config = FRAugConfig
     has_global_model = False  # local BatchNorm (FedBN): evaluation is per client
 
     def build_model(self):
-        if getattr(self.ctx.args, "adapter", "none") != "none":
+        if self.ctx.run.adapter != "none":
             raise ValueError("fraug trains the whole classifier: use --adapter none")
         return FRAugModel(self.ctx.build_default_model(), self.config.d_z, self.config.rtnet_label_conditioned)
 
@@ -252,7 +253,7 @@ class FRAug(Algorithm):
         return super().aggregation_weights(client_ids)
 
     def rounds(self) -> int:
-        return self.config.schedule_rounds or self.ctx.args.num_rounds
+        return self.config.schedule_rounds or self.ctx.run.num_rounds
 
     def stages_for(self, client_id: int, round_idx: int) -> FRAugStages:
         R, cfg = self.rounds(), self.config
@@ -304,7 +305,7 @@ class FRAug(Algorithm):
         return out
 
     def extra_metrics(self, round_idx, server_state):
-        if not (self.config.plot_embeddings and round_idx == self.ctx.args.num_rounds):
+        if not (self.config.plot_embeddings and round_idx == self.ctx.run.num_rounds):
             return {}
         mine = []
         for cid in self.ctx.owned(range(self.ctx.num_clients)):

@@ -30,7 +30,6 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..federated.distributed import all_gather
 from ..options import Check, at_least, non_negative, one_of
 from ..training import TensorData, evaluate
 from .base import FROZEN, MODEL, PRIVATE, Algorithm, Update, register, weighted_average
@@ -115,6 +114,9 @@ class PerAda(Algorithm):
     """PerAda: personal adapter with a proximal pull to a global adapter refined by ensemble distillation."""
 
     name = "perada"
+    aggregation = "gather"
+    local_update = "own"
+    personal_model = "own"
     Config = PerAdaConfig
     has_global_model = True
     uses_server_hparams = frozenset()  # aggregate: the weighted mean, then KD (its own kd_lr); no FedOpt step
@@ -123,7 +125,7 @@ class PerAda(Algorithm):
     def build_model(self):
         from ..models.adapters import is_adapter_model
 
-        model = self.sim.build_default_model()
+        model = self.ctx.build_default_model()
         if not is_adapter_model(model):
             raise ValueError("PerAda trains adapters on a frozen pretrained backbone: pass --adapter residual "
                              "(PerAda's residual adapters; parallel and lora also work), e.g. with "
@@ -143,7 +145,7 @@ class PerAda(Algorithm):
         # residual/parallel adapters keep the frozen pretrained BNs in eval mode: their statistics never change and
         # are not per-client state. With LoRA they run in train mode, drift, and stay private to each client (the
         # global model is evaluated with the backbone's own statistics, as a published adapter is used).
-        if default == PRIVATE and self.ctx.args.adapter in ("residual", "parallel"):
+        if default == PRIVATE and self.ctx.run.adapter in ("residual", "parallel"):
             return FROZEN
         return default
 
@@ -215,8 +217,8 @@ class PerAda(Algorithm):
         self.ctx.load(down[MODEL])
         self.ctx.load({_to_personal(k): v for k, v in down[MODEL].items()})
         self._activate(PERSONAL_SLOT)
-        if self.sim.args.new_client_epochs > 0:
-            self.local_train(client_id, round_idx, epochs=self.sim.args.new_client_epochs, tag="new-client", data=data,
+        if self.ctx.run.new_client_epochs > 0:
+            self.local_train(client_id, round_idx, epochs=self.ctx.run.new_client_epochs, tag="new-client", data=data,
                              regularizer=self.prox(down) if self.config.lam > 0 else None)
         return self.model
 
@@ -231,7 +233,7 @@ class PerAda(Algorithm):
 def corrupted_test_data(sim, client_id: int, kind: str, severity: int) -> TensorData:
     """A corrupted copy of client ``client_id``'s test split: pixels back to images, :func:`hfpfl.data.degrade`
     (``kind``, ``severity``; seeded by the run seed and the client), back to model inputs. Cached per simulation."""
-    cache = sim.__dict__.setdefault("_corrupted", {})
+    cache = sim.cache("corrupted_test_data")
     key = (client_id, kind, severity)
     if key not in cache:
         from datasets import ClassLabel, Dataset, Features, Image
@@ -245,7 +247,7 @@ def corrupted_test_data(sim, client_id: int, kind: str, severity: int) -> Tensor
         images = [PILImage.fromarray(a.numpy() if mode == "RGB" else a[..., 0].numpy(), mode=mode) for a in arr]
         ds = Dataset.from_dict({"image": images, "label": clean.labels.tolist()},
                                features=Features({"image": Image(), "label": ClassLabel(num_classes=sim.data.num_labels)}))
-        ds = degrade(ds, kind, severity, seed=sim.args.seed * 1000 + client_id)
+        ds = degrade(ds, kind, severity, seed=sim.run.seed * 1000 + client_id)
         ds = to_model_inputs(ds, image_size=sim.data.image_size, num_channels=sim.data.num_channels)
         cache[key] = TensorData.from_dataset(ds)
     return cache[key]
@@ -254,17 +256,17 @@ def corrupted_test_data(sim, client_id: int, kind: str, severity: int) -> Tensor
 def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, spec: str = "noise:client") -> dict:
     """Mean per-client accuracy of the personal models (``algo.load_personal``) on corrupted client test sets.
     Works for any method (the perada_digits study scores every row with it through a metrics_hook)."""
-    sim = algo.sim
+    sim = algo.ctx
     kind, severity = parse_corruption(spec)
     rows = []
     for cid in sim.owned(range(sim.num_clients)):
         torch.manual_seed(sim.seed_for(round_idx, cid, "eval"))  # same personal model as the clean evaluation
         model = algo.load_personal(cid, server_state, sim.private_state(cid), round_idx)
         sev = client_severity(cid) if severity is None else severity
-        res = evaluate(model, corrupted_test_data(sim, cid, kind, sev), batch_size=sim.args.eval_batch_size,
+        res = evaluate(model, corrupted_test_data(sim, cid, kind, sev), batch_size=sim.run.eval_batch_size,
                        device=sim.device)
         rows.append((cid, res["accuracy"]))
-    rows = sorted(all_gather(rows, sim.accelerator))
+    rows = sorted(sim.gather(rows))
     if not rows:
         return {}
     accs = [a for _, a in rows]

@@ -26,14 +26,15 @@ def check_plain_sgd(hp) -> None:
 @register
 class Scaffold(Algorithm):
     name = "scaffold"
+    aggregation = "stream"
+    local_update = "own"
     uses_server_hparams = frozenset({"server_lr"})  # eta_g; reduce has no momentum and no decay
     # option II assumes plain SGD: momentum and weight decay must stay 0 (check_plain_sgd rejects others)
     uses_client_hparams = Algorithm.uses_client_hparams - {"momentum", "weight_decay"}
 
     def __init__(self, ctx, config):
         super().__init__(ctx, config)
-        from .base import HParams
-        check_plain_sgd(HParams.from_args(ctx.args))
+        check_plain_sgd(ctx.run_hparams)
 
     def _param_keys(self):
         params = dict(self.model.named_parameters())

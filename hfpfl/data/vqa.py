@@ -223,13 +223,6 @@ def vqa_words() -> list[str]:
     return sorted(words)
 
 
-def vqa_tokenizer(model_name: str = "tiny-vilt", save_dir=None):
-    from ..models.builders import build_vqa_tokenizer
-
-    return build_vqa_tokenizer(model_name if model_name in ("tiny-vilt", "tiny-blip") else "tiny-vilt",
-                               extra_words=vqa_words(), save_dir=save_dir)
-
-
 MAX_QUESTION_TOKENS = 16
 
 
@@ -295,7 +288,7 @@ def pretraining_pool(tokenizer, image_size: int = 32, max_questions: int | None 
     return encode(tokenizer, [r[0] for r in sel], [r[1] for r in sel], answers, imgs)
 
 
-def vqa_benchmark(split: str = "scene", *, tokenizer=None, seed: int = 0, train_per_client: int = 400,
+def vqa_benchmark(split: str = "scene", *, tokenizer, seed: int = 0, train_per_client: int = 400,
                   test_per_client: int = 200, image_size: int = 32, image_ablation: str = "none"):
     """A :class:`~hfpfl.data.federated.FederatedData` for one of FedDAT's heterogeneity splits (see module doc).
     Each client draws its own images (disjoint between clients and between its train and test splits).
@@ -305,7 +298,6 @@ def vqa_benchmark(split: str = "scene", *, tokenizer=None, seed: int = 0, train_
         raise ValueError(f"--image_ablation must be one of {', '.join(IMAGE_ABLATIONS)}, got {image_ablation!r}")
     from .federated import ClientData
 
-    tokenizer = tokenizer or vqa_tokenizer()
     rows, answers = _easy_vqa_raw()
     specs = client_specs(split)
     _, client_imgs = pool_and_client_images()
@@ -349,5 +341,5 @@ class VQAFederatedData(FederatedData):
 
 
 __all__ = ["load_vqa_source", "vqa_benchmark", "pretraining_pool", "apply_style", "easy_vqa_images",
-           "easy_vqa_answers", "vqa_tokenizer", "client_specs", "question_type", "SPLITS", "QUESTION_TYPES",
+           "easy_vqa_answers", "client_specs", "question_type", "SPLITS", "QUESTION_TYPES",
            "CLIENT_STYLES", "POOL_STYLES", "IMAGE_ABLATIONS", "ablate_images"]

@@ -58,7 +58,7 @@ def untrained(of: Variant, name: str = "untrained", label: str = "before trainin
 
 
 def _data(study, variant, seed):
-    from ..config import parse_run_args
+    from ..arguments import parse_run_args
     from ..data import build_federated_dataset
     run, data, _ = parse_run_args(study.argv(variant, seed))
     return run, build_federated_dataset(data, seed=run.seed)
@@ -125,7 +125,7 @@ def majority_row(fed, metrics) -> dict:
 
 @register("untrained")
 def run_untrained(study, variant, seed, out_dir) -> dict:
-    from ..config import parse_run_args
+    from ..arguments import parse_run_args
     run, data, cfg = parse_run_args(study.argv(variant, seed))
     return untrained_row(run, data, cfg, out_dir)
 

@@ -32,7 +32,7 @@ def _recipe():
 
 
 def _parse(study, variant, seed):
-    from ..config import parse_run_args
+    from ..arguments import parse_run_args
     rec = _recipe()
     run, data, cfg, opts = parse_run_args(study.argv(variant, seed), defaults=rec.DEFAULTS,
                                           recipe_options=rec.VQABenchmark)

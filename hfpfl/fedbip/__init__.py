@@ -3,7 +3,6 @@
 * :mod:`hfpfl.fedbip.ldm`     tiny SD-architecture LDM, its pretraining on the broad pool, publishing to the Hub cache
 * :mod:`hfpfl.fedbip.pool`    the broad public pretraining pool (the LAION stand-in)
 * :mod:`hfpfl.fedbip.quality` judge classifier, plain-prompt class fidelity, per-style grids
-* :mod:`hfpfl.fedbip.compare` the main job's comparison (argument parsing, the rows, the table)
 * :mod:`hfpfl.fedbip.client`  instance-level latents, concept training, the one-shot upload
 * ``pipelines.pipeline_fedbip.FedBiPPipeline``  server-side synthesis
 """

@@ -22,6 +22,8 @@ import torch
 
 from pipelines.pipeline_fedbip import placeholder_tokens  # noqa: F401  (the one definition of the token strings)
 
+from .pool import pool_to_tensor
+
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 # Words the tiny tokenizer knows as single tokens. Anything else falls back to characters (still valid BPE).
@@ -419,16 +421,6 @@ def resolve_pretrain_config(cfg: PretrainConfig) -> PretrainConfig:
         raise ValueError(f"device={cfg.device!r}: CUDA is not available here; use device='cpu' or 'auto'")
     budget = PRETRAIN_BUDGETS["cpu" if torch.device(device).type == "cpu" else "accelerator"]
     return dataclasses.replace(cfg, device=device, **{k: v for k, v in budget.items() if getattr(cfg, k) is None})
-
-
-def pool_to_tensor(images, image_size: int = 32) -> torch.Tensor:
-    """uint8 (N, 28, 28, 3) -> float (N, 3, S, S) in [-1, 1], resized bilinearly (as the clients' images are)."""
-    import torch.nn.functional as F
-
-    x = torch.as_tensor(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-    if x.shape[-1] != image_size:
-        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False, antialias=True)
-    return x.clamp(-1, 1).contiguous()
 
 
 def text_separation(te, tok) -> dict:
@@ -1015,3 +1007,24 @@ judge on VAE reconstructions of its held-out images (the ceiling of fidelity wit
  or 'not measured'}.
 Grids: `samples_per_style.png` (generated, one row per caption word), `pool_per_style.png` (training images).
 """
+
+
+def resolve_ldm(ldm: str) -> str:
+    """Local folder of the LDM: a folder as is; the default tiny repo id published (the shipped snapshot) on first use;
+    any other repo id from the Hub cache (offline) or downloaded. Clear error when offline and not cached."""
+    if os.path.isdir(ldm):
+        return ldm
+    if ldm == DEFAULT_LDM_REPO:
+        return ensure_pretrained_ldm(ldm)
+    path = cached_snapshot(ldm)
+    if path is not None:
+        return path
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    if HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").upper() in ("1", "ON", "YES", "TRUE"):
+        raise OSError(f"LDM {ldm!r} is not a local folder and not in the local Hub cache, and HF_HUB_OFFLINE=1: "
+                      f"download it once online (huggingface-cli download {ldm}), pass a local folder, or use "
+                      f"the default {DEFAULT_LDM_REPO!r}")
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(ldm)

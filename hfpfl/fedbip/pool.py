@@ -22,8 +22,12 @@ name of every image (for the per-style sample grid and the judge's per-style acc
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 POOL_SPLIT_SEED = 0  # the data-split seed whose "public" split feeds the pool (clients hold only train/test splits)
 DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -218,3 +222,14 @@ def build_pool(seed: int = 0, copies: int = 2, font_masks: int = 1500, word_prob
             add((img * 255).round().astype(np.uint8), y, style, words)
     return {"images": np.stack(images), "labels": np.asarray(labels, np.int64), "captions": captions,
             "styles": styles}
+
+
+def pool_to_tensor(images, image_size: int = 32) -> torch.Tensor:
+    """uint8 (N, 28, 28, 3) -> float (N, 3, S, S) in [-1, 1], resized bilinearly (as the clients' images are)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.as_tensor(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    if x.shape[-1] != image_size:
+        x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False, antialias=True)
+    return x.clamp(-1, 1).contiguous()

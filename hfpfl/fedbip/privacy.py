@@ -46,7 +46,6 @@ def membership_inference_gap(algo, server_state, round_idx: int) -> dict:
     Collective: every process of a run calls it. Each scores the clients it holds (a client's private state, e.g.
     Local-only's model, lives only on its owner: scored elsewhere, it would be the untrained initial state) and the
     per-sample values are gathered in client order, so N processes give one process's numbers."""
-    from ..federated.distributed import all_gather
 
     sim = algo.ctx
     mine = []
@@ -54,10 +53,10 @@ def membership_inference_gap(algo, server_state, round_idx: int) -> dict:
         if not len(sim.client(cid).test):
             continue
         model = algo.load_personal(cid, server_state, sim.private_state(cid), round_idx)
-        ml, me = loss_and_entropy(model, sim.train_data(cid), sim.args.eval_batch_size, sim.device)
-        nl, ne = loss_and_entropy(model, sim.test_data(cid), sim.args.eval_batch_size, sim.device)
+        ml, me = loss_and_entropy(model, sim.train_data(cid), sim.run.eval_batch_size, sim.device)
+        nl, ne = loss_and_entropy(model, sim.test_data(cid), sim.run.eval_batch_size, sim.device)
         mine.append((cid, (ml, me, nl, ne)))
-    rows = sorted(all_gather(mine, sim.accelerator), key=lambda r: r[0])
+    rows = sorted(sim.gather(mine), key=lambda r: r[0])
     if not rows:
         return {}
     return mia_gap_from_stats(*(torch.cat([r[1][i] for r in rows]) for i in range(4)))

@@ -95,7 +95,7 @@ def mixed_init(algo, client_id: int, train_s: bool, train_v: bool, seed: int):
     cfg = algo.config
     S_w, V_w = algo.word_concepts(client_id)
     domain, classes = algo.words(client_id) if cfg.concept_init == "words" else (None, None)
-    S_0, V_0 = init_concepts(algo.pipe, algo.sim.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
+    S_0, V_0 = init_concepts(algo.pipe, algo.ctx.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
                              cfg.concept_init, None, domain, classes, cfg.concept_space,
                              torch.Generator().manual_seed(seed))
     return (S_0 if train_s else S_w), (V_0 if train_v else V_w)

@@ -214,7 +214,7 @@ def train_style_judge(image_size: int = 32, epochs: int = STYLE_JUDGE_EPOCHS, se
     domain (USPS's blurred grey strokes, MNIST-M's photo patches, SYN's coloured font tiles): the grids' "each
     client's rows keep its style", as a number. Trained without the class judge's colour inversion and channel
     permutation, which would erase the very colours that tell MNIST-M and SYN apart."""
-    from .ldm import pool_to_tensor
+    from .pool import pool_to_tensor
     from .pool import POOL_SPLIT_SEED, _public
 
     xs, ys = [], []
@@ -325,7 +325,7 @@ def measure_ldm(pipe, pool: dict, out_dir: str, per_class: int = 10, guidance_sc
                 log=print, judge=None, judge_pool: str = "public") -> dict:
     """Train the judge on the pool's ``judge_pool`` images (or take ``judge`` = (judge, held-out accuracy, report)
     trained before), measure plain-prompt fidelity at each guidance scale, write the grids."""
-    from .ldm import pool_to_tensor
+    from .pool import pool_to_tensor
 
     if judge is None:
         x = pool_to_tensor(pool["images"], pipe.vae.config.sample_size)
@@ -368,7 +368,7 @@ def measure_cached_ldm(path: str, out_dir: str, judge_pools=JUDGE_POOLS, per_cla
 
     from diffusers import StableDiffusionPipeline
 
-    from .ldm import pool_to_tensor
+    from .pool import pool_to_tensor
     from .pool import build_pool, caption
 
     os.makedirs(out_dir, exist_ok=True)
@@ -442,14 +442,12 @@ def synthetic_quality(sim, results: dict) -> None:
     share of images the LDM's public-image judge reads as their label (absent when the LDM ships no judge), and
     ``synthetic_style``, the share of each client's images the style judge assigns to the client's own domain (mean
     over clients whose domain it knows). Nothing for a run without a synthetic set."""
-    from ..algorithms.fedbip import resolve_ldm
-
     syn = getattr(sim.algorithm, "synthetic", None)
     if not syn or len(syn["labels"]) == 0:
         return
     x = syn["images"].expand(-1, 3, -1, -1) if syn["images"].shape[1] == 1 else syn["images"]   # the judges read RGB
     final = results["final"]
-    judge = load_ldm_judge(resolve_ldm(sim.algorithm.config.ldm))
+    judge = load_ldm_judge(sim.algorithm.pipe.name_or_path)   # the local folder the run's pipeline loaded
     if judge is not None:
         final["synthetic_fidelity_judge"] = judge_accuracy(judge, x, syn["labels"])
     domains = {c.client_id: c.domain for c in sim.data.clients}

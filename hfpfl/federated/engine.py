@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import time
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -25,11 +23,15 @@ from .. import tracking
 from ..runtime import configure_determinism
 from ..training import TensorData
 from . import checkpoint as ckpt
-from .comm import CommLedger, bytes_by_part, flatten_parts, num_elements, tensor_bytes, unflatten_parts
-from .distributed import Ownership, all_gather, barrier, broadcast_from_main, evaluate_sharded, gather_to_main
-from .protocol import (FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, HParams, MethodContext, NonFiniteError,
-                       ServerHParams, Update, WeightedSums, all_finite, get_algorithm, step_size_hint)
-from .state import ClientStateStore, snapshot
+from . import results, seeding
+from .comm import CommLedger
+from .context import HParams, MethodContext, ServerHParams
+from .distributed import Ownership, barrier
+from .evaluation import Evaluator
+from .protocol import Algorithm, Update
+from .registry import get_algorithm
+from .rounds import RoundRunner
+from .state import FROZEN, GLOBAL, PRIVATE, ClientStateStore, snapshot
 
 logger = logging.getLogger("hfpfl")
 
@@ -90,8 +92,11 @@ class Simulation:
             self.args = dataclasses.replace(run_args, num_rounds=1)
 
         set_seed(run_args.seed)
-        self.default_model_built = False
+        self.default_model_built, self._default_model = False, None
         self.model: nn.Module = self.algorithm.build_model().to(self.device)
+        #: the run trains --model exactly as built from the options (not a model the method built around or instead
+        #: of it): what the run header says
+        self.model_is_default = self.model is self._default_model
         self.model_state = self.model.state_dict()  # entries share storage with the model: swap by copy_
         self.keys_by_role = self._assign_roles()
         self.initial_private = snapshot(self.model_state, self.keys_by_role[PRIVATE])
@@ -114,8 +119,14 @@ class Simulation:
         self.server_state: dict | None = None
         self.final_eval: dict | None = None
         self._client_hp_overrides: dict = {}
+        self._caches: dict[str, dict] = {}   # per-run caches of methods (ctx.cache) and of the vectorized path
+        self._stacked_data: dict = {}        # the vectorized path's stacked client splits (vectorized.stacked_data)
+        self._grad_layouts: dict | None = None   # each gradient's memory order, once probed (vectorized.grad_layouts)
         self._server_hp = ServerHParams.from_args(run_args)
         self.last_updates: list[Update] = []
+        self._vector_failed = False   # a vectorized chunk failed once: the rest of the run goes client by client
+        self.rounds = RoundRunner(self)
+        self.evaluator = Evaluator(self)
 
     # ------------------------------------------------------------------ setup helpers
     def _prepare_output_dir(self) -> None:
@@ -140,6 +151,11 @@ class Simulation:
         ids = range(self.num_clients) if client_ids is None else client_ids
         return [int(x) for x in self.ownership.share(ids, [len(c.train) for c in self.data.clients])]
 
+    def cache(self, name: str) -> dict:
+        """A per-run cache by name (a method's derived data: the KD pool, corrupted test copies), dropped with the
+        simulation."""
+        return self._caches.setdefault(name, {})
+
     def build_default_model(self) -> nn.Module:
         from ..config import warn_random_backbone
         from ..models import build_run_model
@@ -147,9 +163,10 @@ class Simulation:
         warn_random_backbone(self.args)
         self.default_model_built = True  # the run header names --model only when the model came from it
         with preserved_rng():  # pretraining a stand-in on first use must not shift this run's random streams
-            return build_run_model(self.args.model, self.args.adapter, num_labels=self.data.num_labels,
-                                   image_size=self.data.image_size, num_channels=self.data.num_channels,
-                                   lora_r=self.args.lora_r)
+            self._default_model = build_run_model(
+                self.args.model, self.args.adapter, num_labels=self.data.num_labels, image_size=self.data.image_size,
+                num_channels=self.data.num_channels, lora_r=self.args.lora_r)
+        return self._default_model
 
     def _assign_roles(self) -> dict[str, list[str]]:
         """Default roles: trainable params -> global, frozen params -> frozen; a buffer follows its module
@@ -243,20 +260,11 @@ class Simulation:
         return self._tensor_data(self.data.public)
 
     def seed_for(self, round_idx: int, client_id: int, tag: str = "") -> int:
-        ss = np.random.SeedSequence([self.args.seed, round_idx, client_id + 1, zlib.crc32(tag.encode())])
-        return int(ss.generate_state(1)[0])
+        return seeding.seed_for(self.args.seed, round_idx, client_id, tag)
 
     def seeds_for(self, round_idx: int, client_ids, tag: str = "") -> list[int]:
-        """``[seed_for(round_idx, c, tag) for c in client_ids]``, computed for all clients at once (numpy's
-        SeedSequence hash written out on arrays: ~1 us per client instead of ~40 us)."""
-        ids = [int(c) for c in client_ids]
-        words = [self.args.seed, round_idx, zlib.crc32(tag.encode())]
-        if not ids or not all(0 <= w < 2**32 for w in words) or min(ids) < -1 or max(ids) + 1 >= 2**32:
-            return [self.seed_for(round_idx, c, tag) for c in ids]  # other word counts: numpy's own path
-        entropy = np.empty((len(ids), 4), dtype=np.uint32)
-        entropy[:, 0], entropy[:, 1], entropy[:, 3] = words[0], words[1], words[2]
-        entropy[:, 2] = np.asarray(ids, dtype=np.int64) + 1
-        return _seed_sequence_words(entropy).tolist()
+        """``[seed_for(round_idx, c, tag) for c in client_ids]``, computed for all clients at once."""
+        return seeding.seeds_for(self.args.seed, round_idx, client_ids, tag)
 
     def generator(self, round_idx: int, client_id: int, tag: str = "") -> torch.Generator:
         return torch.Generator().manual_seed(self.seed_for(round_idx, client_id, tag))
@@ -284,269 +292,18 @@ class Simulation:
         return sorted(int(c) for c in rng.choice(n, size=m, replace=False))
 
     # ------------------------------------------------------------------ one round
-    def _client_updates(self, cids: list[int], round_idx: int, server_state: dict):
-        """The sampled clients' updates, in order: vectorized in chunks where that applies (``--vectorize``),
-        else one client after another."""
-        for ups, _ in self._client_update_batches(cids, round_idx, server_state):
-            yield from ups
-
-    def _client_update_batches(self, cids: list[int], round_idx: int, server_state: dict, stacked: bool = False):
-        """``(updates, stacked uploads or None)`` per vectorized chunk (or per client on the sequential path).
-        ``stacked=True``: a vectorized chunk's updates come without per-client uploads, and its uploads as stacked
-        tensors (:class:`~hfpfl.federated.vectorized.ChunkUpdates`) for the caller to fold in one call."""
-        from . import vectorized
-        if len(cids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.should_vectorize(self, cids):
-            algo = self.algorithm
-            # a client without a stored state starts from the initial private values: with the default
-            # init_private_state every such client reads the same tensors (stacked once), not a clone per client
-            default_init = (type(algo).init_private_state is Algorithm.init_private_state
-                            and "init_private_state" not in vars(algo))
-            for chunk in vectorized.chunks_of(self, cids):
-                downs, privs = vectorized.downloads(algo, server_state, chunk), {}
-                for cid in chunk:
-                    privs[cid] = self.store.get(cid)
-                    if privs[cid] is None:
-                        privs[cid] = {MODEL: self.initial_private} if default_init else algo.init_private_state(cid)
-                try:
-                    ups = vectorized.train_chunk(self, chunk, downs, privs, round_idx, uploads=not stacked)
-                except Exception as e:  # noqa: BLE001 - an op vmap cannot batch: the sequential path is exact
-                    logger.warning("vectorized training failed (%s: %s); training clients one by one",
-                                   type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                    self._vector_failed = True
-                    for cid in chunk:
-                        yield [self._client_work(cid, round_idx, server_state)], None
-                    continue
-                if len(cids) >= vectorized.PIN_MMAP_CLIENTS:
-                    vectorized.release_freed_heap()  # many chunks: keep freed temporaries from piling up in the heap
-                self.seed_torch(self.seed_for(round_idx, chunk[-1], "client"))  # the RNG as the sequential path leaves it
-                yield self._finish_chunk(ups, downs, round_idx), (ups.stacked if stacked else None)
-            return
-        for cid in cids:
-            yield [self._client_work(cid, round_idx, server_state)], None
-
-    def _finish_chunk(self, ups, downs: dict, round_idx: int) -> list[Update]:
-        """:meth:`_finish_update` for a vectorized chunk: the frozen check once (the model does not change between
-        its clients), bytes down counted once per download structure, bytes up from the chunk."""
-        self._check_frozen(f"round {round_idx}, clients {ups[0].client_id}-{ups[-1].client_id}")
-        down_bytes: dict = {}
-        from .vectorized import shared_download
-        same_download = shared_download(self.algorithm)
-        for i, upd in enumerate(ups):
-            cid = upd.client_id
-            down = downs[cid]
-            if not upd.finite:  # the chunk's check found a non-finite value: say where, as the sequential path does
-                rows = upd.upload or {p: {k: v[i] for k, v in d.items()} for p, d in ups.stacked.items()}
-                self._check_finite(Update(cid, rows, upd.num_samples, metrics=upd.metrics), round_idx)
-            self.store.put(cid, upd.private)
-            upd.private = None  # private state never leaves the client
-            if upd.upload:
-                upd.upload = {p: {k: v.detach().cpu() for k, v in d.items()} for p, d in upd.upload.items()}
-            key = None if same_download else cid  # the default download: the same tensors for every client
-            if key not in down_bytes:
-                down_bytes[key] = (tensor_bytes(down), bytes_by_part(down))
-            upd.metrics["bytes_down"], parts_down = down_bytes[key]
-            # one dict per chunk, read-only (the ledger sums them): no two dicts per client held until the round ends
-            upd.metrics["parts_down"], upd.metrics["parts_up"] = parts_down, ups.parts_up
-        return list(ups)
-
-    def _client_work(self, cid: int, round_idx: int, server_state: dict) -> Update:
-        """One client's round: download, swap its private state in, local update, swap it out, checks."""
-        algo = self.algorithm
-        down = algo.download(server_state, cid)
-        private = self.store.get(cid)
-        if private is None:
-            private = algo.init_private_state(cid)
-        # the engine, not the method, swaps the client's private model keys in: nothing leaks between clients
-        self.ctx.load(private.get(MODEL) or self.initial_private)
-        self.seed_torch(self.seed_for(round_idx, cid, "client"))
-        upd = algo.client_update(cid, down, private, round_idx)
-        return self._finish_update(upd, down, round_idx)
-
-    def _finish_update(self, upd: Update, down: dict, round_idx: int) -> Update:
-        """Checks, the private state into the store, the upload to the CPU, bytes counted."""
-        cid = upd.client_id
-        if upd.private is None:
-            upd.private = {}
-        if self.keys_by_role[PRIVATE] and MODEL not in upd.private:
-            upd.private[MODEL] = snapshot(self.model_state, self.keys_by_role[PRIVATE])
-        self._check_frozen(f"round {round_idx}, client {cid}")
-        if not getattr(upd, "finite", False):  # vectorized chunks checked every client at once
-            self._check_finite(upd, round_idx)
-        self.store.put(cid, upd.private)
-        upd.private = None  # private state never leaves the client
-        upd.upload = {p: {k: v.detach().cpu() for k, v in d.items()} for p, d in upd.upload.items()}
-        upd.metrics["bytes_down"] = tensor_bytes(down)
-        upd.metrics["parts_down"], upd.metrics["parts_up"] = bytes_by_part(down), bytes_by_part(upd.upload)
-        return upd
-
-    def _check_finite(self, upd: Update, round_idx: int) -> None:
-        if self.algorithm.on_non_finite != "error":
-            return
-        loss = upd.metrics.get("train_loss")
-        # one summing pass per tensor, no boolean copy of the upload (all_finite)
-        bad = [f"{p}/{k}" for p, d in upd.upload.items() for k, v in d.items()
-               if torch.is_floating_point(v) and not all_finite(v)]
-        if bad or (loss is not None and not np.isfinite(loss)):
-            what = f"upload {bad[0]!r}" if bad else f"train loss {loss}"
-            hint = step_size_hint(self.args, self.algorithm.config, lr=self.client_hparams(upd.client_id).lr)
-            raise NonFiniteError(f"training diverged in round {round_idx} on client {upd.client_id}: non-finite "
-                                 f"{what}; {hint}; or check the data")
-
     def run_round(self, round_idx: int, server_state: dict) -> tuple[dict, dict]:
-        algo, acc = self.algorithm, self.accelerator
-        sampled = self.sample_clients(round_idx)
-        gather = algo.needs_all_uploads or type(algo).aggregate is not Algorithm.aggregate
-        receives = type(algo).receive is not Algorithm.receive or "receive" in vars(algo)
-        kept: list[Update] = []
-        if gather:
-            for upd in self._client_updates(self.ownership.owned(sampled), round_idx, server_state):
-                if receives:  # per-upload server work where the upload is: spread over the processes
-                    algo.receive(upd, round_idx)
-                kept.append(upd)
-            everything = gather_to_main(kept, acc)
-            if acc.is_main_process:  # server work once, then every process gets the result
-                everything = sorted(everything, key=lambda u: u.client_id)
-                new_state = algo.aggregate(server_state, everything, round_idx)
-                meta = [(u.client_id, u.num_samples, u.metrics) for u in everything]
-            else:
-                new_state, meta = None, None
-            new_state, meta = broadcast_from_main((new_state, meta), acc)
-            kept = everything if acc.is_main_process else []
-        else:
-            weights = algo.aggregation_weights(sampled)
-            total = float(sum(weights.values()))
-            if total <= 0:
-                raise ValueError("aggregation weights sum to zero (every sampled client has no data)")
-            sums = WeightedSums(denominator=total)  # raw weights in, one division out: see WeightedSums
-            meta = []
-            # the default accumulate (weighted mean of the model part: FedAvg, FedProx, FedBN, ...) folds a whole
-            # vectorized chunk's stacked uploads in one call instead of one call per client
-            fold_chunks = (not self.keep_uploads and not receives and type(algo).accumulate is Algorithm.accumulate
-                           and "accumulate" not in vars(algo))
-            for ups, stacked in self._client_update_batches(self.ownership.owned(sampled), round_idx, server_state,
-                                                            stacked=fold_chunks):
-                if stacked is not None:
-                    sums.add_stacked(MODEL, stacked[MODEL], [weights[u.client_id] for u in ups])
-                    sums.count += len(ups)
-                for upd in ups:
-                    cid = upd.client_id
-                    if receives:
-                        algo.receive(upd, round_idx)
-                    if stacked is None:
-                        algo.accumulate(sums, upd, weights[cid])
-                        sums.count += 1
-                    meta.append((cid, upd.num_samples, upd.metrics))
-                    if self.keep_uploads:
-                        kept.append(upd)
-            sums.all_reduce(acc)
-            new_state = algo.reduce(server_state, sums, round_idx)
-            meta = sorted(all_gather(meta, acc), key=lambda m: m[0])
-        self._check_finite_state(new_state, round_idx)
-        for cid, _, m in meta:
-            self.ledger.record(round_idx, cid, m["bytes_down"], sum(m["parts_up"].values()), m["parts_down"],
-                               m["parts_up"])
-        self.last_updates = sorted(kept, key=lambda u: u.client_id) if self.keep_uploads else []
-        total_n = sum(n for _, n, _ in meta) or 1
-        metrics = {"round": round_idx, "clients": [cid for cid, _, _ in meta]}
-        if meta and "train_loss" in meta[0][2]:
-            metrics["train_loss"] = sum(m["train_loss"] * n for _, n, m in meta) / total_n
-        metrics["bytes_down"], metrics["bytes_up"] = self.ledger.round_totals(round_idx)
-        # the training budget: summed only when every client's update reports it (a method with its own loop may not)
-        for key, name in (("steps", "optimizer_steps"), ("examples", "examples_seen")):
-            if meta and all(key in m for _, _, m in meta):
-                metrics[name] = int(sum(m[key] for _, _, m in meta))
-        server = algo.server_training
-        if server:  # the server trained the model this method evaluates (one-shot: FedBiP's classifier, Central)
-            metrics["server_optimizer_steps"], metrics["server_examples_seen"] = int(server["steps"]), \
-                int(server["examples"])
-            algo.server_training = None
-        return new_state, metrics
-
-    def _check_finite_state(self, state: dict, round_idx: int) -> None:
-        for p, d in state.items():
-            for k, v in d.items():
-                if torch.is_floating_point(v) and not all_finite(v):
-                    raise NonFiniteError(f"training diverged in round {round_idx}: the server state {p}/{k!r} is "
-                                         f"non-finite after aggregation; "
-                                         f"{step_size_hint(self.args, self.algorithm.config, server=True)}")
+        """One round from ``server_state``: (the new server state, the round's metrics)."""
+        return self.rounds.run(round_idx, server_state)
 
     # ------------------------------------------------------------------ evaluation
-    def _eval(self, model, data, where: str = "", shared: bool = False) -> dict:
-        """Score ``model`` on ``data``; ``shared``: every process calls this with the same model and data (the global
-        model on the global test set), which then scores its own share of the batches (the same numbers)."""
-        if shared:
-            res = evaluate_sharded(lambda d, m: self.ctx.evaluate(model, d, m), data, self.ctx.metric(),
-                                   self.args.eval_batch_size, self.accelerator)
-        else:
-            res = self.ctx.evaluate(model, data)
-        if "loss" in res and not np.isfinite(res["loss"]):  # finite weights can still overflow the logits
-            raise NonFiniteError(f"training diverged by round {self.round}: {where} has a non-finite evaluation loss; "
-                                 f"{step_size_hint(self.args, self.algorithm.config, server=True)}")
-        return res
-
     def eval_client_ids(self, round_idx: int, final: bool = False) -> list[int]:
-        """The clients scored at this evaluation: all at the final one, else ``--eval_clients`` of them (drawn from
-        the seed and the round, the same on every process)."""
-        n, k = self.num_clients, getattr(self.args, "eval_clients", None)
-        if final or k is None:
-            return list(range(n))
-        m = min(n, max(1, int(round(k * n))) if k < 1 else int(k))
-        if m >= n:
-            return list(range(n))
-        rng = np.random.default_rng([self.args.seed, round_idx, 7])
-        return sorted(int(c) for c in rng.choice(n, size=m, replace=False))
+        """The clients scored at this evaluation (all at the final one, else ``--eval_clients`` of them)."""
+        return self.evaluator.client_ids(round_idx, final)
 
     def evaluate(self, round_idx: int, server_state: dict, final: bool = False) -> dict:
-        algo, acc = self.algorithm, self.accelerator
-        out: dict = {}
-        self.ctx.load(self.initial_private)  # the global model never carries a client's private statistics
-        model = algo.load_global(server_state)
-        if model is not None:
-            out["global_accuracy"] = self._eval(model, self.global_test_data(), "the global model",
-                                                shared=True)["accuracy"]
-        rows = []
-        ids = self.ownership.owned(self.eval_client_ids(round_idx, final))
-        from . import vectorized
-        if len(ids) > 1 and not getattr(self, "_vector_failed", False) and vectorized.can_vectorize_eval(self, ids):
-            try:
-                rows = vectorized.evaluate_clients(self, ids, server_state, round_idx)
-                self.seed_torch(self.seed_for(round_idx, ids[-1], "eval"))  # the RNG as the loop leaves it
-                ids = []
-            except NonFiniteError:
-                raise
-            except Exception as e:  # noqa: BLE001 - an op vmap cannot batch: evaluate one by one
-                logger.warning("vectorized evaluation failed (%s: %s); evaluating clients one by one",
-                               type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self._vector_failed = True
-                rows = []
-        self._load_memo = {}  # the same global tensors are loaded for every client: copy them once
-        try:
-            for cid in ids:
-                self.seed_torch(self.seed_for(round_idx, cid, "eval"))
-                private = self.store.get(cid)
-                self.ctx.load((private or {}).get(MODEL) or self.initial_private)
-                model = algo.load_personal(cid, server_state, private, round_idx)
-                res = self._eval(model, self.test_data(cid), f"client {cid}'s model")
-                rows.append((cid, res["accuracy"], res["num_samples"]))
-        finally:
-            self._load_memo = None
-        rows = sorted(all_gather(rows, acc))
-        if rows:
-            out["personal_accuracy"] = float(np.mean([r[1] for r in rows]))  # mean per-client accuracy
-            out["personal_accuracy_weighted"] = sum(r[1] * r[2] for r in rows) / max(1, sum(r[2] for r in rows))
-            out["per_client"] = {str(c): a for c, a, _ in rows}
-        out.update(algo.extra_metrics(round_idx, server_state))
-        if final and self.data.new_clients:
-            new_rows = []
-            for cid in self.ownership.owned(range(self.num_clients, self.num_clients + len(self.data.new_clients))):
-                self.seed_torch(self.seed_for(round_idx, cid, "new-client"))
-                self.ctx.load(self.initial_private)
-                model = algo.personalize_new_client(cid, server_state, self.train_data(cid), round_idx)
-                new_rows.append((cid, self._eval(model, self.test_data(cid))["accuracy"]))
-            new_rows = sorted(all_gather(new_rows, acc))
-            out["new_client_accuracy"] = float(np.mean([a for _, a in new_rows]))
-            out["new_clients"] = {str(c): a for c, a in new_rows}
-        return out
+        """The global model's and every scored client's personal model's metrics (and new clients' at the end)."""
+        return self.evaluator.evaluate(round_idx, server_state, final)
 
     # ------------------------------------------------------------------ whole state (FedPop, checkpoints)
     def state_dict(self) -> dict:
@@ -595,54 +352,12 @@ class Simulation:
         return fp
 
     def save_checkpoint(self, round_idx: int, server_state: dict, elapsed: float) -> None:
-        acc = self.accelerator
-        tmp = ckpt.tmp_dir(self.output_dir, round_idx)
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        barrier(acc)
-        ckpt.save_tensors(self.store.flatten(), tmp / f"clients-rank{acc.process_index}.safetensors")
-        if acc.is_main_process:
-            ckpt.save_tensors(flatten_parts(server_state), tmp / "server.safetensors")
-        barrier(acc)
-        if acc.is_main_process:
-            ckpt.finalize(self.output_dir, round_idx, {
-                "round": round_idx, "fingerprint": self.fingerprint(), "history": self.history,
-                "ledger": self.ledger.to_json(), "elapsed": elapsed, "algorithm": self.algorithm.state_dict(),
-                "server_hparams": dataclasses.asdict(self._server_hp)}, keep=self.args.keep_checkpoints)
-        barrier(acc)
+        ckpt.save_round(self, round_idx, server_state, elapsed)
 
     def load_checkpoint(self, spec: str) -> None:
-        path = ckpt.resolve(self.output_dir, spec)
-        state = ckpt.read_state(path)
-        mine, theirs = self.fingerprint(), state.get("fingerprint", {})
-        diff = _diff(theirs, mine)
-        if diff:
-            detail = "; ".join(f"{k}: checkpoint={a!r} now={b!r}" for k, (a, b) in list(diff.items())[:6])
-            raise ValueError(f"--resume_from_checkpoint: checkpoint {str(path)!r} was written with other settings "
-                             f"({detail}); resume with the same settings (only --num_rounds may grow), or start a new "
-                             "run with another --output_dir")
-        if int(state["round"]) > self.args.num_rounds:
-            raise ValueError(f"--num_rounds {self.args.num_rounds} is smaller than the checkpoint's round "
-                             f"{state['round']}; resume with --num_rounds >= {state['round']}")
-        flat = {}
-        for f in sorted(path.glob("clients-rank*.safetensors")):  # any world size wrote them: keep the clients we own
-            flat.update({k: v for k, v in ckpt.load_tensors(f).items()
-                         if self.ownership.owns(int(k.split("::", 1)[0]))})
-        self.load_state_dict({"round": state["round"], "server_state": unflatten_parts(
-            ckpt.load_tensors(path / "server.safetensors")), "store": flat, "ledger": state["ledger"],
-            "history": state["history"], "algorithm": state.get("algorithm", {}), "elapsed": state.get("elapsed", 0.0),
-            "server_hparams": state.get("server_hparams", dataclasses.asdict(self._server_hp))})
+        ckpt.resume(self, spec)
 
     # ------------------------------------------------------------------ the run
-    def parameter_counts(self) -> dict:
-        params = dict(self.model.named_parameters())
-        trainable = sum(p.numel() for p in params.values() if p.requires_grad)
-        comm = {k: self.model_state[k] for k in self.keys_by_role[GLOBAL]}
-        return {"total": sum(p.numel() for p in params.values()), "trainable": trainable,
-                "global_state_elements": num_elements(comm), "private_state_elements":
-                    num_elements({k: self.model_state[k] for k in self.keys_by_role[PRIVATE]})}
-
     def _elapsed(self) -> float:
         return self._elapsed_before + time.perf_counter() - getattr(self, "_start", time.perf_counter())
 
@@ -720,107 +435,20 @@ class Simulation:
         acc = self.accelerator
         if self.final_eval is None:  # resumed a finished run, or stepped externally: evaluate the final state
             self.final_eval = self.evaluate(self.round, self.server_state, final=True)
-        results = self._results(self.final_eval, self._elapsed())
+        out = results.run_results(self, self.final_eval, self._elapsed())
         if acc.is_main_process:
-            tracking.write_results(self.output_dir, results)
+            tracking.write_results(self.output_dir, out)
             tracking.plot_run(self, self.final_eval)
         if acc.log_with:
             acc.end_training()
-        return results
-
-    def _dataset_name(self) -> str:
-        return getattr(self.data_args, "dataset", "custom") if self.data_args is not None else "custom"
-
-    def _results(self, final_eval: dict, wall: float) -> dict:
-        a = self.args
-        per_client = final_eval.get("per_client", {})
-        per_domain: dict[str, list[float]] = {}
-        for cid, accv in per_client.items():
-            dom = self.data.clients[int(cid)].domain
-            if dom is not None:
-                per_domain.setdefault(str(dom), []).append(accv)
-        return {
-            "method": a.method, "model": a.model, "adapter": a.adapter, "dataset": self._dataset_name(),
-            "partition": getattr(self.data_args, "partition", None), "num_clients": self.num_clients,
-            "num_rounds": self.round, "seed": a.seed, "world_size": self.accelerator.num_processes,
-            "process_train_examples": self.process_train_examples(),
-            "final": {k: v for k, v in final_eval.items() if not isinstance(v, dict)},
-            "per_client_accuracy": per_client,
-            "per_domain_accuracy": {d: float(np.mean(v)) for d, v in sorted(per_domain.items())},
-            "new_client_accuracy": final_eval.get("new_clients", {}),
-            "communication": self.ledger.totals(),
-            "parameters": self.parameter_counts(),
-            "budget": self.budget(),
-            "wall_time_s": wall,
-        }
-
-    def budget(self) -> dict:
-        """Client training spent so far, from the round history (so a resumed run counts every round):
-        optimizer steps and examples seen in total and per trained model (each client that trained keeps or uploads
-        its own model, so the per-model figure is the total over the clients that trained at least once). None where
-        a round's updates did not report them."""
-        trained = {int(c) for h in self.history for c in h.get("clients", [])}
-        out: dict = {"trained_models": len(trained)}
-        for name in ("optimizer_steps", "examples_seen"):
-            known = all(name in h for h in self.history)
-            total = int(sum(h[name] for h in self.history)) if known else None
-            out[name] = total
-            out[f"{name}_per_model"] = (total / len(trained) if trained else 0.0) if known else None
-        if any("server_optimizer_steps" in h for h in self.history):
-            # one model, trained on the server, is what this run evaluates: its steps are the budget to match (what
-            # the clients trained for it, e.g. FedBiP's concepts, stays as client_*)
-            out["trained_models"] = 1
-            for name in ("optimizer_steps", "examples_seen"):
-                out[f"client_{name}"] = out[name]
-                out[name] = out[f"{name}_per_model"] = int(sum(h.get(f"server_{name}", 0) for h in self.history))
         return out
 
+    def parameter_counts(self) -> dict:
+        return results.parameter_counts(self)
 
-# numpy's SeedSequence (numpy/random/bit_generator.pyx: pool size 4, uint32 words), for many entropy rows at once
-_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43b0d7e5, 0x931e8875, 0x8b51f9dd, 0x58f38ded
-_MIX_MULT_L, _MIX_MULT_R, _MASK32 = 0xca01f9dd, 0x4973f715, 0xFFFFFFFF
-
-
-def _seed_sequence_words(entropy: np.ndarray) -> np.ndarray:
-    """``SeedSequence(list(row)).generate_state(1)[0]`` for every row of a ``[n, 4]`` uint32 array of entropy
-    words (four words each: exactly the pool, so no extra mixing rounds). Tested against numpy."""
-    u32 = np.uint32
-    hash_const = _INIT_A
-
-    def hashmix(value):
-        nonlocal hash_const
-        value = value ^ u32(hash_const)
-        hash_const = (hash_const * _MULT_A) & _MASK32
-        value = value * u32(hash_const)
-        return value ^ (value >> u32(16))
-
-    def mix(x, y):
-        r = u32(_MIX_MULT_L) * x - u32(_MIX_MULT_R) * y
-        return r ^ (r >> u32(16))
-
-    with np.errstate(over="ignore"):
-        pool = [hashmix(entropy[:, i].astype(u32)) for i in range(4)]
-        for src in range(4):
-            for dst in range(4):
-                if src != dst:
-                    pool[dst] = mix(pool[dst], hashmix(pool[src]))
-        hb = _INIT_B
-        v = pool[0] ^ u32(hb)
-        hb = (hb * _MULT_B) & _MASK32
-        v = v * u32(hb)
-        return v ^ (v >> u32(16))
-
-
-def _diff(old: dict, new: dict, prefix: str = "") -> dict:
-    """Flattened keys whose values differ between two nested fingerprints."""
-    out = {}
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out.update(_diff(a, b, f"{prefix}{k}."))
-        elif a != b and not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and list(a) == list(b)):
-            out[f"{prefix}{k}"] = (a, b)
-    return out
+    def budget(self) -> dict:
+        """Training spent so far (optimizer steps, examples) in total and per trained model, from the round history."""
+        return results.budget(self)
 
 
 def _saved_rounds(output_dir: Path):

@@ -9,6 +9,12 @@ import torch
 
 from .comm import Parts, TensorDict
 
+# key roles (which model state-dict keys travel, stay on the client or never change) and the part names every
+# method shares
+GLOBAL, PRIVATE, FROZEN = "global", "private", "frozen"
+MODEL = "model"          # the part holding model state-dict entries
+OPTIM = "optim"          # the private part holding a client's persistent optimizer state
+
 
 class Fresh(dict):
     """A tensor dict of fresh CPU copies that nothing else references (what :func:`snapshot` returns): the client

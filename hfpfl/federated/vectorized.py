@@ -14,7 +14,7 @@ sequential loop (:func:`hfpfl.training.train_local`):
 * each client's own optimizer state (SGD with momentum / weight decay, Adam, AdamW: torch's update rules written out
   on stacked tensors), created fresh every round as ``ctx.train`` does;
 * BatchNorm running statistics per client (buffers are stacked too and updated in place under ``vmap``);
-* the method's local hooks in functional form (:meth:`Algorithm.functional_hooks`, e.g. FedProx's proximal term).
+* the method's local hooks, pure functions (:meth:`Algorithm.local_hooks`, e.g. FedProx's proximal term).
 
 What cannot be vectorized falls back to the sequential loop automatically (:func:`vectorize_reason` says why):
 methods that override ``client_update`` / ``local_train`` / ``load_client`` or whose hooks have no functional form,
@@ -32,7 +32,10 @@ import torch
 from torch import nn
 
 from ..training import Metric, _decode_uint8, batch_bounds, model_inputs
-from .protocol import MODEL, Algorithm, HParams, Update, finite_rows, memory_order
+from .aggregation import finite_rows, memory_order
+from .context import HParams
+from .protocol import Update
+from .state import MODEL
 from .state import Fresh
 
 logger = logging.getLogger("hfpfl")
@@ -72,25 +75,14 @@ STACK_CACHE_BYTES = 16 * 2**20
 def vectorize_reason(sim) -> str | None:
     """None when this run's local updates can be vectorized, else why not (logged once)."""
     algo = sim.algorithm
-    cls = type(algo)
-    for name in ("client_update", "local_train", "load_client", "local_hooks", "functional_hooks"):
-        if name in vars(algo):  # replaced on the instance (e.g. FedPop's scoring wrapper around client_update)
-            return f"{cls.__name__}.{name} is replaced on the instance"
     if not algo.vectorizable():
-        return f"{cls.__name__} trains its clients its own way (overrides client_update / local_train / load_client)"
-    hooks_owner, functional_owner = _owner(cls, "local_hooks"), _owner(cls, "functional_hooks")
-    if not issubclass(functional_owner, hooks_owner):  # local hooks newer than their functional form
-        return f"{cls.__name__}'s local hooks have no functional form (Algorithm.functional_hooks)"
+        return f"{type(algo).__name__} trains its clients its own way (local_update = {algo.local_update!r})"
     for m in sim.model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and (m.p > 0 or sim.args.dropout):
             return "the model has dropout (random masks differ from the sequential path)"
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None:
             return "BatchNorm with cumulative averaging (momentum=None)"
     return None
-
-
-def _owner(cls, name):
-    return next(k for k in cls.__mro__ if name in vars(k))
 
 
 def clients_per_step(sizes: list[int], batch_size: int, local_steps: int | None = None) -> float:
@@ -412,7 +404,7 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
     let go (``--data_cache_mb``)."""
     import weakref
 
-    cache = sim.__dict__.setdefault("_stacked_data", {})
+    cache = sim._stacked_data
     key = (split, tuple(clients))
     hit = cache.get(key)
     if hit is not None and all(ref() is d for ref, d in zip(hit["datas"], datas)):
@@ -434,18 +426,27 @@ def stacked_data(sim, clients: list[int], split: str, datas: list) -> StackedDat
 
 
 # ---------------------------------------------------------------------------------------------- per-client values
-def shared_download(algo) -> bool:
-    """The method keeps the base protocol's ``download``: every client gets the same tensors (the server state's
-    global keys)."""
-    return type(algo).download is Algorithm.download and "download" not in vars(algo)
-
-
 def downloads(algo, server_state, clients: list[int]) -> dict[int, dict]:
-    """Each client's download; with the base protocol's, one dict for all of them (the same tensors either way;
-    downloads are read, never written), built once instead of once per client."""
-    if shared_download(algo):
-        return dict.fromkeys(clients, algo.download(server_state, clients[0]))
-    return {c: algo.download(server_state, c) for c in clients}
+    """Each client's download. When every client gets the same tensors (the base protocol's download: the server
+    state's global keys), one dict serves them all -- downloads are read, never written -- so
+    :func:`per_client_values` looks each key up once, not once per client."""
+    downs = {c: algo.download(server_state, c) for c in clients}
+    first = downs[clients[0]]
+    if all(_same_tensors(downs[c], first) for c in clients[1:]):
+        return dict.fromkeys(clients, first)
+    return downs
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[p].keys() == b[p].keys() and all(a[p][k] is b[p][k] for k in a[p])
+                                        for p in a)
+
+
+def same_download_for_all(downs: dict) -> bool:
+    """Whether one download dict serves every client of a chunk (as :func:`downloads` builds it)."""
+    values = iter(downs.values())
+    first = next(values, None)
+    return all(d is first for d in values)
 
 
 def per_client_values(clients: list[int], keys, value, downs: dict, privs: dict) -> dict[str, list]:
@@ -499,7 +500,7 @@ def grad_layouts(sim, vstep, P: dict, B: dict, anchors: dict, anchor_dims: dict,
     step, so that every chunk of every process trains in the same layout from its first step whatever the chunking
     (the layout is a property of the model's operations, not of the clients or their number). The probe reads
     copies: ``P``, ``B`` and the batch are left as they were."""
-    cache = sim.__dict__.get("_grad_layouts")
+    cache = sim._grad_layouts
     if cache is None:
         n = min(2, len(next(iter(batch.values()))))
         if n < 2:  # one client: a size-1 client dimension has no place in memory to learn; the next chunk probes
@@ -555,7 +556,7 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
 
     vals = per_client_values(clients, [*trainable, *buffer_keys], client_value, downs, privates)
     with torch.no_grad():
-        layouts = sim.__dict__.get("_grad_layouts", {})  # each gradient's memory order (grad_layouts), once known
+        layouts = sim._grad_layouts or {}  # each gradient's memory order (grad_layouts), once known
         P = {k: _stack(vals[k], device, copy_shared=True, order=layouts.get(k)).to(params_all[k].dtype)
              for k in trainable}
         B = {k: _stack(vals[k], device, copy_shared=True) for k in buffer_keys}
@@ -564,10 +565,10 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
 
     hooks = {}
     for c in clients:
-        h = algo.functional_hooks(c, downs[c], privates[c])
-        if h is None:
-            raise RuntimeError("functional_hooks returned None")  # vectorize_reason rules this out
-        hooks = h
+        hooks = algo.local_hooks(c, downs[c], privates[c])
+        if set(hooks) - {"regularizer"}:  # the engine falls back to training these clients one by one (exact)
+            raise RuntimeError(f"{type(algo).__name__}'s local hooks {sorted(set(hooks) - {'regularizer'})} have "
+                               "no vectorized form (only a regularizer has)")
     reg = hooks.get("regularizer")
     # what the regularizer reads per client: the download's model part (shared when every client got the same)
     anchor_keys = sorted(downs[clients[0]].get(MODEL, {})) if reg is not None else []
@@ -710,13 +711,8 @@ def chunks_of(sim, clients: list[int]) -> list[list[int]]:
     default = CHUNK_BYTES if sim.device.type == "cpu" else ACCELERATOR_CHUNK_BYTES
     size = max(1, (int(mb * 2**20) if mb else default) // max(per_client, 1))
     by_hp: dict[HParams, list[int]] = {}
-    algo = sim.algorithm
-    if (not sim._client_hp_overrides and type(algo).client_hparams is Algorithm.client_hparams
-            and "client_hparams" not in vars(algo)):
-        by_hp[sim.client_hparams(clients[0])] = list(clients)  # every client has the run's hyperparameters
-    else:
-        for c in clients:
-            by_hp.setdefault(sim.client_hparams(c), []).append(c)
+    for c in clients:
+        by_hp.setdefault(sim.client_hparams(c), []).append(c)
     out = []
     for members in by_hp.values():
         for i in range(0, len(members), size):
@@ -735,12 +731,10 @@ def _rows_as_batch(logits_of, S: dict, inputs: dict) -> torch.Tensor:
 
 
 def can_vectorize_eval(sim, clients: list[int] | None = None) -> bool:
-    """Personal models are the base protocol's (download + private state) and the run may vectorize."""
-    cls = type(sim.algorithm)
-    return (getattr(sim.args, "vectorize", "off") != "off" and cls.load_personal is Algorithm.load_personal
-            and "load_personal" not in vars(sim.algorithm)
-            and cls.load_client is Algorithm.load_client and vectorize_reason(sim) is None
-            and should_vectorize(sim, clients, "test"))
+    """Personal models are the base protocol's (download + private state: ``personal_model = "loaded"``) and the
+    run may vectorize."""
+    return (getattr(sim.args, "vectorize", "off") != "off" and sim.algorithm.personal_model == "loaded"
+            and vectorize_reason(sim) is None and should_vectorize(sim, clients, "test"))
 
 
 @torch.no_grad()
@@ -833,7 +827,7 @@ def evaluate_clients(sim, clients: list[int], server_state, round_idx: int) -> l
                 else:
                     res = m.compute()
                 if "loss" in res and not math.isfinite(res["loss"]):
-                    from .protocol import NonFiniteError, step_size_hint
+                    from .context import NonFiniteError, step_size_hint
                     raise NonFiniteError(f"training diverged by round {sim.round}: client {c}'s model has a "
                                          f"non-finite evaluation loss; "
                                          f"{step_size_hint(sim.args, sim.algorithm.config, server=True)}")

@@ -8,6 +8,8 @@ backbone that ``recipes/pretrain.py`` published to the local Hub cache.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
 from typing import Any
@@ -52,8 +54,9 @@ __all__ = [
 # configs
 # --------------------------------------------------------------------------------------------------------------
 def _labels_kwargs(num_labels: int) -> dict[str, Any]:
+    """A config's labels "0".."n-1": the label maps alone (their length is ``num_labels``; passing ``num_labels``
+    beside a checkpoint's longer maps only makes transformers warn that they disagree before they are replaced)."""
     return {
-        "num_labels": num_labels,
         "id2label": {i: str(i) for i in range(num_labels)},
         "label2id": {str(i): i for i in range(num_labels)},
     }
@@ -134,6 +137,37 @@ def classifier_config(model_name: str, num_labels: int, image_size: int = 28, nu
 # --------------------------------------------------------------------------------------------------------------
 # classifiers
 # --------------------------------------------------------------------------------------------------------------
+class _NewHeadReport(logging.Filter):
+    """transformers logs a LOAD REPORT table whenever ``from_pretrained(..., ignore_mismatched_sizes=True)``
+    re-initialises weights whose shape changed. Here that is the new head the caller asked for (another number of
+    labels), so a report whose only entries are size mismatches is dropped and one plain line says what happened; a
+    report with missing, unexpected or unconverted weights still reaches the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        only_mismatches = "LOAD REPORT" in msg and "MISMATCH" in msg and not any(
+            word in msg for word in ("MISSING", "UNEXPECTED", "CONVERSION"))
+        return not only_mismatches
+
+
+@contextlib.contextmanager
+def _new_head(name: str, checkpoint_labels: int, num_labels: int):
+    """Load with a new head for ``num_labels`` (the checkpoint's has ``checkpoint_labels``) without transformers'
+    load-report table; one line in hfpfl's log instead."""
+    if checkpoint_labels == num_labels:
+        yield
+        return
+    report_logger, quiet = logging.getLogger("transformers.modeling_utils"), _NewHeadReport()
+    report_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        report_logger.removeFilter(quiet)
+    logging.getLogger("hfpfl").info("%s: a new %d-label head replaces the checkpoint's %d-label head (randomly "
+                                    "initialised; the rest of the checkpoint is loaded)", name, num_labels,
+                                    checkpoint_labels)
+
+
 def build_classifier(
     model_name_or_path: str,
     num_labels: int,
@@ -165,13 +199,14 @@ def build_classifier(
         config = AutoConfig.from_pretrained(model_name_or_path, **kw)
         # keep the checkpoint's label names when the head size already matches (e.g. ImageNet's 1000 classes)
         labels = {"num_labels": num_labels} if config.num_labels == num_labels else _labels_kwargs(num_labels)
-        model = AutoModelForImageClassification.from_pretrained(
-            model_name_or_path,
-            **kw,
-            **labels,
-            ignore_mismatched_sizes=True,
-            **overrides,
-        )
+        with _new_head(model_name_or_path, config.num_labels, num_labels):
+            model = AutoModelForImageClassification.from_pretrained(
+                model_name_or_path,
+                **kw,
+                **labels,
+                ignore_mismatched_sizes=True,
+                **overrides,
+            )
     return model
 
 
@@ -314,9 +349,10 @@ def build_vqa_model(
         if config.model_type == "blip":
             return BlipForQuestionAnswering.from_pretrained(model_name_or_path, **kw, **overrides)
         if config.model_type == "vilt":
-            return ViltForQuestionAnswering.from_pretrained(
-                model_name_or_path, **kw, **_labels_kwargs(num_answers), ignore_mismatched_sizes=True, **overrides
-            )
+            with _new_head(model_name_or_path, config.num_labels, num_answers):
+                return ViltForQuestionAnswering.from_pretrained(
+                    model_name_or_path, **kw, **_labels_kwargs(num_answers), ignore_mismatched_sizes=True, **overrides
+                )
     raise ValueError(f"build_vqa_model: unsupported model_type {config.model_type!r} for {model_name_or_path!r}")
 
 

@@ -297,7 +297,7 @@ def ensure_vqa_backbone(kind: str, cache_dir: str | None = None, force: bool = F
 
 def pretrain_vqa_backbone(kind: str, cfg: dict, out_dir: str) -> dict:
     """Train the whole tiny backbone (and its answer head/decoder) on the pool with the engine's one loop."""
-    from ..data.vqa import easy_vqa_answers, pretraining_pool, vqa_tokenizer
+    from ..data.vqa import easy_vqa_answers, pretraining_pool
     from ..training import TensorData, evaluate, train_local
     from .builders import build_vqa_model
 
@@ -408,3 +408,12 @@ def kd_ramp(t: int, total: int) -> float:
     """Spec App. B.2: alpha = beta = exp(-5 (1 - t / T0)), clipped at 1."""
     return math.exp(-5.0 * (1.0 - min(t, total) / max(total, 1)))
 
+
+def vqa_tokenizer(model_name: str = "tiny-vilt", save_dir=None):
+    """The tiny VQA models' tokenizer over easy-vqa's words (questions and answers): what the benchmark's questions
+    are tokenized with (``vqa_benchmark(tokenizer=...)``)."""
+    from ..data.vqa import vqa_words
+    from .builders import build_vqa_tokenizer
+
+    return build_vqa_tokenizer(model_name if model_name in ("tiny-vilt", "tiny-blip") else "tiny-vilt",
+                               extra_words=vqa_words(), save_dir=save_dir)

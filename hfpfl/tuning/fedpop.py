@@ -42,7 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..federated.protocol import MODEL, HParams, NonFiniteError, get_algorithm
+from ..federated.context import HParams, NonFiniteError
+from ..federated.registry import get_algorithm
+from ..federated.state import MODEL
 from ..options import at_least, in_range, option, validate
 from . import search_space as ss
 
@@ -59,7 +61,7 @@ DIVERGED = 1e6   # the score of a member whose training became non-finite (lower
 
 @dataclass
 class TunerArguments:
-    """Tuning flags: the fedpop recipe's own options (hfpfl.config.parse_run_args parses and checks them)."""
+    """Tuning flags: the fedpop recipe's own options (hfpfl.arguments.parse_run_args parses and checks them)."""
 
     tuner: str = option("fedpop", "fedpop | rs | sha | fedex (all at the same budget); fedpop_sha / fedex_sha: FedPop / "
                         "FedEx wrapped in SHA (sha_start configurations, eliminated as SHA).", choices=list(TUNERS))
@@ -264,6 +266,8 @@ class Tuner:
             return upd
 
         algo.client_update = client_update
+        # the scorer reads each client's model right after its update: the engine must train clients one by one
+        algo.local_update = "own"
 
     def _gather_scores(self, m: Member, clients: list[int]) -> list[float]:
         from ..federated.distributed import all_gather

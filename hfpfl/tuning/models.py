@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 from transformers.modeling_outputs import ImageClassifierOutput
 
-from ..federated.protocol import REGISTRY, get_algorithm, register
+from ..federated.registry import REGISTRY, get_algorithm, register
 
 TINY_MLP = "tiny-mlp"
 

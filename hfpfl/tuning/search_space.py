@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from ..federated.protocol import HParams, ServerHParams
+from ..federated.context import HParams, ServerHParams
 
 logger = logging.getLogger("hfpfl")
 

@@ -43,7 +43,9 @@ from hfpfl.config import RunArguments
 from hfpfl.data.federated import ClientData, FederatedData
 from hfpfl.federated import vectorized
 from hfpfl.federated.engine import Simulation
-from hfpfl.federated.protocol import ServerHParams, Update, WeightedSums, server_optimizer_step
+from hfpfl.federated.aggregation import WeightedSums, server_optimizer_step
+from hfpfl.federated.context import ServerHParams
+from hfpfl.federated.protocol import Update
 from hfpfl.training import Metric
 
 LR = 0.1

@@ -15,7 +15,7 @@ from hfpfl.algorithms.central import CentralConfig
 from hfpfl.algorithms.ditto import DittoConfig
 from hfpfl.algorithms.fedavg_ft import FineTuneConfig
 from hfpfl.algorithms.fedper import FedRepConfig, is_head
-from hfpfl.federated.protocol import FROZEN, GLOBAL, PRIVATE
+from hfpfl.federated.state import FROZEN, GLOBAL, PRIVATE
 from test_baseline_pins import (DATA, FEDAVG1, LR, PIN, STEP0, STEP1, W0, P, close, grads, lin, make_sim, sgd,
                                 state)
 

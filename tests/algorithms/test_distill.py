@@ -89,7 +89,7 @@ def test_distillation_loss_and_first_adam_step_by_hand_and_bn_statistics_unchang
     optimizer step (lr ~ 0), teachers not averaged, and the student's BNs taking the pool's statistics."""
     sim, algo, student, teachers = kd_round(method)
     cfg = type(algo.config)(kd_steps=1, kd_lr=1e-3, kd_temperature=2.0, kd_pool_size=24, kd_batch_size=32)
-    pixels, _ = public_pool(sim, cfg)
+    pixels, _ = public_pool(sim.ctx, cfg)
     assert len(pixels) == 24
     model, T, keys = sim.model, 2.0, list(student)
 

@@ -53,11 +53,11 @@ def _algo(eval_batch_size=3):
     """What ensemble_distill reads of a method: its model, the simulation's state dict / batch size / device / KD
     generator / backward, and the trainable parameters among the distilled keys."""
     model = Tiny()
-    sim = SimpleNamespace(model_state=model.state_dict(), args=SimpleNamespace(eval_batch_size=eval_batch_size),
+    sim = SimpleNamespace(model_state=model.state_dict(), run=SimpleNamespace(eval_batch_size=eval_batch_size),
                           device="cpu", generator=lambda r, c, tag: torch.Generator().manual_seed(0),
-                          accelerator=SimpleNamespace(backward=lambda loss: loss.backward()))
+                          backward=lambda loss: loss.backward())
     allowed = lambda keys: [p for n, p in model.named_parameters() if n in set(keys)]  # noqa: E731
-    return SimpleNamespace(sim=sim, model=model, trainable_parameters=allowed)
+    return SimpleNamespace(ctx=sim, model=model, trainable_parameters=allowed)
 
 
 def _hand_logits(W, b, mu, var, x):
@@ -122,7 +122,7 @@ def test_two_kd_steps_by_hand(pool, T):
     cfg = KDConfig(kd_steps=2, kd_lr=0.1, kd_temperature=T, kd_batch_size=64)
     out, metrics = ensemble_distill(algo, _state(STUDENT), [_state(t) for t in TEACHERS], cfg, 1)
     losses, W, b = _hand_distill(2, 0.1, T)
-    assert pool["calls"] == [(algo.sim, cfg)]
+    assert pool["calls"] == [(algo.ctx, cfg)]
     assert metrics == pytest.approx({"kd_loss_first": losses[0], "kd_loss_last": losses[1], "kd_steps": 2}, rel=1e-5)
     assert losses[0] > losses[1] > 0.05                       # the hand loss does fall and is far from round-off
     torch.testing.assert_close(out["fc.weight"].double(), W, rtol=0, atol=2e-6)
@@ -139,7 +139,7 @@ def test_kd_batches_are_drawn_from_the_runs_kd_generator(pool):
     outs = []
     for global_seed in (1, 2):
         algo, asked = _algo(), []
-        algo.sim.generator = lambda r, c, tag: asked.append((r, c, tag)) or torch.Generator().manual_seed(0)
+        algo.ctx.generator = lambda r, c, tag: asked.append((r, c, tag)) or torch.Generator().manual_seed(0)
         torch.manual_seed(global_seed)
         cfg = KDConfig(kd_steps=2, kd_lr=0.1, kd_batch_size=2)
         outs.append(ensemble_distill(algo, _state(STUDENT), [_state(t) for t in TEACHERS], cfg, 4)[0])
@@ -221,7 +221,9 @@ def _pool_sim(n_public=10, seed=0):
     if n_public:
         pub = Dataset.from_dict({"pixel_values": [[[[i / 16.0]]] for i in range(n_public)],
                                  "labels": list(range(n_public))}).with_format("torch")
-    return SimpleNamespace(data=SimpleNamespace(public=pub, image_size=8, num_channels=1), args=SimpleNamespace(seed=seed))
+    caches: dict = {}
+    return SimpleNamespace(data=SimpleNamespace(public=pub, image_size=8, num_channels=1), run=SimpleNamespace(seed=seed),
+                           cache=lambda name: caches.setdefault(name, {}))
 
 
 def _ids(pixels):
@@ -341,14 +343,14 @@ def test_push_global_adapter_publishes_the_given_state_as_the_round_revision(mon
         ({k: v.clone() for k, v in model.state_dict().items()}, repo, revisions)) or "/snap")
     monkeypatch.setattr(adapters, "is_adapter_model", lambda model: isinstance(model, Tiny))
     algo = _algo()
-    algo.sim.model, algo.sim.accelerator.is_main_process = algo.model, True
+    algo.ctx.model, algo.ctx.is_main_process = algo.model, True
     st = _state(TEACHERS[1])
     assert distill.push_global_adapter(algo, st, 3, "me/g") == "/snap"
     (sd, repo, revisions), = published
     assert repo == "me/g" and revisions == ["round-3", "main"] and all(torch.equal(sd[k], v) for k, v in st.items())
-    algo.sim.accelerator.is_main_process = False
+    algo.ctx.is_main_process = False
     assert distill.push_global_adapter(algo, st, 4, "me/g") == "" and len(published) == 1
-    algo.sim.model = nn.Linear(2, 2)
+    algo.ctx.model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="needs an adapter model"):
         distill.push_global_adapter(algo, st, 5, "me/g")
 

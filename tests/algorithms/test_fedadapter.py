@@ -110,7 +110,7 @@ def test_fedadapter_recipe_defaults_and_configs():
     import importlib.util
     from pathlib import Path
 
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
 
     root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("fedadapter_recipe", root / "recipes/fedadapter.py")

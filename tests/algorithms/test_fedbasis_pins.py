@@ -265,7 +265,7 @@ def test_new_client_steps_zero_means_no_adaptation(run_sim, steps):
 
 def _stub_algo(num_rounds=4, keys=None, privates=None, **cfg):
     seeds = []
-    ctx = SimpleNamespace(args=SimpleNamespace(num_rounds=num_rounds), num_clients=len(privates or {}),
+    ctx = SimpleNamespace(run=SimpleNamespace(num_rounds=num_rounds), num_clients=len(privates or {}),
                           private_state=lambda i: (privates or {}).get(i), gather=lambda items: list(items),
                           seed_for=lambda r, i, tag="": seeds.append((r, i, tag)) or 1234,
                           keys=lambda role: (keys or {}).get(role, []))

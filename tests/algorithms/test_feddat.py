@@ -26,7 +26,9 @@ def vqa_fed():
     """The domain-like split, 5 clients, 16 training questions each (client 0 cut to 9: unequal N_k)."""
     from hfpfl.data.vqa import vqa_benchmark
 
-    fed = vqa_benchmark("domain", seed=0, train_per_client=16, test_per_client=20)
+    from hfpfl.models.vqa import vqa_tokenizer
+
+    fed = vqa_benchmark("domain", tokenizer=vqa_tokenizer(), seed=0, train_per_client=16, test_per_client=20)
     fed.clients[0].train = fed.clients[0].train.select(range(9))
     return fed
 

@@ -12,7 +12,7 @@ from test_feddat import _client_losses, _hand_kd, _logits_seeded, batch_of
 
 from hfpfl.algorithms import MODEL
 from hfpfl.algorithms.feddat import FedDATConfig, VQAPeft, VQAPeftConfig, steps_per_epoch, warmup_linear
-from hfpfl.federated.protocol import HParams
+from hfpfl.federated.context import HParams
 
 sim_for, vqa_fed = test_feddat.sim_for, test_feddat.vqa_fed   # the FedDAT tests' fixtures
 

@@ -125,7 +125,7 @@ def test_new_client_steps_zero_means_no_adaptation(run_sim, steps):
 
 
 def _stub(method=pce.FedPCE, num_rounds=5, privates=None, gathered_extra=(), **cfg):
-    ctx = SimpleNamespace(args=SimpleNamespace(num_rounds=num_rounds), num_clients=len(privates or {}),
+    ctx = SimpleNamespace(run=SimpleNamespace(num_rounds=num_rounds), num_clients=len(privates or {}),
                           private_state=lambda i: (privates or {}).get(i),
                           gather=lambda items: list(items) + list(gathered_extra),
                           initial_private={EMBEDDING_KEY: torch.zeros(2)},
@@ -228,9 +228,9 @@ def test_pce_fedprox_anchor_is_a_copy_on_the_training_device():
     algo.ctx.device = torch.device("meta")
     net = torch.nn.Module()
     net.w = torch.nn.Parameter(torch.zeros(2, device="meta"))
-    assert algo.local_hooks(0, down, None)["regularizer"](net).device.type == "meta"
+    assert algo.bind_hooks(0, down, None)["regularizer"](net).device.type == "meta"
     algo.ctx.device = torch.device("cpu")
-    reg = algo.local_hooks(0, down, None)["regularizer"]
+    reg = algo.bind_hooks(0, down, None)["regularizer"]
     net.w = torch.nn.Parameter(torch.tensor([3.0, 0.0]))
     down[MODEL]["w"].add_(100.0)
     assert float(reg(net).detach()) == 16.0

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from hfpfl.algorithms import REGISTRY, load_builtin_methods
-from hfpfl.config import RunArguments, parse_run_args
+from hfpfl.config import RunArguments
+from hfpfl.arguments import parse_run_args
 from hfpfl.data import DataArguments
 from hfpfl.options import declared_check, validate
 
@@ -207,7 +208,8 @@ def test_divergence_hint_names_the_methods_step_sizes():
     temperature raise) and for a method that declares none (fedavg), with --server_lr for the server's state."""
     from hfpfl.algorithms.fedbasis import FedBasisConfig
     from hfpfl.algorithms.fedbip import FedBiPConfig
-    from hfpfl.federated.protocol import NoConfig, step_size_hint
+    from hfpfl.federated.context import step_size_hint
+    from hfpfl.federated.protocol import NoConfig
 
     run = RunArguments(lr=0.05, server_lr=1.0)
     assert step_size_hint(run, FedBasisConfig(temperature=0.2)) == \
@@ -220,7 +222,7 @@ def test_a_diverged_run_names_the_method_option_that_set_the_step(run_sim):
     """FedProx with a huge mu: the proximal pull, lr * mu per step, overshoots and the weights blow up; the line
     names --mu with its value (not only --lr)."""
     from hfpfl.algorithms.fedprox import FedProxConfig
-    from hfpfl.federated.protocol import NonFiniteError
+    from hfpfl.federated.context import NonFiniteError
 
     with pytest.raises(NonFiniteError) as e:
         run_sim("fedprox", method_config=FedProxConfig(mu=1e30), num_rounds=1, local_epochs=1, vectorize="off")

@@ -6,6 +6,7 @@ adapter, trained on CE + (lambda/2)||v - w||^2 toward it: the regularizer's valu
 
 Most tests need no model: a stand-in simulation object carries exactly what the function reads. The adapter tests
 use one tiny-ResNet + residual-adapter PerAda (random backbone: only where tensors go is checked), built once."""
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -53,7 +54,9 @@ def test_client_severity_is_one_plus_id_mod_five():
 # ------------------------------------------------------------------------------------------------ corrupted test data
 def _stand_in_sim(pixels, labels, channels, seed=7, client_id=3):
     test = {client_id: TensorData(pixels, labels)}
-    return SimpleNamespace(args=SimpleNamespace(seed=seed), test_data=lambda cid: test[cid],
+    caches: dict = {}
+    return SimpleNamespace(run=SimpleNamespace(seed=seed), test_data=lambda cid: test[cid],
+                           cache=lambda name: caches.setdefault(name, {}),
                            data=SimpleNamespace(num_labels=10, image_size=pixels.shape[-1], num_channels=channels))
 
 
@@ -134,10 +137,10 @@ def test_corrupted_personal_accuracy_by_hand(monkeypatch):
 
     sim = SimpleNamespace(num_clients=3, owned=lambda ids: list(ids)[::-1], private_state=lambda cid: f"priv{cid}",
                           seed_for=lambda r, cid, tag: 1000 * r + 10 * cid + {"eval": 1}.get(tag, 2),
-                          args=SimpleNamespace(eval_batch_size=17), device="dev",
-                          accelerator=SimpleNamespace(num_processes=1))
+                          run=SimpleNamespace(eval_batch_size=17), device="dev",
+                          gather=lambda rows: rows)
     algo = Algo()
-    algo.sim = sim
+    algo.ctx = sim
     monkeypatch.setattr(perada, "corrupted_test_data",
                         lambda s, cid, kind, sev: seen["data"].append((s, cid, kind, sev)) or f"data{cid}")
 
@@ -296,7 +299,7 @@ def test_new_client_starts_at_the_global_adapter_with_prox_toward_it(adapter_sim
 def test_new_client_with_zero_epochs_is_the_global_adapter(adapter_sim, monkeypatch):
     """--new_client_epochs 0: no training; the personal adapter is the global one."""
     algo = adapter_sim.algorithm
-    monkeypatch.setattr(adapter_sim.args, "new_client_epochs", 0)
+    monkeypatch.setattr(adapter_sim, "args", dataclasses.replace(adapter_sim.args, new_client_epochs=0))
     monkeypatch.setattr(algo, "local_train", lambda *a, **k: pytest.fail("trained with 0 epochs"))
     server = _known_global(algo, -0.5)
     model = algo.personalize_new_client(4, server, adapter_sim.train_data(0), 1)
@@ -353,7 +356,7 @@ def test_key_role_freezes_backbone_statistics_under_residual_and_parallel_adapte
     """A key the engine would keep per client (a backbone BatchNorm statistic) is frozen under residual and parallel
     adapters (their BNs stay in eval mode), private under LoRA; a personal-slot key is private under every adapter."""
     algo = PerAda.__new__(PerAda)
-    algo.ctx = SimpleNamespace(args=SimpleNamespace(adapter=adapter))
+    algo.ctx = SimpleNamespace(run=SimpleNamespace(adapter=adapter))
     assert algo.key_role("resnet.embedder.norm.running_mean", PRIVATE) == role
     assert algo.key_role(f"conv.adapters.{PERSONAL_SLOT}.weight", GLOBAL) == PRIVATE
     assert algo.key_role("classifier.weight", GLOBAL) == GLOBAL

@@ -14,7 +14,9 @@ import torch
 
 from hfpfl.algorithms import register
 from hfpfl.algorithms.fedavg import FedAvg
-from hfpfl.federated.protocol import ServerHParams, Update, WeightedSums, server_optimizer_step, weighted_average
+from hfpfl.federated.aggregation import WeightedSums, server_optimizer_step, weighted_average
+from hfpfl.federated.context import ServerHParams
+from hfpfl.federated.protocol import Update
 from test_baseline_pins import FEDAVG1, PIN, STEP0, STEP1, W0, P, _toy, close, lin, make_sim, state
 
 

@@ -128,7 +128,7 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(case, extra, expected, t
 
 
 def test_documented_none_values_work_on_the_command_line():
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
 
     run, data, _ = parse_run_args(["--max_per_domain", "None", "--clients_per_round", "none", "--local_steps", "None"])
     assert data.max_per_domain is None and run.clients_per_round is None and run.local_steps is None

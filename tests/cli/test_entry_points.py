@@ -45,7 +45,8 @@ def _run(argv):
 
 
 def test_saved_config_is_a_valid_config_that_reproduces_the_run(tmp_path, capsys):
-    from hfpfl.config import LOCATION_KEYS, parse_run_args
+    from hfpfl.config import LOCATION_KEYS
+    from hfpfl.arguments import parse_run_args
 
     first = tmp_path / "first"
     args = [*SMALL, "--method", "fedprox", "--mu", "0.3", "--num_rounds", "2", "--lr", "0.07", "--seed", "3",

@@ -17,9 +17,9 @@ def _fresh(code: str) -> str:
 @pytest.mark.slow
 def test_engine_and_light_methods_import_no_model_code_and_lazy_methods_register_on_first_use():
     out = _fresh("import sys, hfpfl.algorithms, hfpfl.federated.engine, hfpfl.data, hfpfl.models, hfpfl.tracking, "
-                 "hfpfl.config\n"
+                 "hfpfl.config, hfpfl.arguments\n"
                  "from hfpfl.tracking import describe_model\n"
-                 "from hfpfl.config import check_model_name\n"
+                 "from hfpfl.arguments import check_model_name\n"
                  "check_model_name('tiny-resnet'); print(describe_model('tiny-resnet'))\n"
                  f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
                  "from hfpfl.algorithms import REGISTRY, LAZY_METHODS, get_algorithm\n"

@@ -84,7 +84,7 @@ def test_busy_cores_are_measured_only_where_they_can_change_the_answer(monkeypat
     the README's first run (4 clients x 2 rounds) never does; a long run does, and with the second core busy it runs
     in one process."""
     from hfpfl.cli import _processes_to_launch
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     for k in ("LOCAL_RANK", "HFPFL_NUM_PROCESSES", *launch._ACCELERATE_LAUNCH_VARS):
         monkeypatch.delenv(k, raising=False)
     calls = []
@@ -157,7 +157,7 @@ def test_launched_means_a_launcher_started_this_process(monkeypatch):
 
 def test_num_processes_default_from_the_environment(monkeypatch):
     from hfpfl.cli import _processes_to_launch
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     for k in ("LOCAL_RANK", *launch._ACCELERATE_LAUNCH_VARS):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.delenv("HFPFL_NUM_PROCESSES", raising=False)
@@ -225,9 +225,10 @@ from hfpfl.cli import run_recipe
 class ReceivingFedAvg(FedAvg):
     """FedAvg that records, per upload, which process did the server's per-upload work (``receive``)."""
     name = "receiving_fedavg"
+    aggregation = "gather"
 
     def receive(self, upd, round_idx):
-        upd.received["process"] = self.ctx.accelerator.process_index
+        upd.received["process"] = self.ctx.process_index
 
     def aggregate(self, server_state, updates, round_idx):
         seen = {u.client_id: u.received["process"] for u in updates}
@@ -282,9 +283,10 @@ psutil.cpu_count = lambda logical=True: 16  # as on a 16-core machine (accelerat
 class CountingFedAvg(FedAvg):
     """FedAvg that records how many torch threads each process trains with."""
     name = "counting_fedavg"
+    local_update = "own"
 
     def client_update(self, client_id, down, private, round_idx):
-        rank = self.ctx.accelerator.process_index
+        rank = self.ctx.process_index
         with open(os.path.join(self.ctx.output_dir, f"threads_{rank}.json"), "w") as f:
             json.dump(torch.get_num_threads(), f)
         return super().client_update(client_id, down, private, round_idx)

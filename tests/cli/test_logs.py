@@ -21,8 +21,8 @@ LOADING_PATHS = textwrap.dedent("""
 
     ldm_dir, mode, tmp = sys.argv[1:4]
     if mode == "quiet":
-        from hfpfl.cli import _setup_logging
-        _setup_logging()
+        from hfpfl.logs import setup_logging
+        setup_logging()
         from hfpfl.algorithms.fedbip import load_ldm
         load_ldm(ldm_dir)
     else:
@@ -99,14 +99,14 @@ def test_library_use_keeps_the_users_progress_bars(monkeypatch):
     import datasets
     import transformers.utils.logging
 
-    from hfpfl import cli
+    from hfpfl import logs
 
-    monkeypatch.setattr(cli, "_REDIRECTED_LOG", False)
+    monkeypatch.setattr(logs, "_REDIRECTED_LOG", False)
     saved = (transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())
     transformers.utils.logging.enable_progress_bar()
     datasets.enable_progress_bars()
     try:
-        assert cli.quiet_library_progress_bars(diffusers=False) is False
+        assert logs.quiet_library_progress_bars(diffusers=False) is False
         assert transformers.utils.logging.is_progress_bar_enabled() and datasets.is_progress_bar_enabled()
     finally:  # leave the process as it was
         if not saved[0]:

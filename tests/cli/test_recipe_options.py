@@ -75,7 +75,7 @@ def test_every_recipe_has_a_bad_case():
 def _no_work(monkeypatch, mod):
     """A bad value must stop at parsing: a run that gets as far as the engine, the tuner, the LDM or pretraining
     fails the test at once (instead of running for minutes)."""
-    import hfpfl.algorithms.fedbip as fedbip
+    import hfpfl.fedbip.ldm as fedbip_ldm
     import hfpfl.federated.engine as engine
     import hfpfl.tuning as tuning
 
@@ -84,7 +84,7 @@ def _no_work(monkeypatch, mod):
 
     monkeypatch.setattr(engine, "Simulation", started)
     monkeypatch.setattr(tuning, "Tuner", started)
-    monkeypatch.setattr(fedbip, "resolve_ldm", started)
+    monkeypatch.setattr(fedbip_ldm, "resolve_ldm", started)
     for attr in ("ensure_pretrained", "ensure_pretrained_ldm"):
         if hasattr(mod, attr):
             monkeypatch.setattr(mod, attr, started)
@@ -138,7 +138,7 @@ def test_help_lists_the_recipe_options(name, capsys):
 
 
 def test_recipe_options_from_a_config_file_checked_and_misspellings_named(tmp_path):
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     opts = recipe("fedpce").BenchmarkOptions
     cfg = tmp_path / "c.yaml"
     cfg.write_text("benchmark: lodo\nnew_client_budget: 4\nlevels: cycled\nnum_rounds: 2\n")
@@ -162,7 +162,7 @@ def test_recipe_options_from_a_config_file_checked_and_misspellings_named(tmp_pa
 
 def test_engine_records_recipe_options_in_config_yaml_and_it_parses_back(run_sim, tmp_path):
     """config.yaml holds the recipe's own options next to the run's, and is a --config input that gives them back."""
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     opts = recipe("fedpce").BenchmarkOptions
     settings = dataclasses.asdict(opts(benchmark="lodo", new_client_budget=3, levels="cycled"))
     sim, _ = run_sim("fedavg", num_rounds=1, output_dir="rec", recipe_settings=settings, new_client_epochs=0,
@@ -240,7 +240,7 @@ def test_feddat_resume_command_keeps_the_recipe_options(monkeypatch, tmp_path, c
 
 
 def test_feddat_model_flag_and_config_file_override_the_backbone_default(tmp_path):
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     from hfpfl.models.vqa import BACKBONES
     opts = recipe("feddat").VQABenchmark
     run, *_ = parse_run_args(["--backbone", "blip"], method="feddat", recipe_options=opts)
@@ -286,7 +286,7 @@ def test_fedpce_embedding_plot_with_few_dimensions(dim, tmp_path):
 
 
 def test_fedbip_honours_hfpfl_num_processes_and_the_flag_wins(monkeypatch):
-    from hfpfl.fedbip import compare
+    from hfpfl.experiments import fedbip_compare as compare
     monkeypatch.setenv("HFPFL_NUM_PROCESSES", "1")
     assert compare.parse([])[0].num_processes == "1"
     monkeypatch.setenv("HFPFL_NUM_PROCESSES", "2")
@@ -297,7 +297,7 @@ def test_fedbip_honours_hfpfl_num_processes_and_the_flag_wins(monkeypatch):
 def test_fedbip_class_words_checked_against_the_loaded_classes():
     """A Hub dataset's classes are known once loaded: the same check then, with its count."""
     from hfpfl.algorithms.fedbip import FedBiPConfig
-    from hfpfl.fedbip.compare import builtin_num_labels, check_words
+    from hfpfl.experiments.fedbip_compare import builtin_num_labels, check_words
     assert builtin_num_labels("digits-nomnist") == 10 and builtin_num_labels("usps+noise:2") == 10
     assert builtin_num_labels("owner/flowers") is None
     cfg = FedBiPConfig(class_words="rose,tulip,daisy", domain_words="photo")

@@ -26,8 +26,11 @@ def test_ablate_images_blank_is_one_grey_image_and_shuffle_is_the_generators_per
 @pytest.fixture(scope="module")
 def function_split():
     """The function split built three times (no ablation, blank, shuffle): about 25 s on a loaded 2-core box."""
+    from hfpfl.models.vqa import vqa_tokenizer
+
     kw = dict(seed=0, train_per_client=20, test_per_client=20)
-    return {a: vqa_benchmark("function", image_ablation=a, **kw) for a in ("none", "blank", "shuffle")}
+    tok = vqa_tokenizer()
+    return {a: vqa_benchmark("function", tokenizer=tok, image_ablation=a, **kw) for a in ("none", "blank", "shuffle")}
 
 
 def _cols(split, which):
@@ -61,7 +64,7 @@ def test_shuffled_images_are_the_same_images_paired_with_other_questions(functio
 
 def test_recipe_declares_the_ablation_with_a_check():
     """--image_ablation is one option of the VQA recipe; a value outside none|blank|shuffle is refused."""
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     from hfpfl.experiments.runner import _load_recipe
     rec = _load_recipe("recipes/feddat.py")
     *_, opts = parse_run_args(["--method", "vqa_adapter", "--image_ablation", "blank"], defaults=rec.DEFAULTS,

@@ -1,7 +1,7 @@
 """The FRAug Digits study's spec (hfpfl/experiments/studies/fraug_digits.py): its per-domain metrics hook, that every
 per-domain claim names a metric the runs produce, and that each FRAug-vs-FedBN claim compares rows of one
 optimizer-state policy. Spec checks only: no run."""
-from hfpfl.config import parse_run_args
+from hfpfl.arguments import parse_run_args
 from hfpfl.data.sources import MULTI_DOMAIN
 from hfpfl.experiments import load_study
 from hfpfl.experiments.studies.fraug_digits import domain_accuracies

@@ -356,7 +356,7 @@ def test_out_of_range_timesteps_are_refused_with_the_option_named(ldm_dir, fed, 
     with pytest.raises(ValueError, match="start_timestep must be a timestep of the schedule, 0 to 999, got 1000"):
         pipe(z, torch.tensor([0]), S, V, num_inference_steps=2, start_timestep=1000)
     # the recipe: one line, exit 2, and no run folder left behind (it used to stay, empty)
-    from hfpfl.fedbip import compare
+    from hfpfl.experiments import fedbip_compare as compare
     out = tmp_path / "cli-bad-t"
     with pytest.raises(SystemExit) as e:
         compare.main(["--ldm", ldm_dir, "--output_dir", str(out), "--noise_timestep", "5000", "--variants",
@@ -618,7 +618,7 @@ def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule
 
 def test_one_seed_in_seeds_is_the_run_seed(ldm_dir, tmp_path):
     """``--seeds 1`` alone: every row runs with seed 1 (not only the few-shot draw), in output_dir itself."""
-    from hfpfl.fedbip import compare
+    from hfpfl.experiments import fedbip_compare as compare
 
     out = tmp_path / "one"
     summary = compare.main(["--ldm", ldm_dir, "--output_dir", str(out), "--max_per_domain", "80", "--image_size",
@@ -629,7 +629,7 @@ def test_one_seed_in_seeds_is_the_run_seed(ldm_dir, tmp_path):
 
 
 def test_bad_seeds_name_the_option(tmp_path):
-    from hfpfl.fedbip import compare
+    from hfpfl.experiments import fedbip_compare as compare
 
     with pytest.raises(ValueError, match=r"--seeds must be comma-separated whole numbers in \[0, 2\*\*32\), each once, e\.g\. 0,1,2, got '1,x'"):
         compare.parse(["--seeds", "1,x", "--output_dir", str(tmp_path / "o")])
@@ -643,7 +643,7 @@ def test_interrupted_comparison_leaves_no_unfinished_variant_folder(ldm_dir, tmp
     from pathlib import Path
 
     from hfpfl.federated.engine import Simulation
-    from hfpfl.fedbip import compare
+    from hfpfl.experiments import fedbip_compare as compare
 
     real_run = Simulation.run
 
@@ -714,7 +714,7 @@ def test_comparison_decides_its_processes_on_one_round_variants(ldm_dir, tmp_pat
     100 (one-shot), not the run's ``--num_rounds``; the one line it prints says so."""
     import hfpfl.cli as cli
     from hfpfl import launch
-    from hfpfl.fedbip import compare
+    from hfpfl.experiments import fedbip_compare as compare
 
     for k in ("LOCAL_RANK", "HFPFL_NUM_PROCESSES", *launch._ACCELERATE_LAUNCH_VARS):
         monkeypatch.delenv(k, raising=False)
@@ -764,7 +764,7 @@ def test_the_main_jobs_rows_are_the_study_runners_rows(ldm_dir, tmp_path):
 
     from hfpfl.experiments import controls, runner
     from hfpfl.experiments.studies.fedbip_digits import CENTRAL, FEDAVG, STUDY
-    from hfpfl.fedbip import compare
+    from hfpfl.experiments import fedbip_compare as compare
 
     small = ["--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3", "--shots_per_class", "2"]
     mine = compare.main(["--ldm", ldm_dir, *small, "--classifier_steps", "4", "--baseline_rounds", "2", "--variants",
@@ -796,9 +796,9 @@ def test_prompts_name_a_digits_domain_by_the_word_the_ldm_learnt_it_with():
 def test_the_main_jobs_defaults_are_the_studys_settings():
     """recipes/fedbip.py with no option runs the study fedbip_digits's rows at the study's own settings: the data,
     the FedBiP options and the classifier recipe parse to the same values."""
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     from hfpfl.experiments.studies.fedbip_digits import FEDBIP_L, STUDY
-    from hfpfl.fedbip import compare
+    from hfpfl.experiments import fedbip_compare as compare
 
     run_s, data_s, cfg_s = parse_run_args([*STUDY.common, *FEDBIP_L.argv, "--seed", "0"])
     run_m, data_m, cfg_m, _ = compare.parse([])

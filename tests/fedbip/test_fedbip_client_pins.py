@@ -86,7 +86,7 @@ def _algo(pipe, concept_init, concept_space="input", n_s=2, n_v=1):
     d = pipe.text_encoder.config.hidden_size
     cfg = SimpleNamespace(concept_init=concept_init, n_s=n_s, n_v=n_v, prompt_template="A [S] style of a [V]",
                           concept_space=concept_space)
-    return SimpleNamespace(config=cfg, pipe=pipe, sim=SimpleNamespace(data=SimpleNamespace(num_labels=2)),
+    return SimpleNamespace(config=cfg, pipe=pipe, ctx=SimpleNamespace(data=SimpleNamespace(num_labels=2)),
                            word_concepts=lambda cid: (torch.full((n_s, d), -1.0 * cid), torch.full((2, n_v, d), -2.0 * cid)),
                            words=lambda cid: {1: ("mnist", ["zero", "one"]), 2: ("usps", ["two", "three"])}[cid])
 

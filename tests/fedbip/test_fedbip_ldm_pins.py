@@ -15,7 +15,8 @@ import torch  # noqa: E402
 
 import hfpfl.algorithms.fedbip as fedbip_mod  # noqa: E402
 import hfpfl.fedbip.ldm as ldm  # noqa: E402
-from hfpfl.algorithms.fedbip import load_ldm, resolve_ldm  # noqa: E402
+from hfpfl.algorithms.fedbip import load_ldm  # noqa: E402
+from hfpfl.fedbip.ldm import resolve_ldm  # noqa: E402
 
 
 @pytest.fixture

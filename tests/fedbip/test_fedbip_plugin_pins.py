@@ -25,7 +25,7 @@ def _self(personalization="full", concept_init="random", reuse=False, pipe=None)
                           prompt_template="[S] of [V]", concept_epochs=7, concept_steps=5, concept_batch_size=4,
                           concept_space="output", reuse_concepts=reuse)
     return SimpleNamespace(config=cfg, pipe=pipe or object(), concept_lr=0.025,
-                           sim=SimpleNamespace(seed_for=lambda r, c, tag: SEEDS[(r, c, tag)],
+                           ctx=SimpleNamespace(seed_for=lambda r, c, tag: SEEDS[(r, c, tag)],
                                                data=SimpleNamespace(num_labels=2)),
                            words=lambda cid: ({1: "usps", 2: "syn"}[cid], ["zero", "one"]))
 
@@ -122,7 +122,7 @@ def _inst_self(singleton="self", class_average=False):
     cfg = SimpleNamespace(multiplier=3, class_average=class_average, singleton_classes=singleton, gamma_std=0.2)
     gen = torch.Generator()
     return SimpleNamespace(config=cfg, pipe=SimpleNamespace(vae="vae"), noise_t=651, gen=gen,
-                           sim=SimpleNamespace(generator=lambda r, c, tag: {(2, 1, "fedbip-instance"): gen}[(r, c, tag)],
+                           ctx=SimpleNamespace(generator=lambda r, c, tag: {(2, 1, "fedbip-instance"): gen}[(r, c, tag)],
                                                data=SimpleNamespace(num_labels=4)))
 
 
@@ -248,7 +248,7 @@ def test_real_images_are_rgb_at_the_ldms_size():
     it is only expanded."""
     x = torch.tensor([[0.0, 4.0], [0.0, 4.0]])[None, None].expand(2, 1, 2, 2)  # two images
     data = SimpleNamespace(pixel_values=x, labels=torch.tensor([2, 1]))
-    me = SimpleNamespace(ldm_size=4, sim=SimpleNamespace(train_data=lambda c: {5: data}[c]))
+    me = SimpleNamespace(ldm_size=4, ctx=SimpleNamespace(train_data=lambda c: {5: data}[c]))
     img, y = FedBiP.real_images(me, 5)
     assert img.shape == (2, 3, 4, 4) and img.is_contiguous() and y.tolist() == [2, 1]
     assert torch.allclose(img, torch.tensor([0.0, 1.0, 3.0, 4.0]).expand(2, 3, 4, 4))
@@ -281,7 +281,7 @@ def test_memoised_concepts_key_the_lr_classes_words_and_trained_halves(calls):
     FedBiP.train_concepts(base, 1, X, Y, 0, object())
     n = 1
     for change in (lambda s: setattr(s, "concept_lr", 0.5),
-                   lambda s: setattr(s.sim.data, "num_labels", 3),
+                   lambda s: setattr(s.ctx.data, "num_labels", 3),
                    lambda s: setattr(s, "words", lambda cid: ("mnistm", ["zero", "one"])),
                    lambda s: setattr(s, "words", lambda cid: ("usps", ["nought", "one"])),
                    lambda s: setattr(s.config, "personalization", "domain"),

@@ -50,7 +50,7 @@ def _self(personalization="full", size=2, channels=1):
                        n_s=1, n_v=1)
     return SimpleNamespace(
         config=cfg, pipe=StubPipe(), concept_sigma=0.07, sampler_t0=651,
-        sim=SimpleNamespace(generator=lambda r, c, tag: {(4, 2, "fedbip-synthesis"): GENERATOR.manual_seed(5)}[
+        ctx=SimpleNamespace(generator=lambda r, c, tag: {(4, 2, "fedbip-synthesis"): GENERATOR.manual_seed(5)}[
             (r, c, tag)], data=SimpleNamespace(image_size=size, num_channels=channels, num_labels=3)),
         word_concepts=lambda cid: (torch.full((1, D), 10.0 + cid), torch.full((3, 1, D), 20.0 + cid)))
 
@@ -192,7 +192,7 @@ def test_the_grid_shows_each_clients_real_and_own_synthetic_images(monkeypatch, 
         config=SimpleNamespace(grid_per_class=4),
         synthetic={"images": torch.arange(5.0).view(5, 1, 1, 1), "labels": torch.tensor([0, 1, 2, 0, 1]),
                    "clients": torch.tensor([2, 0, 2, 0, 2])},
-        sim=SimpleNamespace(output_dir=tmp_path, train_data=lambda c: train[c],
+        ctx=SimpleNamespace(output_dir=tmp_path, train_data=lambda c: train[c],
                             client=lambda c: SimpleNamespace(domain={0: "usps", 2: None}[c]),
                             data=SimpleNamespace(num_labels=3)))
     assert FedBiP.save_grid(me) == "written"
@@ -219,7 +219,7 @@ def test_extra_metrics(monkeypatch):
     monkeypatch.setattr(privacy, "synthetic_nearest_neighbors", lambda sim, syn: {"nn": (sim, syn)})
     syn = {"labels": torch.zeros(6)}
     me = SimpleNamespace(synthetic=syn, classifier_metrics={"train_loss": torch.tensor(0.25)},
-                         config=SimpleNamespace(privacy_metrics=False), sim="sim")
+                         config=SimpleNamespace(privacy_metrics=False), ctx="sim")
     assert FedBiP.extra_metrics(me, 1, "state") == {"num_synthetic": 6, "classifier_train_loss": 0.25}
     me.config.privacy_metrics = True
     assert FedBiP.extra_metrics(me, 1, "state") == {"num_synthetic": 6, "classifier_train_loss": 0.25,

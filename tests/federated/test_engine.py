@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hfpfl.config import RunArguments, load_config_file, parse_run_args
+from hfpfl.config import RunArguments
+from hfpfl.arguments import load_config_file, parse_run_args
 from hfpfl.federated.comm import tensor_bytes
 from conftest import CPU_ONLY, CPU_PROCESSES, LAUNCH_TWO
 

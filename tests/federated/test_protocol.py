@@ -15,7 +15,7 @@ from transformers.modeling_outputs import ImageClassifierOutput
 from hfpfl.algorithms import register
 from hfpfl.algorithms.base import MODEL, OPTIM, PRIVATE, HParams, NonFiniteError, Update
 from hfpfl.algorithms.fedavg import FedAvg
-from hfpfl.federated.protocol import dropout_rate
+from hfpfl.federated.context import dropout_rate
 from hfpfl.training import SoftTargetAccuracy, TensorData, evaluate, iterate_batches, train_local
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +37,7 @@ class AdamKeepsState(FedAvg):
     """Parameter groups (the head frozen by lr 0) and an Adam state each client keeps across rounds (FedPCE)."""
 
     name = "test_adam_keeps_state"
+    local_update = "own"
 
     def client_update(self, client_id, down, private, round_idx):
         self.load_client(down, private)
@@ -55,6 +56,7 @@ class OneStepBySchedule(FedAvg):
     """``ctx.train(optimizer=, schedule=)``: plain SGD at 3x the run's lr, its schedule zeroing the lr after step one."""
 
     name = "test_one_step_by_schedule"
+    local_update = "own"
 
     def client_update(self, client_id, down, private, round_idx):
         self.load_client(down, private)
@@ -275,13 +277,13 @@ def test_private_model_state_never_leaks_between_clients(run_sim):
         sim, _ = run_sim(method, run=False, adapter="lora", lora_r=2, momentum=0.0, output_dir=f"leak-{method}")
         assert any("running_mean" in k for k in sim.keys_by_role[PRIVATE])
         state = sim.algorithm.init_server_state()
-        a = sim._client_work(1, 1, state)
+        a = sim.rounds.client_work(1, 1, state)
         priv_a = sim.store.get(1)
         sim.store.clear()
         with torch.no_grad():  # pollute: another client's statistics left in the model
             for k in sim.keys_by_role[PRIVATE]:
                 sim.model_state[k].add_(3)
-        b = sim._client_work(1, 1, state)
+        b = sim.rounds.client_work(1, 1, state)
         for p in a.upload:
             for k in a.upload[p]:
                 assert torch.equal(a.upload[p][k], b.upload[p][k]), (method, p, k)
@@ -416,3 +418,25 @@ def test_run_header_names_the_model_the_method_built(run_sim):
         "_PlainNet, built by the method test_own_model (--model unused)"
     assert model_line("test_wraps_default").split(None, 1)[1] == \
         "_Wrapped, built by the method test_wraps_default around tiny-resnet (built-in config, random init)"
+
+
+def test_every_builtin_method_declares_the_path_its_code_takes():
+    """The engine reads a method's declarations (aggregation, local_update, personal_model), never which methods it
+    overrides; this test keeps the declarations of the built-in methods true: a method with its own ``aggregate``
+    gathers, one with its own ``accumulate`` streams, one with its own ``client_update`` / ``load_client`` trains
+    its own way (FedBN's answers per option through ``vectorizable``), one with its own ``load_personal`` builds
+    its personal models."""
+    from hfpfl.algorithms import REGISTRY, load_builtin_methods
+    from hfpfl.federated.protocol import Algorithm
+
+    load_builtin_methods()
+    builtin = {n: c for n, c in REGISTRY.items() if c.__module__.startswith("hfpfl.algorithms.")}
+    assert len(builtin) >= 25
+    for name, cls in builtin.items():
+        def own(m):
+            return getattr(cls, m) is not getattr(Algorithm, m)
+        aggregation = "gather" if own("aggregate") else "stream" if own("accumulate") or own("receive") else "mean"
+        assert cls.aggregation == aggregation, name
+        if cls.vectorizable is Algorithm.vectorizable:
+            assert cls.local_update == ("own" if own("client_update") or own("load_client") else "engine"), name
+        assert cls.personal_model == ("own" if own("load_personal") or own("load_client") else "loaded"), name

@@ -15,7 +15,7 @@ from hfpfl.algorithms.fedprox import FedProx
 from hfpfl.config import RunArguments
 from hfpfl.federated import vectorized
 from hfpfl.federated.engine import Simulation
-from hfpfl.federated.protocol import NonFiniteError
+from hfpfl.federated.context import NonFiniteError
 from hfpfl.training import TensorData, encode_uint8, iterate_batches
 
 
@@ -227,7 +227,7 @@ def test_layout_adopted_when_the_first_step_groups_only_some_clients(ragged, tmp
 
 
 def test_receive_sees_every_upload_on_the_streaming_path(ragged, tmp_path):
-    """A method that overrides only ``receive`` (not ``aggregate``): the engine streams the uploads into the running
+    """A method with a ``receive`` that streams (``aggregation = "stream"``, no ``aggregate``): the engine folds the uploads into the running
     sums, and ``receive`` gets each client's upload once per round, with its model part (a vectorized chunk's
     uploads are then not folded as one stacked block, which would leave the per-client uploads empty)."""
     seen = []
@@ -240,7 +240,7 @@ def test_receive_sees_every_upload_on_the_streaming_path(ragged, tmp_path):
         seen.append((round_idx, upd.client_id, sorted(upd.upload.get("model", {}))))
 
     register(type("tiny_receiving_fedavg", (FedAvg,), {"name": "tiny_receiving_fedavg", "build_model": build_model,
-                                                        "receive": receive}))
+                                                        "receive": receive, "aggregation": "stream"}))
     plain, _ = _run(ragged, tmp_path, "tiny_fedavg", "on")
     got, _ = _run(ragged, tmp_path, "tiny_receiving_fedavg", "on")
     assert sorted((r, c) for r, c, _ in seen) == [(r, c) for r in (1, 2) for c in range(4)]
@@ -259,21 +259,46 @@ def test_vectorized_optimizers_match(ragged, tmp_path, opt):
     assert not torch.allclose(seq.server_state["model"]["head.weight"], TinyNet().head.weight, atol=1e-3)  # it trained
 
 
-def test_methods_that_cannot_vectorize_fall_back(ragged, tmp_path):
-    @register
-    class HookedProx(FedProx):  # new local hooks without a functional form: must not reuse FedProx's
-        name = "tiny_hooked"
+def test_a_subclass_hook_runs_on_both_paths_and_a_hook_without_vectorized_form_falls_back(ragged, tmp_path):
+    """Local hooks are one method of pure functions, so a subclass that changes FedProx's hook changes it on both
+    paths: with its regularizer 50 times FedProx's, --vectorize on gives the sequential path's state and differs from
+    FedProx's. A hook ctx.train takes but the vectorized path cannot batch (an ``after_step``) makes the engine
+    train the clients one by one: the same bits as --vectorize off."""
+    from hfpfl.algorithms.fedprox import proximal_term
 
-        def build_model(self):
-            torch.manual_seed(0)
-            return TinyNet(self.ctx.num_labels)
+    def tiny(self):
+        torch.manual_seed(0)
+        return TinyNet(self.ctx.num_labels)
+
+    @register
+    class DoubleProx(FedProx):
+        name = "tiny_double_prox"
+        build_model = tiny
 
         def local_hooks(self, client_id, down, private):
-            return {}
+            mu = self.config.mu
+            return {"regularizer": lambda params, anchor: 50 * proximal_term(params, anchor, mu)}
 
-    seq, _ = _run(ragged, tmp_path, "tiny_hooked", "off")
-    vec, _ = _run(ragged, tmp_path, "tiny_hooked", "on")
-    assert "functional form" in vectorized.vectorize_reason(vec)
+    steps = []
+
+    @register
+    class StepCounting(FedAvg):
+        name = "tiny_step_counting"
+        build_model = tiny
+
+        def local_hooks(self, client_id, down, private):
+            return {"after_step": lambda step: steps.append(step)}
+
+    prox, _ = _run(ragged, tmp_path, "tiny_fedprox", "off")
+    seq, _ = _run(ragged, tmp_path, "tiny_double_prox", "off")
+    vec, _ = _run(ragged, tmp_path, "tiny_double_prox", "on")
+    assert not getattr(vec, "_vector_failed", False)
+    _close(seq.server_state["model"], vec.server_state["model"], atol=1e-4)   # float order differs under vmap
+    assert max(float((v - prox.server_state["model"][k]).abs().max()) for k, v in seq.server_state["model"].items()) > 1e-3
+    seq, _ = _run(ragged, tmp_path, "tiny_step_counting", "off")
+    n_seq, steps[:] = len(steps), []
+    vec, _ = _run(ragged, tmp_path, "tiny_step_counting", "on")
+    assert vec._vector_failed and len(steps) == n_seq > 0
     for k, v in seq.server_state["model"].items():  # the sequential path itself: the same bits
         assert torch.equal(v, vec.server_state["model"][k])
 
@@ -414,12 +439,13 @@ def test_spilling_changes_no_numbers(ragged, tmp_path):
     assert rr["final"] == rs["final"]
 
 
-def test_instance_level_wrappers_are_respected(ragged, tmp_path):
+def test_an_instance_wrapper_declared_own_sees_every_client(ragged, tmp_path):
     sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "on", num_rounds=1)
     seen = []
     original = sim.algorithm.client_update
     sim.algorithm.client_update = lambda c, d, p, r: seen.append(c) or original(c, d, p, r)  # FedPop's scorer does this
-    assert "instance" in vectorized.vectorize_reason(sim)
+    sim.algorithm.local_update = "own"  # and declares it, as the engine reads declarations, not overrides
+    assert "own" in vectorized.vectorize_reason(sim)
     sim.args = dataclasses.replace(sim.args, num_rounds=2)
     sim.step()
     assert seen == [0, 1, 2, 3]  # the wrapper saw every client: the sequential path ran
@@ -469,7 +495,7 @@ def test_mmap_threshold_is_pinned_only_for_large_rounds(ragged, tmp_path, monkey
 
 @pytest.mark.parametrize("row_loop", [1 << 30, 1])  # block float64 matrix-vector sums, and the per-client loop
 def test_add_stacked_equals_one_add_per_client(monkeypatch, row_loop):
-    from hfpfl.federated.protocol import WeightedSums
+    from hfpfl.federated.aggregation import WeightedSums
     monkeypatch.setattr(WeightedSums, "STACKED_ROW_LOOP", row_loop)
     for name in ("STACKED_BLOCK_BYTES", "STACKED_BLOCK_BYTES_CPU"):  # blocks of 2 clients (rows of 3 values)
         monkeypatch.setattr(WeightedSums, name, 2 * 3 * 8)
@@ -497,7 +523,7 @@ def test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes():
     process, two or three (each summing its own clients, then adding the partial sums as the all-reduce does) and
     the stacked fold give the same float32 mean, bit for bit. Normalized coefficients (w / total, the scheme
     before) fail this on the same data: some values come out one float32 step apart."""
-    from hfpfl.federated.protocol import WeightedSums
+    from hfpfl.federated.aggregation import WeightedSums
     g = torch.Generator().manual_seed(2)
     base = torch.randn(40000, generator=g) * 0.05            # uploads as FedAvg sees them: one model, client drift
     ups = [base + torch.randn(40000, generator=g) * 0.01 for _ in range(500)]
@@ -534,7 +560,7 @@ def test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes():
 
 
 def test_finite_checks_are_exact_when_the_sum_overflows():
-    from hfpfl.federated.protocol import all_finite, finite_rows
+    from hfpfl.federated.aggregation import all_finite, finite_rows
     big = torch.full((2, 4), 3e38)  # every value finite; the float32 sum overflows to inf
     assert all_finite(big) and finite_rows(big).tolist() == [True, True]
     big[1, 2] = float("nan")

@@ -280,8 +280,9 @@ def test_feddat_run_saves_the_final_global_shared_adapter(tmp_path):
     from hfpfl.data.vqa import vqa_benchmark, vqa_words
     from hfpfl.federated.engine import Simulation
     from hfpfl.models.builders import build_vqa_model, tiny_vqa_vocab
+    from hfpfl.models.vqa import vqa_tokenizer
 
-    fed = vqa_benchmark("domain", seed=0, train_per_client=8, test_per_client=8)
+    fed = vqa_benchmark("domain", tokenizer=vqa_tokenizer(), seed=0, train_per_client=8, test_per_client=8)
     cache = tmp_path / "hub"
     vocab = len(tiny_vqa_vocab(vqa_words()))  # the data's tokenizer (as the engine's tiny-vilt has it)
     build_vqa_model("tiny-vilt", len(fed.label_names), vocab_size=vocab).save_pretrained(tmp_path / "backbone")

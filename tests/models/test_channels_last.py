@@ -81,7 +81,8 @@ def test_evaluation_under_channels_last_scores_the_same(run_sim):
 
 
 def test_yaml_on_off_words_reach_the_option_as_words(tmp_path):
-    from hfpfl.config import RunArguments, load_config_file
+    from hfpfl.config import RunArguments
+    from hfpfl.arguments import load_config_file
     cfg = tmp_path / "run.yaml"
     cfg.write_text("channels_last: off\nvectorize: on\n")       # YAML 1.1 reads both words as booleans
     assert load_config_file(cfg, [RunArguments]) == {"channels_last": "off", "vectorize": "on"}
@@ -89,7 +90,8 @@ def test_yaml_on_off_words_reach_the_option_as_words(tmp_path):
 
 def test_a_yaml_boolean_for_other_text_options_is_still_an_error(tmp_path):
     import pytest
-    from hfpfl.config import RunArguments, load_config_file
+    from hfpfl.config import RunArguments
+    from hfpfl.arguments import load_config_file
     cfg = tmp_path / "run.yaml"
     cfg.write_text("output_dir: yes\n")                         # not an on/off option: no silent "on" directory
     with pytest.raises(ValueError, match="'output_dir' .* must be text"):

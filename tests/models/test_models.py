@@ -132,3 +132,40 @@ def test_label_names_kept_when_head_matches(tmp_path):
     assert torch.equal(same.classifier[-1].weight, m.classifier[-1].weight)
     other = build_classifier(str(tmp_path), 4)
     assert other.config.num_labels == 4 and other.config.id2label[3] == "3"
+
+
+def test_a_new_head_is_one_log_line_not_a_load_report(tmp_path):
+    """Loading a checkpoint with another number of labels re-initialises its head, as asked: transformers' LOAD
+    REPORT table (MISMATCH rows) stays out of the log and hfpfl says it in one line; a report with a missing or
+    unexpected weight is not dropped."""
+    import logging
+
+    from hfpfl.models.builders import _NewHeadReport
+
+    build_classifier("tiny-resnet", 5).save_pretrained(tmp_path)
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append((record.name, record.getMessage()))
+
+    handler = Keep(level=logging.INFO)
+    loggers = [logging.getLogger("transformers.modeling_utils"), logging.getLogger("hfpfl")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    try:
+        build_classifier(str(tmp_path), 3)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+    assert not any("LOAD REPORT" in m for _, m in seen)
+    assert ("hfpfl", f"{tmp_path}: a new 3-label head replaces the checkpoint's 5-label head (randomly initialised; "
+                     "the rest of the checkpoint is loaded)") in seen
+    keep = _NewHeadReport().filter
+    record = lambda msg: logging.LogRecord("t", logging.WARNING, "", 0, msg, None, None)  # noqa: E731
+    assert not keep(record("ResNet LOAD REPORT from: x\nclassifier.1.weight | MISMATCH | Reinit"))
+    assert keep(record("ResNet LOAD REPORT from: x\nclassifier.1.weight | MISMATCH\nembedder.w | MISSING"))
+    assert keep(record("ResNet LOAD REPORT from: x\nextra.w | UNEXPECTED"))

@@ -126,7 +126,7 @@ def test_kd_pool_is_out_of_domain_and_disjoint_from_every_client_split(digits_28
     sim = Simulation(RunArguments(method="perada", model=pretrained_backbone, adapter="residual", num_rounds=1,
                                   output_dir=str(tmp_path / "p"), progress=False, checkpoint_every=0),
                      data_args, cfg, fed_data=fed)
-    pixels, val = public_pool(sim, cfg)
+    pixels, val = public_pool(sim.ctx, cfg)
     assert val is None and len(pixels) == 300
     kd = _hashes(pixels)
     assert len(kd) == 300
@@ -138,7 +138,7 @@ def test_kd_pool_is_out_of_domain_and_disjoint_from_every_client_split(digits_28
     assert not kd & _hashes(to_model_inputs(ood.load_ood("pretrain", 930), image_size=28))
     # the in-domain ablation is selectable by flag, and then *is* the public split
     cfg_pub = PerAdaConfig(kd_steps=1, kd_pool="public")
-    assert _hashes(public_pool(sim, cfg_pub)[0]) == _hashes(fed.public)
+    assert _hashes(public_pool(sim.ctx, cfg_pub)[0]) == _hashes(fed.public)
     with pytest.raises(ValueError, match="kd_pool"):
         PerAdaConfig(kd_pool="cifar100")
 
@@ -165,7 +165,7 @@ def test_corrupted_tests_use_client_dependent_severity(digits_28, pretrained_bac
     # noise grows with the client's severity: client 3 (severity 4) is noisier than client 0 (severity 1)
     def noise(cid):
         clean = sim.test_data(cid).pixel_values
-        bad = corrupted_test_data(sim, cid, "noise", client_severity(cid)).pixel_values
+        bad = corrupted_test_data(sim.ctx, cid, "noise", client_severity(cid)).pixel_values
         return float((bad - clean).std())
     assert noise(3) > 1.5 * noise(0)
 

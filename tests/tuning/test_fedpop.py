@@ -180,11 +180,11 @@ def test_slot_vectors_reach_the_engine(make_tuner):
 
 # ------------------------------------------------------------------------------------------------ 5, 6, 9, 10
 def test_fedpop_g_exploit_explore_budget_and_tried_vectors(make_tuner, monkeypatch):
-    from hfpfl.federated.engine import Simulation
+    from hfpfl.federated.rounds import RoundRunner
 
     calls = []
-    orig_work = Simulation._client_work
-    monkeypatch.setattr(Simulation, "_client_work", lambda self, cid, r, st: calls.append((id(self), r, cid))
+    orig_work = RoundRunner.client_work
+    monkeypatch.setattr(RoundRunner, "client_work", lambda self, cid, r, st: calls.append((id(self.sim), r, cid))
                         or orig_work(self, cid, r, st))
     tuner = make_tuner(population_size=4, rounds_per_member=6, generation_rounds=2, space=SAFE_SPACE, p_re0=0.0)
     initial_alpha = [dict(m.alpha) for m in tuner.members]

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hfpfl.algorithms import get_algorithm
-from hfpfl.federated.protocol import MODEL, NonFiniteError
+from hfpfl.federated.context import NonFiniteError
+from hfpfl.federated.state import MODEL
 from hfpfl.tuning import Tuner, TunerArguments
 from hfpfl.tuning import fedpop as fp
 from hfpfl.tuning import search_space as ss

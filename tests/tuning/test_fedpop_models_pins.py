@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hfpfl.federated import protocol
+from hfpfl.federated import registry
 from hfpfl.tuning import models
 from hfpfl.tuning.models import TINY_MLP, TinyMLP, method_with_model
 
@@ -51,9 +51,9 @@ def test_method_with_model_registers_the_method_with_the_tiny_mlp_once(monkeypat
     """Another model: the method's own name, nothing registered. tiny-mlp: ``<method>+tiny-mlp``, a subclass of the
     method named ``<Class>TinyMLP`` in this module, whose build_model makes a TinyMLP over channels * size^2 inputs
     and the data's labels; a second call reuses the registered class."""
-    base = protocol.get_algorithm("fedprox")   # registered (imported) before the registry is swapped for a copy
-    reg = dict(protocol.REGISTRY)
-    monkeypatch.setattr(protocol, "REGISTRY", reg)
+    base = registry.get_algorithm("fedprox")   # registered (imported) before the registry is swapped for a copy
+    reg = dict(registry.REGISTRY)
+    monkeypatch.setattr(registry, "REGISTRY", reg)
     monkeypatch.setattr(models, "REGISTRY", reg)
     reg.pop("fedprox+tiny-mlp", None)
     before = dict(reg)

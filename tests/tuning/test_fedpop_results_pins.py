@@ -13,7 +13,8 @@ import yaml
 from hfpfl.algorithms import get_algorithm
 from hfpfl.config import RunArguments
 from hfpfl.data import DataArguments
-from hfpfl.federated.protocol import MODEL, NonFiniteError
+from hfpfl.federated.context import NonFiniteError
+from hfpfl.federated.state import MODEL
 from hfpfl.tuning import Tuner, TunerArguments
 from hfpfl.tuning import fedpop as fp
 from hfpfl.tuning import search_space as ss

@@ -25,7 +25,7 @@ _NO_TRAINING = {"trained_models": 0, "optimizer_steps": 0, "examples_seen": 0, "
 
 def recipe_inputs(study, variant, seed):
     """(run, data, method config, recipe options, federated data) exactly as the recipe builds them for this row."""
-    from ...config import parse_run_args
+    from ...arguments import parse_run_args
     if variant.recipe not in RECIPES:
         raise ValueError(f"study {study.name!r}: control {variant.name!r}: recipe {variant.recipe!r} has no data "
                          f"function known to {__name__} (known: {', '.join(RECIPES)})")

@@ -21,6 +21,7 @@ from .config import (
     ResidualAdapterConfig,
     vit_lora_config,
 )
+from .auto import load_adapter
 from .io import (
     ADAPTER_KEY_PREFIXES,
     adapter_state_dict,
@@ -28,7 +29,6 @@ from .io import (
     is_added_key,
     is_head_key,
     is_norm_key,
-    load_adapter,
     load_adapter_state_dict,
     trainable_keys,
     travel_keys,

@@ -74,7 +74,7 @@ def _fedbip_rows() -> dict:
     are defined."""
     from dataclasses import fields
 
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
     from hfpfl.experiments.studies.fedbip_digits import FEDBIP, STUDY
 
     base = parse_run_args([*STUDY.common, *FEDBIP])[2]
@@ -167,7 +167,7 @@ def builtin_num_labels(dataset: str) -> int | None:
 def parse(argv=None):
     """The run, data, FedBiP and recipe options, by hfpfl's one parser (--config files, HFPFL_NUM_PROCESSES, the
     declared checks), then the checks that read several of them. Every bad value is one ValueError line."""
-    from hfpfl.config import parse_run_args
+    from hfpfl.arguments import parse_run_args
 
     run, data, cfg, rec = parse_run_args(argv, method="fedbip", prog="recipes/fedbip.py",
                                          description=__doc__.split("\n")[0], defaults=DEFAULTS,
@@ -253,7 +253,7 @@ def run_rows(run, data, cfg, rec, fed, main: bool = True) -> dict:
     from hfpfl.fedbip.privacy import membership_inference_gap
     from hfpfl.fedbip.quality import synthetic_quality
 
-    from hfpfl.algorithms.fedbip import resolve_ldm
+    from hfpfl.fedbip.ldm import resolve_ldm
 
     resolve_ldm(cfg.ldm)   # on a first run: minutes of pretraining, before any row folder exists
     rows = {}
@@ -349,10 +349,11 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from hfpfl.cli import USER_ERRORS, _setup_logging, fail
+    from hfpfl.cli import USER_ERRORS, fail
+    from hfpfl.logs import setup_logging
     from hfpfl.runtime import Interrupted, interruptible
 
-    _setup_logging(diffusers=True)  # loads LDM pipelines: their loading bars off a terminal too
+    setup_logging(diffusers=True)  # loads LDM pipelines: their loading bars off a terminal too
     from hfpfl.cli import worker_exits
 
     started: dict = {}  # output_dir once resolved, and whether it existed before this run
@@ -388,7 +389,7 @@ def remove_empty_dirs(root) -> None:
 def _main(argv, started: dict, workers: list):
     import torch
 
-    from hfpfl.algorithms.fedbip import resolve_ldm
+    from hfpfl.fedbip.ldm import resolve_ldm
     from hfpfl.cli import _processes_to_launch, format_table as format_run, start_processes
     from hfpfl.data import build_federated_dataset
     from hfpfl.data.federated import few_shot
