@@ -605,3 +605,19 @@ def test_fedbn_keep_optimizer_state_carries_each_clients_momentum_across_rounds(
     expected = beta - LR * (0.5 * -1.0 + g2)
     assert sim.store.get(1)["model"]["bn.bias"].double().item() == pytest.approx(expected.item(), abs=1e-6)
     assert set(sim.ledger.totals()["by_part"]) == {"model"}
+
+
+def test_proximal_term_of_a_model_counts_its_trainable_parameters_only_by_hand():
+    """proximal_term(model, anchor, coef) -- Ditto's and PerAda's form -- is coef/2 * sum ||p - anchor[p]||^2 over the
+    model's trainable parameters named in the anchor: weight [[1, 2]] against [[0, 0]] and bias [3] against [1] give
+    (1 + 4) + 4 = 9, times 0.5 * 0.2 = 0.9; the frozen bias counts nothing once frozen (0.5 * 0.2 * 5 = 0.5)."""
+    from hfpfl.algorithms.fedprox import proximal_term
+
+    lin = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[1.0, 2.0]]))
+        lin.bias.copy_(torch.tensor([3.0]))
+    anchor = {"weight": torch.zeros(1, 2), "bias": torch.tensor([1.0])}
+    assert float(proximal_term(lin, anchor, 0.2)) == pytest.approx(0.9)
+    lin.bias.requires_grad_(False)
+    assert float(proximal_term(lin, anchor, 0.2)) == pytest.approx(0.5)
