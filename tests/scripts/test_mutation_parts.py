@@ -1,33 +1,16 @@
 """The fedpop mutation target's narrow parts (``fedpop_<part>`` in scripts/mutation.py) together mutate every function
 mutmut mutates in its core, each in exactly one part: a function added to hfpfl/tuning/ must be given to a part."""
 import fnmatch
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("mutmut")   # the dev extra: the check asks mutmut itself what it mutates
-
-
-@pytest.fixture(scope="module")
-def mod():
-    return _script()
 
 
 @pytest.fixture(scope="module")
 def fns(mod):
     """What mutmut mutates in the fedpop target's core (computed once: about 2 s)."""
     return mod.mutated_functions(mod.expand(mod.TARGETS["fedpop"].core))
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("mutation_script", ROOT / "scripts" / "mutation.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_fedpop_parts_cover_every_mutated_function_exactly_once(mod, fns):

@@ -1,23 +1,10 @@
 """The fedbip mutation target's narrow parts (``fedbip_<part>`` in scripts/mutation.py) together mutate every function
 mutmut mutates in its core, each in exactly one part: a function added to FedBiP's core files must be given to a
 part."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("mutmut")   # the dev extra: the check asks mutmut itself what it mutates
-
-@pytest.fixture(scope="module")
-def mod():
-    spec = importlib.util.spec_from_file_location("mutation_script", ROOT / "scripts" / "mutation.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.fixture(scope="module")
 def fns(mod):
