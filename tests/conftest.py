@@ -1,6 +1,7 @@
 """Shared fixtures. Everything runs offline on tiny models and small real-image data."""
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -20,6 +21,19 @@ LAUNCH_TWO = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}                 # for the one-process reference
 CPU_PROCESSES = {**CPU_ONLY, "ACCELERATE_USE_CPU": "1"}  # for the LAUNCH_TWO run
+
+
+def load_script(relpath: str, name: str | None = None):
+    """A repository script or recipe (``"recipes/fedpop.py"``) imported as a module under ``name``, registered in
+    ``sys.modules`` (its dataclasses look their module up there), so its ``main(argv)`` runs in this process."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / relpath
+    spec = importlib.util.spec_from_file_location(name or "hfpfl_test_" + path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def spy_concept_prompts(monkeypatch) -> list:

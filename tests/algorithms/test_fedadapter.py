@@ -107,15 +107,13 @@ def test_feddf_distils_the_fedavg_model(run_sim):
 
 
 def test_fedadapter_recipe_defaults_and_configs():
-    import importlib.util
     from pathlib import Path
 
+    from conftest import load_script
     from hfpfl.arguments import parse_run_args
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("fedadapter_recipe", root / "recipes/fedadapter.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_script("recipes/fedadapter.py", "fedadapter_recipe")
     run, _, _ = parse_run_args([], method="fedavg", defaults=recipe.DEFAULTS)
     assert (run.adapter, run.model) == ("parallel", BACKBONE)
     run, _, cfg = parse_run_args(["--method", "fedprox", "--mu", "0.1", "--adapter", "none"], defaults=recipe.DEFAULTS)

@@ -2,7 +2,6 @@
 (:mod:`hfpfl.options`), by the one parser, before anything is written: a bad value is one line naming the option and
 what it must be. The table below holds the cases users met; the sweeps make sure a new option cannot skip its check."""
 import dataclasses
-import importlib.util
 import math
 import os
 import subprocess
@@ -234,9 +233,9 @@ def test_a_diverged_run_names_the_method_option_that_set_the_step(run_sim):
 def _recipe_main(name):
     """recipes/<name>.py's ``main(argv)``; a recipe without one (fraug) is ``run_recipe`` with its method and
     DEFAULTS, which is all its ``__main__`` block does."""
-    spec = importlib.util.spec_from_file_location(f"hfpfl_recipe_{name}_opts", ROOT / "recipes" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from conftest import load_script
+
+    mod = load_script(f"recipes/{name}.py", f"hfpfl_recipe_{name}_opts")
     if hasattr(mod, "main"):
         return mod.main
     from hfpfl.cli import run_recipe

@@ -256,12 +256,9 @@ def test_unedited_federation_loads_and_half_saved_is_refused(saved_federation, t
 
 # ------------------------------------------------------------------------------------------------ partition script
 def _partition_script():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("hfpfl_partition_script_bad", ROOT / "scripts" / "partition.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_script
+
+    return load_script("scripts/partition.py", "hfpfl_partition_script_bad")
 
 
 PARTITION_SMALL = ["--dataset", "usps", "--num_clients", "2", "--max_per_domain", "60", "--partition", "iid"]

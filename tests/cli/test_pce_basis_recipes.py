@@ -25,10 +25,9 @@ RECIPES = {
 
 def _in_process(recipe, out):
     """The one-process reference runs inside pytest (saves an interpreter start: imports dominate on a busy box)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"_recipe_{recipe}", ROOT / "recipes" / f"{recipe}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from conftest import load_script
+
+    mod = load_script(f"recipes/{recipe}.py", f"_recipe_{recipe}")
     mod.main([*COMMON, *RECIPES[recipe], "--output_dir", str(out)])
     return json.loads((out / "results.json").read_text())
 

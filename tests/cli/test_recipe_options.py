@@ -2,7 +2,6 @@
 config.yaml and the resume fingerprint, checked where they are declared. A bad value is one line on stderr
 (``error: ...`` naming the option), exit code 2, and nothing written."""
 import dataclasses
-import importlib.util
 import os
 import shlex
 import signal
@@ -19,11 +18,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
 
 def recipe(name):
     """recipes/<name>.py as a module (its main(argv) runs in this process)."""
-    spec = importlib.util.spec_from_file_location(f"_recipe_options_{name}", ROOT / "recipes" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_script
+
+    return load_script(f"recipes/{name}.py", f"_recipe_options_{name}")
 
 
 # (recipe, argv, what the one error line must contain): at least one case per recipe in recipes/

@@ -4,11 +4,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import importlib.util  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import warnings  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -154,12 +151,9 @@ def test_bad_inputs_raise_clearly(toy):
 
 # ------------------------------------------------------------------------------------------------ the script
 def _script():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "partition.py"
-    spec = importlib.util.spec_from_file_location("hfpfl_partition_script", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look the module up
-    spec.loader.exec_module(mod)
-    return mod
+    from conftest import load_script
+
+    return load_script("scripts/partition.py", "hfpfl_partition_script")
 
 
 def test_partition_script_writes_dataset_and_png(tmp_path, capsys):

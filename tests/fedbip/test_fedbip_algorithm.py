@@ -535,17 +535,12 @@ def test_recipe_comparison_end_to_end(ldm_dir, tmp_path, capsys):
     """recipes/fedbip.py --all_variants: every row of the study fedbip_digits on the random LDM, each classifier
     trained exactly --classifier_steps steps (FedAvg / Local-only: rounds x local steps), the controls computed, the
     summary, claims and results page written by the study runner's own functions."""
-    import importlib.util
-    import sys
-    from pathlib import Path
 
     from hfpfl.experiments.studies.fedbip_digits import STUDY
 
-    spec = importlib.util.spec_from_file_location(
-        "fedbip_recipe", Path(__file__).resolve().parents[2] / "recipes" / "fedbip.py")
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe  # dataclasses look their module up
-    spec.loader.exec_module(recipe)
+    from conftest import load_script
+
+    recipe = load_script("recipes/fedbip.py", "fedbip_recipe")
     out = tmp_path / "cmp"
     summary = recipe.main(["--ldm", ldm_dir, "--output_dir", str(out), "--max_per_domain", "80", "--image_size", "12",
                            "--test_fraction", "0.3", "--shots_per_class", "2", "--concept_steps", "2",
@@ -582,19 +577,14 @@ def test_noise_sweep_runs_instance_only_at_each_timestep_and_chooses_by_the_rule
     """scripts/fedbip_noise_sweep.py: one instance-only run per timestep (clients noise there, the sampler starts
     there), its style / closeness read off the synthetic set, the choice by hfpfl.fedbip.sweep's rule on what was
     recorded; a finished sweep is not overwritten without --overwrite_output_dir."""
-    import importlib.util
-    import sys
-    from pathlib import Path
 
     import yaml
 
     from hfpfl.fedbip.sweep import choose_noise_timestep
 
-    spec = importlib.util.spec_from_file_location(
-        "fedbip_noise_sweep", Path(__file__).resolve().parents[2] / "scripts" / "fedbip_noise_sweep.py")
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script
-    spec.loader.exec_module(script)
+    from conftest import load_script
+
+    script = load_script("scripts/fedbip_noise_sweep.py", "fedbip_noise_sweep")
     out = tmp_path / "sweep"
     argv = ["--timesteps", "401,901", "--variant", "instance_only", "--output_dir", str(out), "--ldm", ldm_dir,
             "--max_per_domain", "80", "--image_size", "12", "--test_fraction", "0.3", "--shots_per_class", "2",

@@ -2,7 +2,6 @@
 each before round r + 1 of any, in turning order), checked with stand-in workers that log every round to one shared
 file; a worker that dies is reported by its name instead of hanging the parent."""
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -39,11 +38,9 @@ print(json.dumps({{"s_per_round": min(times), "round_s": times}}))
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("hfpfl_bench_simulator_lockstep",
-                                                  ROOT / "scripts" / "bench_simulator.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    from conftest import load_script
+
+    return load_script("scripts/bench_simulator.py", "hfpfl_bench_simulator_lockstep")
 
 
 def _jobs(tmp_path, fail_b_at=-1):

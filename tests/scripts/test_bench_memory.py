@@ -1,7 +1,6 @@
 """The bench's process-tree memory sampler against a hand case: a parent that touches 200 MiB and forks a child that
 writes nothing. RSS counts the shared pages once per process (about 400 MiB), PSS once (about 200 MiB). And the
 benchmarks remove the folders their runs write."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -23,9 +22,9 @@ if pid:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux /proc smaps_rollup")
 def test_tree_memory_counts_shared_pages_once_in_pss():
-    spec = importlib.util.spec_from_file_location("hfpfl_bench_simulator_mem", ROOT / "scripts" / "bench_simulator.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from conftest import load_script
+
+    bench = load_script("scripts/bench_simulator.py", "hfpfl_bench_simulator_mem")
     proc = subprocess.Popen([sys.executable, "-c", CHILD])
     with bench.TreeMemory(proc.pid, 0.02, pss_every=0.1) as mem:
         proc.wait(timeout=60)

@@ -4,7 +4,14 @@ part."""
 
 import pytest
 
+from conftest import load_script
+
 pytest.importorskip("mutmut")   # the dev extra: the check asks mutmut itself what it mutates
+
+@pytest.fixture(scope="module")
+def mod():
+    return load_script("scripts/mutation.py", "mutation_script")
+
 
 @pytest.fixture(scope="module")
 def fns(mod):

@@ -127,14 +127,10 @@ def test_a_declared_server_hparam_changes_the_state_and_an_undeclared_one_does_n
 
 # ------------------------------------------------------------------------------------------ refusal
 def _recipe():
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "recipes" / "fedpop.py"
-    spec = importlib.util.spec_from_file_location("fedpop_recipe", path)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    return recipe
+    from conftest import load_script
+
+    return load_script("recipes/fedpop.py", "fedpop_recipe")
 
 
 def test_a_search_space_naming_an_ignored_hparam_is_refused_in_one_line(tmp_path, capsys):
