@@ -69,7 +69,8 @@ TARGETS: dict[str, Target] = {
                       BASELINE_TESTS + ["tests/federated/test_vectorized.py::test_vectorized_matches_sequential"], k="prox"),
     "scaffold": Target(["hfpfl/algorithms/scaffold.py"], BASELINE_TESTS),
     "fednova": Target(["hfpfl/algorithms/fednova.py"], BASELINE_TESTS),
-    "fedbn": Target(["hfpfl/algorithms/fedbn.py"], BASELINE_TESTS),
+    "fedbn": Target(["hfpfl/algorithms/fedbn.py"], BASELINE_TESTS + [
+        "tests/federated/test_vectorized.py::test_option_dependent_override_vectorizes_only_when_inactive"]),
     "fedper": Target(["hfpfl/algorithms/fedper.py"], BASELINE_TESTS),
     "ditto": Target(["hfpfl/algorithms/ditto.py"], BASELINE_TESTS),
     "fedavg_ft": Target(["hfpfl/algorithms/fedavg_ft.py"], BASELINE_TESTS),
