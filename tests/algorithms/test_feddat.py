@@ -421,7 +421,7 @@ def test_easy_vqa_source_splits_and_styles(vqa_fed):
 def test_hub_vqa_ids_fail_fast_offline_and_local_parquet_loads(tmp_path, monkeypatch):
     from PIL import Image
 
-    from hfpfl.data.sources import SourceUnavailableError
+    from hfpfl.data import SourceUnavailableError
     from hfpfl.data.vqa import load_vqa_source
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
