@@ -5,7 +5,7 @@ import weakref
 
 import torch
 
-from ...training import _decode_uint8
+from ...training.tensor_data import _decode_uint8
 
 # a chunk's client splits are stacked once per round (``[clients, longest split, ...]``, images kept uint8) when
 # that takes at most this many bytes; larger data is gathered client by client per step (then compute dominates)
