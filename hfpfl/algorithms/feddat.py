@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from ..models.vqa import MODES, PEFT_KINDS, AnswerAccuracy, build_vqa_peft_model, kd_loss, kd_ramp
+from ..models.vqa import build_vqa_peft_model
+from ..models.vqa_model import MODES, PEFT_KINDS, AnswerAccuracy, kd_loss, kd_ramp
 from ..options import at_least, in_range, one_of, positive, validate
 from ..training import batch_bounds, model_inputs
 from .base import FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, Update, register

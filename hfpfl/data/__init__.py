@@ -5,9 +5,14 @@
 >>> print(fed.summary())
 """
 
-from .federated import ClientData, DataArguments, FederatedData, build_federated_dataset
+from .arguments import DataArguments
+from .build import build_federated_dataset
+from .builtin_sources import SOURCES
+from .federated import ClientData, FederatedData
+from .hub_sources import SourceUnavailableError
 from .partition import PARTITIONS, concept_drift_permutations, partition_dataset
-from .sources import SOURCES, SPLIT_FRACTIONS, SourceUnavailableError, load_source
+from .source_splits import SPLIT_FRACTIONS
+from .sources import load_source
 from .transforms import DEGRADATIONS, degrade, to_model_inputs
 
 __all__ = [

@@ -23,8 +23,12 @@ their native 32 px).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from .federated import ClientData, FederatedData, _finish, _split
+from datasets import concatenate_datasets
+
+from .build import _finish, _split
+from .federated import ClientData, FederatedData
 from .sources import load_source
 from .transforms import DEGRADATIONS, add_input_noise, color_jitter_fixed, degrade, to_model_inputs
 
@@ -125,7 +129,6 @@ def leave_one_domain_out(held_out: str = "syn", domains=("mnist", "usps", "mnist
             k += 1
         if d != held_out:
             tests.append(load_source(d, "test", seed=seed, max_per_domain=max_per_domain))
-    from datasets import concatenate_datasets
     test = to_model_inputs(concatenate_datasets(tests), image_size, num_channels)
     return _assemble(collab, new, test, label_feat, image_size, num_channels)
 
@@ -187,7 +190,6 @@ def pflbed(domains=("mnist", "usps", "mnistm", "syn"), clients_per_domain: int =
                 cd = to_model_inputs(raw.select(np.sort(o)), image_size, num_channels).with_format(None)
                 dest.append(ClientData(client_id=k, train=_finish(cd), test=test, domain=d))
                 k += 1
-    from datasets import concatenate_datasets
     gtest = concatenate_datasets(tests)
     return _assemble(collab, new, gtest, label_feat, image_size, num_channels)
 
@@ -195,7 +197,6 @@ def pflbed(domains=("mnist", "usps", "mnistm", "syn"), clients_per_domain: int =
 def label_weighted_accuracy(model, client: ClientData, num_labels: int, batch_size: int = 256) -> float:
     """PFLBED's metric: accuracy on the shared domain test set with sample i weighted by P_client(y_i), the
     client's training label distribution (the paper, Sec. 5)."""
-    import torch
     p = np.bincount(np.asarray(client.train.with_format(None)["labels"]), minlength=num_labels).astype(np.float64)
     p /= p.sum()
     x = client.test.with_format("torch")

@@ -28,7 +28,8 @@ import numpy as np
 import datasets
 from datasets import ClassLabel, Dataset, Features, Image, Value
 
-from .sources import _font, _font_paths, _load_npz, _rng, _save_npz
+from .builtin_sources import _font, _font_paths, _load_npz, _save_npz
+from .source_splits import _rng
 
 OOD_VERSION = "ood-v1"  # bump when the rendering changes (keys the disk cache and the stand-ins' recipe)
 SIZE = 28
@@ -46,7 +47,7 @@ TEXTURES = ("stripes", "checker", "dots", "grid", "waves", "rings", "blobs", "no
 # from"), and the same photos serve as backgrounds for glyphs and shapes
 PHOTOS = ("camera", "coins", "clock", "moon", "hubble_deep_field", "retina", "stereo_motorcycle", "grass", "gravel",
           "brick", "cell", "colorwheel")
-#: photos that client data is built from (hfpfl.data.sources._photos: MNIST-M-style backgrounds); never used here
+#: photos that client data is built from (builtin_sources._photos: MNIST-M-style backgrounds); never used here
 CLIENT_PHOTOS = ("astronaut", "coffee", "chelsea", "cat", "rocket", "immunohistochemistry")
 
 CLASS_NAMES = tuple([f"glyph:{g}" for g in GLYPHS] + [f"shape:{s}" for s in SHAPES]
@@ -57,7 +58,7 @@ SPLIT_OFFSET = {"pretrain": 0, "kd": 10_000_000}  # disjoint index ranges: no im
 
 @functools.lru_cache(maxsize=None)
 def _cmaps() -> dict[str, frozenset]:
-    from fontTools.ttLib import TTFont
+    from fontTools.ttLib import TTFont  # why: only when the out-of-domain glyphs are rendered
 
     out = {}
     for path in _font_paths():
@@ -83,7 +84,7 @@ def _family(label: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _photo(name: str) -> np.ndarray:
-    import skimage.data as skd
+    import skimage.data as skd  # why: only when photos are read (not at `import hfpfl.data`)
 
     if name in CLIENT_PHOTOS:
         raise ValueError(f"{name!r} is used by client data; out-of-domain pools must not use it")
@@ -100,14 +101,14 @@ def _photo(name: str) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _faces() -> np.ndarray:
-    import skimage.data as skd
+    import skimage.data as skd  # why: only when photos are read (not at `import hfpfl.data`)
 
     f = np.asarray(skd.lfw_subset())  # 200 x 25 x 25 float in [0, 1]
     return (np.clip(f, 0, 1) * 255).round().astype(np.uint8)
 
 
 def _crop(img: np.ndarray, r: np.random.Generator, size: int) -> np.ndarray:
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # why: PIL only when images are drawn (not at `import hfpfl.data`)
 
     h, w = img.shape[:2]
     side = int(r.integers(max(8, min(h, w) // 8), max(9, min(h, w) // 2)))
@@ -155,7 +156,7 @@ def _texture(kind: str, r: np.random.Generator, size: int) -> np.ndarray:
         t = np.clip(t, 0, 1)
     elif kind == "noise":
         coarse = r.uniform(0, 1, size=(int(r.integers(3, 8)),) * 2)
-        from PIL import Image as PILImage
+        from PIL import Image as PILImage  # why: PIL only when images are drawn (not at `import hfpfl.data`)
 
         t = np.asarray(PILImage.fromarray((coarse * 255).astype(np.uint8)).resize((size, size), PILImage.BICUBIC))
         t = t.astype(float) / 255.0
@@ -165,7 +166,7 @@ def _texture(kind: str, r: np.random.Generator, size: int) -> np.ndarray:
 
 
 def _shape_mask(kind: str, r: np.random.Generator, big: int):
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # why: PIL only when images are drawn (not at `import hfpfl.data`)
     from PIL import ImageDraw
 
     m = PILImage.new("L", (big, big), 0)
@@ -227,7 +228,7 @@ def _background(r: np.random.Generator, big: int) -> np.ndarray:
 
 def _render(i: int) -> tuple[np.ndarray, int]:
     """(uint8 [28, 28, 3], label) of pool sample ``i`` (depends on ``i`` only)."""
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # why: PIL only when images are drawn (not at `import hfpfl.data`)
     from PIL import ImageDraw, ImageFilter
 
     r = _rng(OOD_VERSION, int(i))

@@ -32,13 +32,13 @@ import numpy as np
 
 from datasets import Dataset
 
+from ._flwr import partitioner_module
+
 logger = logging.getLogger(__name__)
 
 
 def _fp():
     """``flwr_datasets.partitioner`` (imported lazily, see :mod:`hfpfl.data._flwr`)."""
-    from ._flwr import partitioner_module
-
     return partitioner_module()
 
 

@@ -27,7 +27,7 @@ _ROT_DEG = (15, 30, 45, 60, 90)
 
 
 def _degrade_one(img, kind: str, sev: int, r: np.random.Generator):
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # why: PIL only when images are drawn (not at `import hfpfl.data`)
     from PIL import ImageEnhance
 
     if kind == "noise":
@@ -57,7 +57,7 @@ def _degrade_one(img, kind: str, sev: int, r: np.random.Generator):
 def _jitter_fixed(img, factors, r: np.random.Generator):
     """The paper's ColorJitter with fixed factors (brightness b, contrast c, saturation s, hue h in [-0.5, 0.5] of
     the hue circle, as torchvision's adjust_*), the four operations applied in a random order per image."""
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # why: PIL only when images are drawn (not at `import hfpfl.data`)
     from PIL import ImageEnhance
 
     b, c, s, h = factors
@@ -131,7 +131,7 @@ def to_model_inputs(ds: Dataset, image_size: int = 28, num_channels: int = 3) ->
     Grey images are repeated to RGB when ``num_channels == 3``; colour images are converted to ``L`` when
     ``num_channels == 1``. Images of another size are resized (bilinear).
     """
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # why: PIL only when images are drawn (not at `import hfpfl.data`)
 
     if num_channels not in (1, 3):
         raise ValueError(f"num_channels must be 1 or 3, got {num_channels}")

@@ -8,7 +8,7 @@ and Hub/local VQA datasets through the same loader as the image sources (:mod:`h
   Question types: ``shape`` ("what shape is ..."), ``color`` ("what color is ..."), ``yesno-shape`` ("does the
   image contain a circle?") and ``yesno-color`` ("is there a red shape?").
 * ``owner/name`` (e.g. a VQAv2-style copy on the Hub), ``parquet:<glob>``: ``datasets.load_dataset`` via
-  :func:`hfpfl.data.sources._load_external` -- offline and uncached it fails at once with the command that fixes it.
+  :func:`hfpfl.data.hub_sources._load_external` -- offline and uncached it fails at once with the command that fixes it.
   Columns are normalised (``multiple_choice_answer`` / ``answers`` -> ``answer``; no ``question_type`` -> ``all``).
 
 :func:`vqa_benchmark` builds the federated splits of FedDAT's benchmarks at CPU scale (docs/methods/feddat.md):
@@ -39,7 +39,8 @@ import numpy as np
 import datasets
 from datasets import Array3D, Dataset, Features, Image, Sequence, Value
 
-from .federated import FederatedData
+from .federated import ClientData, FederatedData
+from .hub_sources import _load_external
 
 ANSWERS_SHAPE = ("circle", "rectangle", "triangle")
 QUESTION_TYPES = ("shape", "color", "yesno-shape", "yesno-color")
@@ -67,7 +68,7 @@ def question_type(question: str, answer: str) -> str:
 @functools.lru_cache(maxsize=1)
 def _easy_vqa_raw():
     try:
-        import easy_vqa
+        import easy_vqa  # why: a missing package is the one-line fix below, not an error at import
     except ImportError as e:  # pragma: no cover - a pinned dependency
         raise ImportError("--dataset easy-vqa needs the easy-vqa package: pip install easy-vqa==1.0") from e
     rows = []
@@ -94,8 +95,6 @@ def load_vqa_source(name: str = "easy-vqa") -> Dataset:
                                   "answer": [r[1] for r in rows], "question_type": [r[2] for r in rows],
                                   "image_id": [r[3] for r in rows]}, features=feats)
     if "/" in name or name.startswith("parquet:"):
-        from .sources import _load_external
-
         dd = _load_external(name)
         ds = datasets.concatenate_datasets(list(dd.values())) if len(dd) > 1 else next(iter(dd.values()))
         return _normalize_vqa(ds, name)
@@ -137,9 +136,8 @@ def _normalize_vqa(ds: Dataset, name: str) -> Dataset:
 @functools.lru_cache(maxsize=4)
 def easy_vqa_images(image_size: int = 32) -> np.ndarray:
     """All 5,000 images as uint8 [N, H, W, 3] at ``image_size`` (bilinear), indexed by ``image_id``."""
-    from PIL import Image as PILImage
-
-    import easy_vqa
+    from PIL import Image as PILImage  # why: PIL only when images are drawn (not at `import hfpfl.data`)
+    import easy_vqa  # why: as in _easy_vqa_raw
 
     paths = list(easy_vqa.get_train_image_paths().items())
     n_train = len(paths)
@@ -154,8 +152,8 @@ def easy_vqa_images(image_size: int = 32) -> np.ndarray:
 @functools.lru_cache(maxsize=8)
 def _backgrounds(kind: str, size: int) -> np.ndarray:
     """Real scikit-image textures or photos as uint8 [k, 2*size, 2*size, 3] tiles to crop backgrounds from."""
-    import skimage.data as sd
-    from PIL import Image as PILImage
+    import skimage.data as sd  # why: only when photos are read (not at `import hfpfl.data`)
+    from PIL import Image as PILImage  # why: PIL only when images are drawn (not at `import hfpfl.data`)
 
     names = ("brick", "grass", "gravel") if kind == "texture" else ("astronaut", "coffee", "chelsea", "rocket")
     tiles = []
@@ -194,7 +192,7 @@ def apply_style(images: np.ndarray, style: str, seed: int) -> np.ndarray:
     if style == "palette":  # colour channels rotated: the strongest client-specific shift (colours look different)
         return images[..., [2, 0, 1]].copy()
     if style == "blur":
-        from scipy.ndimage import gaussian_filter
+        from scipy.ndimage import gaussian_filter  # why: scipy.ndimage costs ~0.4 s to import
 
         return np.clip(gaussian_filter(x, sigma=(0, 1.2, 1.2, 0)), 0, 255).astype(np.uint8)
     if style == "noise":
@@ -296,7 +294,6 @@ def vqa_benchmark(split: str = "scene", *, tokenizer, seed: int = 0, train_per_c
     not depend on it."""
     if image_ablation not in IMAGE_ABLATIONS:
         raise ValueError(f"--image_ablation must be one of {', '.join(IMAGE_ABLATIONS)}, got {image_ablation!r}")
-    from .federated import ClientData
 
     rows, answers = _easy_vqa_raw()
     specs = client_specs(split)

@@ -8,6 +8,7 @@ import logging
 import numpy as np
 import torch
 
+from . import vectorized
 from .aggregation import WeightedSums, all_finite
 from .comm import bytes_by_part, tensor_bytes
 from .context import NonFiniteError, step_size_hint
@@ -34,7 +35,6 @@ class RoundRunner:
         """``(updates, stacked uploads or None)`` per vectorized chunk (or per client on the sequential path).
         ``stacked=True``: a vectorized chunk's updates come without per-client uploads, and its uploads as stacked
         tensors (:class:`~hfpfl.federated.vectorized.ChunkUpdates`) for the caller to fold in one call."""
-        from . import vectorized
         if len(cids) > 1 and not self.sim._vector_failed and vectorized.should_vectorize(self.sim, cids):
             algo = self.sim.algorithm
             for chunk in vectorized.chunks_of(self.sim, cids):
@@ -66,8 +66,7 @@ class RoundRunner:
         its clients), bytes down counted once per download structure, bytes up from the chunk."""
         self.sim._check_frozen(f"round {round_idx}, clients {ups[0].client_id}-{ups[-1].client_id}")
         down_bytes: dict = {}
-        from .vectorized import same_download_for_all
-        same_download = same_download_for_all(downs)
+        same_download = vectorized.same_download_for_all(downs)
         for i, upd in enumerate(ups):
             cid = upd.client_id
             down = downs[cid]

@@ -43,7 +43,7 @@ def save_shared_adapter(model, folder, shared_state: dict[str, torch.Tensor] | N
     The backbone is named, not copied: ``base_model_name_or_path`` (default: the checkpoint the backbone was loaded
     from) at ``base_revision`` (default: the commit of its cached snapshot)."""
     from . import vqa_remote_code
-    from .vqa import _adapter_sites
+    from .vqa_model import _adapter_sites
 
     if getattr(model, "peft", None) != "adapter" or not len(model.adapters):
         raise ValueError("save_shared_adapter needs a VQAModel with bottleneck adapters (peft='adapter')")

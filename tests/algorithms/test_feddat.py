@@ -15,8 +15,8 @@ from conftest import CPU_ONLY, CPU_PROCESSES, LAUNCH_TWO
 
 from hfpfl.algorithms import MODEL, get_algorithm
 from hfpfl.config import RunArguments
-from hfpfl.models.vqa import (BottleneckAdapter, DualAdapter, adapter_param_count, build_vqa_peft_model, kd_loss,
-                              kd_ramp)
+from hfpfl.models.vqa import build_vqa_peft_model
+from hfpfl.models.vqa_model import BottleneckAdapter, DualAdapter, adapter_param_count, kd_loss, kd_ramp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -421,7 +421,7 @@ def test_easy_vqa_source_splits_and_styles(vqa_fed):
 def test_hub_vqa_ids_fail_fast_offline_and_local_parquet_loads(tmp_path, monkeypatch):
     from PIL import Image
 
-    from hfpfl.data.sources import SourceUnavailableError
+    from hfpfl.data import SourceUnavailableError
     from hfpfl.data.vqa import load_vqa_source
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -167,7 +167,7 @@ def _fix_commands(text):
 def test_every_printed_fix_command_parses():
     """Commands printed in error messages (uncached dataset, uncached model, an interrupted run) exist as written:
     each one's --help runs and lists every option the command uses."""
-    from hfpfl.data.sources import hub_dataset_fix
+    from hfpfl.data.hub_sources import hub_dataset_fix
     from hfpfl.hub import _fix_hint
     from hfpfl.runtime import resume_command
 

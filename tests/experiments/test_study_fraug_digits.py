@@ -2,7 +2,7 @@
 per-domain claim names a metric the runs produce, and that each FRAug-vs-FedBN claim compares rows of one
 optimizer-state policy. Spec checks only: no run."""
 from hfpfl.arguments import parse_run_args
-from hfpfl.data.sources import MULTI_DOMAIN
+from hfpfl.data.builtin_sources import MULTI_DOMAIN
 from hfpfl.experiments import load_study
 from hfpfl.experiments.studies.fraug_digits import domain_accuracies
 

@@ -14,6 +14,11 @@ from hfpfl.algorithms.fedbn import FedBN
 from hfpfl.algorithms.fedprox import FedProx
 from hfpfl.config import RunArguments
 from hfpfl.federated import vectorized
+from hfpfl.federated.aggregation import memory_order
+from hfpfl.federated.vectorized import chunks, policy, stacked_splits, trainer
+from hfpfl.federated.vectorized.client_states import stack_values
+from hfpfl.federated.vectorized.optimizer import StackedOptimizer
+from hfpfl.federated.vectorized.schedules import BatchSchedules
 from hfpfl.federated.engine import Simulation
 from hfpfl.federated.context import NonFiniteError
 from hfpfl.training import TensorData, encode_uint8, iterate_batches
@@ -93,11 +98,11 @@ def _close(a: dict, b: dict, atol=2e-5):
 @pytest.mark.parametrize("method", ["tiny_fedavg", "tiny_fedprox", "tiny_fedbn", "tiny_mlp_fedprox", "tiny_mlp_fedbn"])
 def test_vectorized_matches_sequential(ragged, tmp_path, monkeypatch, method):
     calls, evals, probes, mismatched = [], [], [], []
-    real, real_eval, real_probe = vectorized.train_chunk, vectorized.evaluate_clients, vectorized.grad_layouts
-    real_step = vectorized._Opt.step
+    real, real_eval, real_probe = vectorized.train_chunk, vectorized.evaluate_clients, trainer.grad_layouts
+    real_step = StackedOptimizer.step
     monkeypatch.setattr(vectorized, "train_chunk", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
-    monkeypatch.setattr(vectorized, "grad_layouts", lambda *a: probes.append(1) or real_probe(*a))
-    monkeypatch.setattr(vectorized._Opt, "step", lambda self, P, g, idx, step: mismatched.append(
+    monkeypatch.setattr(trainer, "grad_layouts", lambda *a: probes.append(1) or real_probe(*a))
+    monkeypatch.setattr(StackedOptimizer, "step", lambda self, P, g, idx, step: mismatched.append(
         sorted(k for k in g if g[k].stride() != P[k].stride())) or real_step(self, P, g, idx, step))
     monkeypatch.setattr(vectorized, "evaluate_clients", lambda *a, **k: evals.append(len(a[1])) or real_eval(*a, **k))
     seq, rs = _run(ragged, tmp_path, method, "off")
@@ -169,7 +174,7 @@ def test_every_chunks_stacked_data_is_built_once_and_dropped_when_unread(ragged,
     assert built == [2] and st.lengths == [5, len(kept.train_data(0))]
     assert torch.equal(st.columns["labels"][0, :5].cpu(), other[0].select(torch.arange(5))["labels"])  # (on the GPU there)
     built.clear()
-    monkeypatch.setattr(vectorized, "STACK_CACHE_BYTES", 1)  # room for no second stack of a split
+    monkeypatch.setattr(stacked_splits, "STACK_CACHE_BYTES", 1)  # room for no second stack of a split
     capped, r2 = _run(ragged, tmp_path / "cap", "tiny_fedbn", "on", **small)
     assert list(capped._stacked_data) == [("train", (0, 1)), ("test", (0, 1))]  # a split's first stack always
     assert len(built) == 4 + 2 * 2  # round 1 builds 4; rounds 2 and 3 rebuild the 2 that did not fit
@@ -186,7 +191,8 @@ def test_large_rounds_give_freed_heap_back_after_every_chunk_and_change_no_numbe
     trims = []
     real = vectorized.release_freed_heap
     monkeypatch.setattr(vectorized, "PIN_MMAP_CLIENTS", 4)            # these 4 clients count as a large round
-    monkeypatch.setattr(vectorized, "pin_mmap_threshold", lambda: None)  # (leave the test process's malloc alone)
+    monkeypatch.setattr(chunks, "PIN_MMAP_CLIENTS", 4)
+    monkeypatch.setattr(chunks, "pin_mmap_threshold", lambda: None)  # (leave the test process's malloc alone)
     monkeypatch.setattr(vectorized, "release_freed_heap", lambda: trims.append(1) or real())
     trimmed, r2 = _run(ragged, tmp_path / "t", "tiny_fedbn", "on", **small)
     assert len(trims) == 4                                             # 2 chunks x 2 rounds
@@ -198,15 +204,15 @@ def test_large_rounds_give_freed_heap_back_after_every_chunk_and_change_no_numbe
 
 def test_stacks_are_stored_in_a_given_memory_order_with_the_same_values():
     g = torch.randn(3, 5, 4).mT  # a transposed gradient, as a batched Linear's: [3, 4, 5], strides (20, 1, 4)
-    assert vectorized.memory_order(g) == (0, 2, 1) and vectorized.memory_order(torch.randn(3, 4)) == (0, 1)
-    assert vectorized.memory_order(torch.randn(4, 1).expand(4, 3)) is None  # overlapping: no order reproduces it
+    assert memory_order(g) == (0, 2, 1) and memory_order(torch.randn(3, 4)) == (0, 1)
+    assert memory_order(torch.randn(4, 1).expand(4, 3)) is None  # overlapping: no order reproduces it
     w, other = torch.randn(4, 5), torch.randn(4, 5)
     cpu = torch.device("cpu")
-    shared = vectorized._stack([w, w, w], cpu, copy_shared=True, order=(0, 2, 1))   # one value, copied into the order
-    mixed = vectorized._stack([w, other, w], cpu, order=(0, 2, 1))
+    shared = stack_values([w, w, w], cpu, copy_shared=True, order=(0, 2, 1))   # one value, copied into the order
+    mixed = stack_values([w, other, w], cpu, order=(0, 2, 1))
     assert shared.stride() == mixed.stride() == g.stride() == (20, 1, 4)
     assert torch.equal(shared, torch.stack([w, w, w])) and torch.equal(mixed, torch.stack([w, other, w]))
-    assert vectorized._stack([w, other], cpu).is_contiguous()  # no order: the usual layout
+    assert stack_values([w, other], cpu).is_contiguous()  # no order: the usual layout
     shared.add_(g, alpha=-0.5)  # updates keep the layout
     assert torch.equal(shared, torch.stack([w, w, w]) - 0.5 * g) and shared.stride() == (20, 1, 4)
 
@@ -219,7 +225,7 @@ def test_layout_adopted_when_the_first_step_groups_only_some_clients(ragged, tmp
     clients = [dataclasses.replace(fed.clients[0], train=fed.clients[0].train.select(range(9))), *fed.clients[1:]]
     fed9 = (data_args, dataclasses.replace(fed, clients=clients))
     warned = []
-    monkeypatch.setattr(vectorized.logger, "warning", lambda *a, **k: warned.append(a))  # the engine's logger too
+    monkeypatch.setattr(policy.logger, "warning", lambda *a, **k: warned.append(a))  # the engine's logger too
     seq, _ = _run(fed9, tmp_path, "tiny_mlp_fedbn", "off", num_rounds=1)
     vec, _ = _run(fed9, tmp_path, "tiny_mlp_fedbn", "on", num_rounds=1)
     assert not getattr(vec, "_vector_failed", False) and warned == []
@@ -344,7 +350,7 @@ def test_chunk_schedules_are_each_clients_own_batch_schedule():
     seeded generator (ragged sizes, several epochs, a step cap), grouped by batch size."""
     for sizes, epochs, steps in (([23, 11, 23, 7, 16], 2, None), ([23, 11, 23, 7, 16], 1, 5), ([26] * 4, 1, None)):
         seeds = [101 + 7 * i for i in range(len(sizes))]
-        sch = vectorized._Schedules(sizes, seeds, 5, epochs, steps)
+        sch = BatchSchedules(sizes, seeds, 5, epochs, steps)
         ref = [vectorized.batch_schedule(n, 5, epochs, steps, torch.Generator().manual_seed(sd))
                for n, sd in zip(sizes, seeds)]
         assert sch.n_steps == [len(r) for r in ref]
@@ -486,10 +492,10 @@ def test_bench_simulator_refuses_a_bad_parallel_spec():
 
 def test_mmap_threshold_is_pinned_only_for_large_rounds(ragged, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(vectorized, "pin_mmap_threshold", lambda: calls.append(1))
+    monkeypatch.setattr(chunks, "pin_mmap_threshold", lambda: calls.append(1))
     sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "on", num_rounds=1)
     assert calls == []  # 4 clients: speed first, glibc's defaults kept
-    monkeypatch.setattr(vectorized, "PIN_MMAP_CLIENTS", 4)
+    monkeypatch.setattr(chunks, "PIN_MMAP_CLIENTS", 4)
     assert vectorized.chunks_of(sim, [0, 1, 2, 3]) == [[0, 1, 2, 3]] and calls == [1]
 
 
@@ -598,17 +604,17 @@ def test_auto_vectorizes_mid_size_models_only_where_the_chunk_shape_pays(ragged,
     assert vectorized.clients_per_step([56, 49, 42, 35], 10) == pytest.approx(20 / 6)  # steps 6, 5, 5, 4
     assert vectorized.clients_per_step([5] * 500, 5) == 500 and vectorized.clients_per_step([9, 1], 4, 3) == 2
     sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "auto", num_rounds=1)
-    monkeypatch.setattr(vectorized, "AUTO_MAX_PARAMS", 0)  # treat the tiny net as a mid-size model
+    monkeypatch.setattr(policy, "AUTO_MAX_PARAMS", 0)  # treat the tiny net as a mid-size model
     clients = [0, 1, 2, 3]
     assert not vectorized.should_vectorize(sim)  # no clients given: mid-size models are not vectorized
-    monkeypatch.setattr(vectorized, "AUTO_MID_MIN_GROUP", 3)
+    monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 3)
     assert vectorized.should_vectorize(sim, clients)  # batch 10, 3.3 clients per step
-    monkeypatch.setattr(vectorized, "AUTO_MID_MIN_GROUP", 4)
+    monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 4)
     assert not vectorized.should_vectorize(sim, clients)  # ragged: too few clients step together
-    monkeypatch.setattr(vectorized, "AUTO_MID_MIN_GROUP", 3)
+    monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 3)
     sim.args = dataclasses.replace(sim.args, batch_size=32)
     assert not vectorized.should_vectorize(sim, clients)  # large batches are compute-bound: sequential
-    monkeypatch.setattr(vectorized, "AUTO_MID_MAX_PARAMS", 10)
+    monkeypatch.setattr(policy, "AUTO_MID_MAX_PARAMS", 10)
     sim.args = dataclasses.replace(sim.args, batch_size=10)
     assert not vectorized.should_vectorize(sim, clients)  # too large a model
 

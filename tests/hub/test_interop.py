@@ -223,7 +223,7 @@ def test_feddat_shared_adapter_loads_with_one_transformers_call_without_hfpfl(tm
 
     from hfpfl import hub
     from hfpfl.models.builders import build_vqa_model, tiny_vqa_vocab
-    from hfpfl.models.vqa import VQAModel
+    from hfpfl.models.vqa_model import VQAModel
     from hfpfl.models.vqa_hub import save_shared_adapter
 
     cache, vocab = tmp_path / "hub", len(tiny_vqa_vocab())

@@ -55,7 +55,7 @@ def _client_pixel_hashes(fed) -> set[str]:
 # ------------------------------------------------------------------------------------------ pretraining pool
 def test_pretraining_pool_shares_no_class_with_client_datasets(digits_28):
     from hfpfl.data import load_source
-    from hfpfl.data.sources import DIGIT_NAMES
+    from hfpfl.data.builtin_sources import DIGIT_NAMES
 
     _, fed = digits_28
     client_classes = set(fed.label_names) | set(DIGIT_NAMES)
