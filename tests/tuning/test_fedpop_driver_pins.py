@@ -15,10 +15,11 @@ import torch
 from hfpfl.algorithms import get_algorithm
 from hfpfl.federated.context import NonFiniteError
 from hfpfl.federated.state import MODEL
-from hfpfl.tuning import Tuner, TunerArguments
-from hfpfl.tuning import fedpop as fp
+from hfpfl.tuning import Member, Tuner, TunerArguments, tuner_class
+from hfpfl.tuning import base as tb
 from hfpfl.tuning import search_space as ss
-from hfpfl.tuning.fedpop import Member
+from hfpfl.tuning.scoring import ValidationScorer
+from hfpfl.tuning.sha import SHAStages
 
 SPACE = {"server": {"server_lr": {"type": "log10", "low": -1.0, "high": 1.0}},
          "client": {"lr": {"type": "log10", "low": -3.0, "high": -1.0},
@@ -26,7 +27,8 @@ SPACE = {"server": {"server_lr": {"type": "log10", "low": -1.0, "high": 1.0}},
 
 
 def bare(tuner="fedpop", space=SPACE, **targs):
-    t = Tuner.__new__(Tuner)
+    cls = tuner_class(tuner)
+    t = cls.__new__(cls)
     t.t = TunerArguments(tuner=tuner, **targs)
     t.space = ss.SearchSpace(space)
     t.run_args = SimpleNamespace(method="fedavg")
@@ -131,7 +133,7 @@ def test_a_member_that_diverges_scores_1e6_from_then_on_and_trains_no_more(caplo
     assert m.diverged == 3 and m.scores == {} and m.hist == [1e6] and m.curve == [(3, 1e6)]
     assert t.member_round(m) == [1e6] * 3 and len(sim.steps) == 1
     assert (m.rounds, t.rounds_used, t.loc_calls) == (2, 2, 6) and seen == []
-    assert fp.DIVERGED == 1e6
+    assert tb.DIVERGED == 1e6
 
 
 def test_member_round_logs_each_members_score_and_vectors_to_the_tracker():
@@ -223,7 +225,7 @@ def test_run_trains_every_member_each_round_fires_fedpop_g_every_T_g_and_saves(m
     rounds 2, 4 and 5 (the last); then finish with the wall time (a clock reading 100 s, then 112.5 s: 12.5 s)."""
     t, log = _loop_tuner()
     clock = iter([100.0, 112.5])
-    monkeypatch.setattr(fp.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(tb.time, "perf_counter", lambda: next(clock))
     walls = []
     t.finish = lambda wall: (walls.append(wall), log.append(("finish", True)), {"done": True})[2]
     assert t.run() == {"done": True} and walls == [12.5]
@@ -258,7 +260,7 @@ def test_run_resumes_after_the_saved_round_and_dispatches_the_sha_tuners():
 
 # ------------------------------------------------------------------------------------------------ SHA
 def _schedule(budget, **targs):
-    return Tuner.sha_schedule(SimpleNamespace(t=TunerArguments(tuner="sha", **targs), budget=budget))
+    return SHAStages.sha_schedule(SimpleNamespace(t=TunerArguments(tuner="sha", **targs), budget=budget))
 
 
 def test_sha_schedule_by_hand():
@@ -370,7 +372,8 @@ def test_the_population_is_built_with_its_budget_horizon_and_members(build, tmp_
         want_beta = {"dropout": g.uniform(0.0, 0.5), "local_epochs": int(g.integers(3)), "lr": g.uniform(-2.5, -0.5)}
         assert m.alpha == want_alpha and m.beta0 == want_beta and m.mhp == {} and m.fedex is None
         wrapper = vars(m.sim.algorithm)["client_update"]   # the scorer, installed on this member's algorithm
-        assert any(c.cell_contents is m for c in wrapper.__closure__)
+        scorers = [c.cell_contents for c in wrapper.__closure__ if isinstance(c.cell_contents, ValidationScorer)]
+        assert [s.member for s in scorers] == [m]
     assert t.rng.random() == g.random()   # nothing else drawn
 
 
