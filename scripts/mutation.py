@@ -130,7 +130,8 @@ TARGETS: dict[str, Target] = {
                                 "settings"), *fedpop_nodes(
                                 "test_fedpop_hparams.py", "test_fitted_space_round_trips_through_resume_fingerprint")],
                             functions=["xǁMemberǁmeta", "xǁPopulationCheckpointǁ*", "x__tuplify"]),
-    # the driver: building the population, one member's round, the run loops, SHA's schedule and stages
+    # the driver: the registry, building the population, one member's round, each tuner's hooks, the run loops,
+    # SHA's schedule and stages, the validation scorer
     "fedpop_driver": Target(["hfpfl/tuning/base.py", "hfpfl/tuning/fedpop.py", "hfpfl/tuning/fedex.py",
                              "hfpfl/tuning/sha.py", "hfpfl/tuning/scoring.py"],
                             ["tests/tuning/test_fedpop_driver_pins.py", *fedpop_nodes(
