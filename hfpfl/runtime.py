@@ -85,9 +85,10 @@ def has_checkpoints(out: Path) -> bool:
 
 
 def check_output_dir(output_dir: str | os.PathLike, *, overwrite: bool, resume: bool,
-                     finished_marker: str = "results.json") -> None:
+                     finished_marker: str = "results.json", started_files=()) -> None:
     """Refuse (one-line ValueError / FileExistsError naming the option and the fix) to use ``output_dir`` where a
-    run would overwrite something it should not. Writes nothing."""
+    run would overwrite something it should not. Writes nothing. ``started_files``: files that mark a started run of
+    this kind besides round checkpoints (a tuner's population.pt)."""
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output_dir {str(out)!r} is a file, not a folder; pass a folder path (it is created)")
@@ -108,8 +109,10 @@ def check_output_dir(output_dir: str | os.PathLike, *, overwrite: bool, resume: 
     if resume:
         return
     finished = (out / finished_marker).exists()
-    if (finished or has_checkpoints(out)) and not overwrite:
-        what = f"a finished run ({finished_marker})" if finished else "checkpoints of an unfinished run"
+    started = [f for f in started_files if (out / f).exists()]
+    if (finished or has_checkpoints(out) or started) and not overwrite:
+        what = f"a finished run ({finished_marker})" if finished else \
+            f"an unfinished run ({started[0]})" if started else "checkpoints of an unfinished run"
         raise FileExistsError(f"--output_dir {str(out)!r} already holds {what}; pass --resume_from_checkpoint latest "
                               f"to continue it, --overwrite_output_dir to replace it, or another --output_dir")
 
@@ -127,11 +130,15 @@ def clear_run_files(output_dir: str | os.PathLike, extra_files=(), extra_dirs=()
         shutil.rmtree(out / name, ignore_errors=True)
 
 
-def prepare_output_dir(output_dir, *, overwrite: bool, resume: bool, main_process: bool = True) -> None:
-    check_output_dir(output_dir, overwrite=overwrite, resume=resume)
+def prepare_output_dir(output_dir, *, overwrite: bool, resume: bool, main_process: bool = True,
+                       run_files=()) -> None:
+    """The one output-folder rule: check it (:func:`check_output_dir`), clear a previous run's files on overwrite,
+    create it. ``run_files``: the files this kind of run writes besides the common ones (a tuner's population.pt
+    first: it marks a started run)."""
+    check_output_dir(output_dir, overwrite=overwrite, resume=resume, started_files=run_files[:1])
     if main_process:
         if overwrite and not resume:
-            clear_run_files(output_dir)
+            clear_run_files(output_dir, extra_files=run_files)
         try:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:

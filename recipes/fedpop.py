@@ -34,9 +34,9 @@ def recipe_defaults(algo_cls) -> dict:
 
 
 def main(argv=None):
-    from hfpfl.cli import USER_ERRORS, fail
     from hfpfl.arguments import parse_run_args
-    from hfpfl.runtime import check_output_dir, cleanup_on_failure, clear_run_files, resolve_output_dir
+    from hfpfl.cli import USER_ERRORS, fail
+    from hfpfl.runtime import cleanup_on_failure, prepare_output_dir, resolve_output_dir
     from hfpfl.tuning import Tuner
     from hfpfl.tuning.models import TINY_MLP
 
@@ -46,17 +46,12 @@ def main(argv=None):
             defaults=recipe_defaults, recipe_options=RECIPE_OPTIONS, extra_models=(TINY_MLP,))
         if run.resume_from_checkpoint:
             targs = dataclasses.replace(targs, resume=True)
-        # the one output-folder rule (hfpfl.runtime); the population checkpoint counts as a started run
-        out = resolve_output_dir(run.output_dir, "fedpop")
-        run = dataclasses.replace(run, output_dir=out)
-        check_output_dir(out, overwrite=run.overwrite_output_dir, resume=targs.resume)
-        if os.path.exists(os.path.join(out, "population.pt")) and not (targs.resume or run.overwrite_output_dir):
-            raise FileExistsError(f"--output_dir {out!r} holds a tuning run (population.pt); pass "
-                                  "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace "
-                                  "it, or another --output_dir")
-        if run.overwrite_output_dir and not targs.resume:
-            clear_run_files(out, extra_files=POPULATION_FILES)
+        run = dataclasses.replace(run, output_dir=resolve_output_dir(run.output_dir, "fedpop"))
+        out = run.output_dir
         with cleanup_on_failure(out):  # a population that cannot start leaves no folder behind
+            # the one output-folder rule (hfpfl.runtime); the population checkpoint marks a started run
+            prepare_output_dir(out, overwrite=run.overwrite_output_dir, resume=targs.resume,
+                               run_files=POPULATION_FILES)
             tuner = Tuner(run, data, method_cfg, targs)
         res = tuner.run()
     except USER_ERRORS as e:

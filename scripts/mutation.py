@@ -90,9 +90,9 @@ TARGETS: dict[str, Target] = {
                      ["tests/fedbip/test_fedbip_algorithm*.py", "tests/fedbip/test_fedbip_pipeline*.py", "tests/fedbip/test_fedbip_pins.py"]),
     "fedpop": Target(["hfpfl/tuning/*.py"], ["tests/tuning/test_fedpop*.py"]),
     # FedPop and FedEx wrapped in SHA (the dissertation's appendix algorithm): the part of the fedpop target they add
-    "fedpop_sha": Target(["hfpfl/tuning/fedpop.py", "hfpfl/tuning/baselines.py"],
+    "fedpop_sha": Target(["hfpfl/tuning/sha.py", "hfpfl/tuning/baselines.py"],
                          ["tests/tuning/test_fedpop_pins.py", "tests/tuning/test_fedpop_hparams.py"],
-                         functions=["xǁTunerǁ_eliminate", "xǁTunerǁ_run_sha_wrapped", "x_fedpop_sha", "x_fedex_sha"],
+                         functions=["xǁSHAStagesǁ_eliminate", "xǁSHAWrapperǁ_run_sha_wrapped", "x_fedpop_sha", "x_fedex_sha"],
                          k="sha"),
     # the fedpop target's parts, each against the fast tests that pin it (the whole target takes hours on 2 cores);
     # `--parts fedpop` checks that they mutate every function of its core, each in exactly one part
@@ -116,33 +116,35 @@ TARGETS: dict[str, Target] = {
                              "perturbed_into_the_box", "test_fedpop_g_on_known_scores_exploits_the_best_and_explores_"
                              "within_eps")],
                          functions=["x_cos_anneal", "x_quantile_sets", "x_eq5_weights", "x_eq5_score", "x_clone_state",
-                                    "xǁTunerǁlocal_window", "xǁTunerǁfedpop_l", "xǁTunerǁfedpop_g"]),
+                                    "xǁFedPopǁlocal_window", "xǁFedPopǁfedpop_l", "xǁFedPopǁfedpop_g"]),
     # FedEx's client-configuration draws and its exponentiated-gradient step (and FedPop-L's slot vectors)
-    "fedpop_fedex": Target(["hfpfl/tuning/fedpop.py"],
+    "fedpop_fedex": Target(["hfpfl/tuning/fedex.py", "hfpfl/tuning/fedpop.py"],
                            ["tests/tuning/test_fedpop_core_pins.py", *fedpop_nodes(
                                "test_fedpop.py", "test_fedex_exponentiated_gradient_steps_by_hand",
                                "test_slot_vectors_reach_the_engine")],
-                           functions=["xǁTunerǁfedex_update", "xǁTunerǁ_slot_vectors"]),
+                           functions=["xǁFedExǁfedex_update", "xǁFedExǁslot_vectors", "xǁFedPopǁslot_vectors"]),
     # the population checkpoint (state, fingerprint, atomic save, load)
-    "fedpop_resume": Target(["hfpfl/tuning/fedpop.py"],
+    "fedpop_resume": Target(["hfpfl/tuning/base.py", "hfpfl/tuning/checkpoint.py"],
                             ["tests/tuning/test_fedpop_core_pins.py", *fedpop_nodes(
                                 "test_fedpop_pins.py", "test_population_checkpoint_restores_the_tuner_and_refuses_other_"
                                 "settings"), *fedpop_nodes(
                                 "test_fedpop_hparams.py", "test_fitted_space_round_trips_through_resume_fingerprint")],
-                            functions=["xǁMemberǁmeta", "xǁTunerǁ_state", "xǁTunerǁfingerprint", "xǁTunerǁsave",
-                                       "xǁTunerǁload", "x__tuplify"]),
-    # the driver: building the population, one member's round, the run loops, SHA's schedule and stages
-    "fedpop_driver": Target(["hfpfl/tuning/fedpop.py"],
+                            functions=["xǁMemberǁmeta", "xǁPopulationCheckpointǁ*", "x__tuplify"]),
+    # the driver: the registry, building the population, one member's round, each tuner's hooks, the run loops,
+    # SHA's schedule and stages, the validation scorer
+    "fedpop_driver": Target(["hfpfl/tuning/base.py", "hfpfl/tuning/fedpop.py", "hfpfl/tuning/fedex.py",
+                             "hfpfl/tuning/sha.py", "hfpfl/tuning/scoring.py"],
                             ["tests/tuning/test_fedpop_driver_pins.py", *fedpop_nodes(
                                 "test_fedpop.py", "test_sha_schedule_27_9_3_within_budget"), *fedpop_nodes(
                                 "test_fedpop_pins.py", "test_sha_keeps_exactly_the_best_third_by_its_stage_scores")],
-                            functions=["xǁTunerǁ__init__", "xǁTunerǁ_new_member", "xǁTunerǁ_apply_method_hparams",
-                                       "xǁTunerǁ_install_scorer", "xǁTunerǁ_gather_scores", "xǁTunerǁmember_round",
-                                       "xǁTunerǁrun", "xǁTunerǁsha_schedule", "xǁTunerǁ_run_sha"]),
+                            functions=["x_register", "x_tuner_class", "xǁTunerǁ*", "xǁFedPopǁafter_*",
+                                       "xǁFedExǁinit_member", "xǁFedExǁafter_member_round", "xǁSHAStagesǁcheck_budget",
+                                       "xǁSHAStagesǁsha_schedule", "xǁSuccessiveHalvingǁ_run_sha",
+                                       "xǁSHAWrapperǁconfiguration_rounds", "xǁValidationScorerǁ*", "x__attach"]),
     # the final pick and what a run writes (val loss over all clients, Loc(beta^0) fine-tuning, results, plots)
-    "fedpop_results": Target(["hfpfl/tuning/fedpop.py"], ["tests/tuning/test_fedpop_results_pins.py"],
-                             functions=["xǁTunerǁmember_val_loss", "xǁTunerǁfinetuned_accuracy", "xǁTunerǁfinish",
-                                        "x_plot_population"]),
+    "fedpop_results": Target(["hfpfl/tuning/results.py", "hfpfl/tuning/fedex.py"],
+                             ["tests/tuning/test_fedpop_results_pins.py"],
+                             functions=["xǁPopulationResultsǁ*", "x_plot_population", "xǁFedExǁbest_extras"]),
     "fedpop_baselines": Target(["hfpfl/tuning/baselines.py"], ["tests/tuning/test_fedpop_pins.py"],
                                functions=["x__run", "x_random_search", "x_successive_halving", "x_fedex", "x_fedpop"],
                                k="baseline_entry"),

@@ -348,11 +348,15 @@ def test_fedpop_default_output_folder_and_the_one_reuse_rule(monkeypatch, tmp_pa
     assert e.value.code == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--resume_from_checkpoint latest" in lines[0]
+    assert f"--output_dir {str(out)!r} already holds an unfinished run (population.pt)" in lines[0]
     assert (out / "population.pt").read_bytes() == b"saved"
+    (out / "curves.png").write_bytes(b"old")
+    (out / "notes.txt").write_bytes(b"mine")
     mod.main(["--output_dir", str(out), "--resume_from_checkpoint", "latest"])
     assert seen[-1] == (str(out), True) and (out / "population.pt").exists()
     mod.main(["--output_dir", str(out), "--overwrite_output_dir", "true"])
     assert seen[-1] == (str(out), False) and not (out / "population.pt").exists()
+    assert not (out / "curves.png").exists() and (out / "notes.txt").read_bytes() == b"mine"  # only a run's files
 
 
 @pytest.mark.parametrize("script,argv,expected", [

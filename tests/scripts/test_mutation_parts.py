@@ -50,7 +50,7 @@ def test_fedbip_parts_and_what_mutmut_leaves_out(mod, mutated):
 
 
 @pytest.mark.parametrize("target, part, drop, add, other", [
-    ("fedpop", "fedpop_evo", "x_cos_anneal", "xǁTunerǁfedex_update", "fedpop_fedex"),
+    ("fedpop", "fedpop_evo", "x_cos_anneal", "xǁFedPopǁslot_vectors", "fedpop_fedex"),
     ("fedbip", "fedbip_rest", "xǁFedBiPǁsave_grid", "xǁFedBiPǁreal_images", "fedbip_concepts")])
 def test_check_parts_names_a_function_left_out_and_one_in_two_parts(mod, mutated, monkeypatch, target, part, drop,
                                                                     add, other):

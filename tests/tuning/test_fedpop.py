@@ -10,7 +10,7 @@ from scipy import stats
 
 from hfpfl.algorithms import get_algorithm
 from hfpfl.algorithms.base import MODEL, weighted_average
-from hfpfl.tuning import Tuner, TunerArguments, cos_anneal, eq5_score, eq5_weights, quantile_sets
+from hfpfl.tuning import FedEx, SuccessiveHalving, Tuner, TunerArguments, cos_anneal, eq5_score, eq5_weights, quantile_sets
 from hfpfl.tuning import search_space as ss
 
 
@@ -289,7 +289,7 @@ def test_fedex_exponentiated_gradient_steps_by_hand():
 
     m = SimpleNamespace(fedex={"configs": [{}] * 4, "theta": [0.25] * 4, "baseline": None, "t": 0})
     m.fedex["picks"] = [0, 1, 2]
-    Tuner.fedex_update(None, m, [0.5, 2.0, 1.0])
+    FedEx.fedex_update(None, m, [0.5, 2.0, 1.0])
     eta = math.sqrt(2 * math.log(4))
     w = [0.25 * math.exp(-eta * g / (5 / 6)) for g in (-8 / 9, 10 / 9, -2 / 9, 0.0)]
     th1 = [x / sum(w) for x in w]
@@ -297,7 +297,7 @@ def test_fedex_exponentiated_gradient_steps_by_hand():
     assert m.fedex["baseline"] == pytest.approx(7 / 6) and m.fedex["t"] == 1
     assert th1[0] > th1[2] > th1[3] > th1[1]
     m.fedex["picks"] = [3, 3, 0]
-    Tuner.fedex_update(None, m, [1.0, 1.0, 4.0])
+    FedEx.fedex_update(None, m, [1.0, 1.0, 4.0])
     g = [(17 / 6) / (3 * th1[0]), 0.0, 0.0, 2 * (-1 / 6) / (3 * th1[3])]
     w = [th1[j] * math.exp(-eta / math.sqrt(2) * g[j] / (17 / 6)) for j in range(4)]
     assert m.fedex["theta"] == pytest.approx([x / sum(w) for x in w], rel=1e-12)
@@ -307,7 +307,7 @@ def test_fedex_exponentiated_gradient_steps_by_hand():
 def test_sha_schedule_27_9_3_within_budget():
     from types import SimpleNamespace
 
-    sched = Tuner.sha_schedule(SimpleNamespace(t=TunerArguments(tuner="sha"), budget=120))
+    sched = SuccessiveHalving.sha_schedule(SimpleNamespace(t=TunerArguments(tuner="sha"), budget=120))
     assert [n for n, _ in sched] == [27, 9, 3]
     assert sum(n * r for n, r in sched) <= 120 and sum(n * r for n, r in sched) > 120 - 3
     assert sched[-1][1] > sched[0][1]  # survivors train longer: the budget per stage is about R_t / 3

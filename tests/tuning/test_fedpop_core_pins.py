@@ -1,5 +1,5 @@
 """FedPop's population steps pinned by hand without running a simulation (dissertation ch. 4, Algorithm 1 and
-Eq. 3-5; FedEx, Khodak et al. 2021): the tuner is built bare (``Tuner.__new__``) around stand-in members whose
+Eq. 3-5; FedEx, Khodak et al. 2021): the tuner is built bare (``tuner_class(name).__new__``) around stand-in members whose
 simulations are a single tensor, and ``ss.evo`` / ``ss.project_ball`` are replaced by spies where the test pins what
 they are called with. Pinned: the annealing schedule, the quantile sets, Eq. 5's weights, the state copy, FedPop-L's
 window / eps / p_re / donors, FedPop-G's exploit and explore, FedEx's slot draws and its 2-configuration step, the
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from hfpfl.config import RunArguments
-from hfpfl.tuning import Tuner, TunerArguments
-from hfpfl.tuning import fedpop as fp
+from hfpfl.tuning import FedEx, Member, TunerArguments, tuner_class
+from hfpfl.tuning import checkpoint as ck
 from hfpfl.tuning import search_space as ss
-from hfpfl.tuning.fedpop import Member, clone_state, cos_anneal, eq5_score, eq5_weights, quantile_sets
+from hfpfl.tuning.fedpop import clone_state, cos_anneal, eq5_score, eq5_weights, quantile_sets
 
 SPACE = {"server": {"server_lr": {"type": "log10", "low": -1.0, "high": 1.0}},
          "client": {"lr": {"type": "log10", "low": -3.0, "high": -1.0},
@@ -58,7 +58,8 @@ class FakeSim:
 
 
 def bare(tuner="fedpop", space=SPACE, T_g=2, horizon=12, rng=None, **targs):
-    t = Tuner.__new__(Tuner)
+    cls = tuner_class(tuner)
+    t = cls.__new__(cls)
     t.t = TunerArguments(tuner=tuner, **targs)
     t.space = ss.SearchSpace(space)
     t.T_g, t.horizon, t.R_c = T_g, horizon, horizon
@@ -275,7 +276,7 @@ def test_fedex_slot_draws_follow_theta_and_fedpop_slots_are_drawn_in_the_box_onc
     t = bare(tuner="fedex")
     m = member(0)
     m.fedex = {"configs": [{"lr": -1.0}, {"lr": -2.0}, {"lr": -3.0}], "theta": [1.0, 1.0, 2.0]}
-    assert t._slot_vectors(m, [4, 7]) == [{"lr": -3.0}, {"lr": -3.0}]
+    assert t.slot_vectors(m, [4, 7]) == [{"lr": -3.0}, {"lr": -3.0}]
     assert t.rng.calls == [(3, [0.25, 0.25, 0.5])] * 2 and m.fedex["picks"] == [2, 2]
     drawn = []
 
@@ -287,15 +288,15 @@ def test_fedex_slot_draws_follow_theta_and_fedpop_slots_are_drawn_in_the_box_onc
     monkeypatch.setattr(ss, "sample_ball", sample_ball)
     t = bare(tuner="fedpop_sha", delta=0.35)
     m = member(0)
-    assert t._slot_vectors(m, [1, 2, 3]) == [{"slot": 0}, {"slot": 1}, {"slot": 2}]
+    assert t.slot_vectors(m, [1, 2, 3]) == [{"slot": 0}, {"slot": 1}, {"slot": 2}]
     assert drawn == [(m.beta0, 3, ["lr", "local_epochs"], 0.35)]
     m.betas[1] = {"slot": "kept"}
-    assert t._slot_vectors(m, [5, 6, 8])[1] == {"slot": "kept"} and len(drawn) == 1
-    assert t._slot_vectors(m, [5, 6]) == [{"slot": 0}, {"slot": 1}] and len(drawn) == 2
+    assert t.slot_vectors(m, [5, 6, 8])[1] == {"slot": "kept"} and len(drawn) == 1
+    assert t.slot_vectors(m, [5, 6]) == [{"slot": 0}, {"slot": 1}] and len(drawn) == 2
     for tuner, kw in (("rs", {}), ("sha", {}), ("fedpop", {"fedpop_l": False})):
         t = bare(tuner=tuner, **kw)
         m = member(0)
-        assert t._slot_vectors(m, [1, 2]) == [m.beta0, m.beta0] and m.betas is None
+        assert t.slot_vectors(m, [1, 2]) == [m.beta0, m.beta0] and m.betas is None
     assert len(drawn) == 2
 
 
@@ -304,13 +305,13 @@ def test_fedex_with_two_configurations_steps_by_hand():
     = the mean 2: d = (-1, 1, 0), scale 1, g = (-1 / (3 / 2), 1 / (3 / 2)) = (-2/3, 2/3). Round 2: baseline 2,
     pick 0 with loss 2.5: d = 0.5 = scale, g_0 = 0.5 / theta_0."""
     m = SimpleNamespace(fedex={"configs": [{}, {}], "theta": [0.5, 0.5], "baseline": None, "t": 0, "picks": [0, 1, 1]})
-    Tuner.fedex_update(None, m, [1.0, 3.0, 2.0])
+    FedEx.fedex_update(None, m, [1.0, 3.0, 2.0])
     eta = math.sqrt(2 * math.log(2))
     w = [0.5 * math.exp(-eta * (-2 / 3)), 0.5 * math.exp(-eta * (2 / 3))]
     th = [x / sum(w) for x in w]
     assert m.fedex["theta"] == pytest.approx(th, rel=1e-12) and m.fedex["baseline"] == 2.0 and m.fedex["t"] == 1
     m.fedex["picks"] = [0]
-    Tuner.fedex_update(None, m, [2.5])
+    FedEx.fedex_update(None, m, [2.5])
     w = [th[0] * math.exp(-eta / math.sqrt(2) * (0.5 / th[0]) / 0.5), th[1]]
     assert m.fedex["theta"] == pytest.approx([x / sum(w) for x in w], rel=1e-12) and m.fedex["baseline"] == 2.5
 
@@ -322,13 +323,13 @@ def test_fedex_keeps_theta_finite_and_floored_when_a_configuration_collapses():
     logit drops by sqrt(2 ln 3) 4e6, exp underflows to 0 and the floor puts it back at 1e-12 of the normalised
     (1/2, 1/2, 0), which is normalised once more: it sums to 1."""
     m = SimpleNamespace(fedex={"theta": [1e-12, 1 - 1e-12], "baseline": None, "t": 0, "picks": [0, 1]})
-    Tuner.fedex_update(None, m, [0.0, 1.0])
+    FedEx.fedex_update(None, m, [0.0, 1.0])
     th = m.fedex["theta"]
     assert all(math.isfinite(x) for x in th)
     assert th == pytest.approx([1 / (1 + 1e-12), 1e-12 / (1 + 1e-12)], rel=1e-9, abs=0)
     half = (1 - 1e-6) / 2
     m = SimpleNamespace(fedex={"theta": [half, half, 1e-6], "baseline": 1.0, "t": 0, "picks": [2]})
-    Tuner.fedex_update(None, m, [5.0])
+    FedEx.fedex_update(None, m, [5.0])
     th = m.fedex["theta"]
     assert th[2] == pytest.approx(1e-12 / (1 + 1e-12), rel=1e-9, abs=0)
     assert th[0] == th[1] == pytest.approx(0.5 / (1 + 1e-12), rel=1e-12)
@@ -433,5 +434,5 @@ def test_load_without_a_file_and_with_other_settings(tmp_path):
 
 
 def test_tuplify_turns_nested_lists_into_tuples():
-    assert fp._tuplify([[["a", 1.0]], [("b", [2.0])]]) == ((("a", 1.0),), (("b", (2.0,)),))
-    assert fp._tuplify(3) == 3 and fp._tuplify("ab") == "ab"
+    assert ck._tuplify([[["a", 1.0]], [("b", [2.0])]]) == ((("a", 1.0),), (("b", (2.0,)),))
+    assert ck._tuplify(3) == 3 and ck._tuplify("ab") == "ab"

@@ -15,10 +15,11 @@ import torch
 from hfpfl.algorithms import get_algorithm
 from hfpfl.federated.context import NonFiniteError
 from hfpfl.federated.state import MODEL
-from hfpfl.tuning import Tuner, TunerArguments
-from hfpfl.tuning import fedpop as fp
+from hfpfl.tuning import Member, Tuner, TunerArguments, tuner_class
+from hfpfl.tuning import base as tb
 from hfpfl.tuning import search_space as ss
-from hfpfl.tuning.fedpop import Member
+from hfpfl.tuning.scoring import ValidationScorer
+from hfpfl.tuning.sha import SHAStages
 
 SPACE = {"server": {"server_lr": {"type": "log10", "low": -1.0, "high": 1.0}},
          "client": {"lr": {"type": "log10", "low": -3.0, "high": -1.0},
@@ -26,7 +27,8 @@ SPACE = {"server": {"server_lr": {"type": "log10", "low": -1.0, "high": 1.0}},
 
 
 def bare(tuner="fedpop", space=SPACE, **targs):
-    t = Tuner.__new__(Tuner)
+    cls = tuner_class(tuner)
+    t = cls.__new__(cls)
     t.t = TunerArguments(tuner=tuner, **targs)
     t.space = ss.SearchSpace(space)
     t.run_args = SimpleNamespace(method="fedavg")
@@ -131,7 +133,7 @@ def test_a_member_that_diverges_scores_1e6_from_then_on_and_trains_no_more(caplo
     assert m.diverged == 3 and m.scores == {} and m.hist == [1e6] and m.curve == [(3, 1e6)]
     assert t.member_round(m) == [1e6] * 3 and len(sim.steps) == 1
     assert (m.rounds, t.rounds_used, t.loc_calls) == (2, 2, 6) and seen == []
-    assert fp.DIVERGED == 1e6
+    assert tb.DIVERGED == 1e6
 
 
 def test_member_round_logs_each_members_score_and_vectors_to_the_tracker():
@@ -187,6 +189,54 @@ def test_the_score_wrapper_evaluates_the_uploaded_model_on_the_clients_val_split
     log.clear()
     algo.client_update(4, "down", None, 5)
     assert [e[0] for e in log] == ["update", "evaluate"] and m.scores == {3: 2.0, 4: 2.0}
+    assert algo.local_update == "own"   # the scorer reads each client's model: clients train one by one
+
+
+def test_the_validation_scorer_as_a_callback_scores_its_member():
+    """ValidationScorer.after_client_update(sim, client_id, update), called on its own (as a simulation callback
+    calls it): loads the uploaded model part into the member's context, evaluates ctx.model on the client's val
+    split and records the loss as a float under the client id; an update without a model part is not loaded."""
+    log = []
+
+    class Ctx:
+        model = "ctx-model"
+
+        def load(self, x):
+            log.append(("load", x))
+
+        def val_data(self, cid):
+            return f"val{cid}"
+
+        def evaluate(self, model, data):
+            log.append(("evaluate", model, data))
+            return {"loss": 3, "accuracy": 0.5}
+
+    m = _member(StepSim({}))
+    sim = SimpleNamespace(algorithm=SimpleNamespace(ctx=Ctx()))
+    scorer = ValidationScorer(m)
+    assert scorer.member is m
+    scorer.after_client_update(sim, 2, SimpleNamespace(upload={MODEL: "w_2"}))
+    scorer.after_client_update(sim, 5, SimpleNamespace(upload={"deltas": 1}))
+    assert log == [("load", "w_2"), ("evaluate", "ctx-model", "val2"), ("evaluate", "ctx-model", "val5")]
+    assert m.scores == {2: 3.0, 5: 3.0} and type(m.scores[2]) is float
+
+
+def test_each_tuner_name_builds_its_registered_class():
+    """The registry holds one class per --tuner name; Tuner(...) builds the class targs.tuner names (targs given by
+    position or keyword); the SHA-wrapped tuners are FedPop / FedEx with SHA's stages."""
+    from hfpfl.tuning import REGISTRY, TUNERS, FedEx, FedPop, RandomSearch, SuccessiveHalving
+    from hfpfl.tuning.sha import FedExSHA, FedPopSHA, SHAWrapper
+
+    assert REGISTRY == {"fedpop": FedPop, "rs": RandomSearch, "sha": SuccessiveHalving, "fedex": FedEx,
+                        "fedpop_sha": FedPopSHA, "fedex_sha": FedExSHA} and set(REGISTRY) == set(TUNERS)
+    for name, cls in REGISTRY.items():
+        assert cls.name == name and tuner_class(name) is cls
+        assert type(Tuner.__new__(Tuner, "run", "data", "cfg", TunerArguments(tuner=name))) is cls
+        assert type(Tuner.__new__(Tuner, "run", "data", "cfg", targs=TunerArguments(tuner=name))) is cls
+    assert issubclass(FedPopSHA, FedPop) and issubclass(FedPopSHA, SHAWrapper) and issubclass(FedExSHA, FedEx)
+    assert (FedPop.resume_unit, SuccessiveHalving.resume_unit, FedExSHA.resume_unit) == ("round", "stage", "stage")
+    with pytest.raises(ValueError, match=r"^--tuner 'grid' is not one of \('fedpop', 'rs'"):
+        tuner_class("grid")
 
 
 def test_apply_method_hparams_sets_the_members_config():
@@ -223,7 +273,7 @@ def test_run_trains_every_member_each_round_fires_fedpop_g_every_T_g_and_saves(m
     rounds 2, 4 and 5 (the last); then finish with the wall time (a clock reading 100 s, then 112.5 s: 12.5 s)."""
     t, log = _loop_tuner()
     clock = iter([100.0, 112.5])
-    monkeypatch.setattr(fp.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(tb.time, "perf_counter", lambda: next(clock))
     walls = []
     t.finish = lambda wall: (walls.append(wall), log.append(("finish", True)), {"done": True})[2]
     assert t.run() == {"done": True} and walls == [12.5]
@@ -258,7 +308,7 @@ def test_run_resumes_after_the_saved_round_and_dispatches_the_sha_tuners():
 
 # ------------------------------------------------------------------------------------------------ SHA
 def _schedule(budget, **targs):
-    return Tuner.sha_schedule(SimpleNamespace(t=TunerArguments(tuner="sha", **targs), budget=budget))
+    return SHAStages.sha_schedule(SimpleNamespace(t=TunerArguments(tuner="sha", **targs), budget=budget))
 
 
 def test_sha_schedule_by_hand():
@@ -325,7 +375,8 @@ def build(tiny_fed, tmp_path):
 
     da, fed = tiny_fed
 
-    def _make(method="fedavg", out="t", space=TINY_SPACE, run_kw=None, method_kw=None, fed_data=fed, **tkw):
+    def _make(method="fedavg", out="t", space=TINY_SPACE, run_kw=None, method_kw=None, fed_data=fed, cls=Tuner,
+              **tkw):
         import yaml
 
         ra = RunArguments(method=method, model="tiny-mlp", output_dir=str(tmp_path / out),
@@ -334,8 +385,8 @@ def build(tiny_fed, tmp_path):
         kw.update(tkw)
         p = tmp_path / f"{out}_space.yaml"
         p.write_text(yaml.safe_dump(space))
-        return Tuner(ra, da, get_algorithm(method).Config(**(method_kw or {})), TunerArguments(search_space=str(p), **kw),
-                     fed_data=fed_data)
+        return cls(ra, da, get_algorithm(method).Config(**(method_kw or {})), TunerArguments(search_space=str(p), **kw),
+                   fed_data=fed_data)
 
     return _make
 
@@ -370,7 +421,8 @@ def test_the_population_is_built_with_its_budget_horizon_and_members(build, tmp_
         want_beta = {"dropout": g.uniform(0.0, 0.5), "local_epochs": int(g.integers(3)), "lr": g.uniform(-2.5, -0.5)}
         assert m.alpha == want_alpha and m.beta0 == want_beta and m.mhp == {} and m.fedex is None
         wrapper = vars(m.sim.algorithm)["client_update"]   # the scorer, installed on this member's algorithm
-        assert any(c.cell_contents is m for c in wrapper.__closure__)
+        scorers = [c.cell_contents for c in wrapper.__closure__ if isinstance(c.cell_contents, ValidationScorer)]
+        assert [s.member for s in scorers] == [m]
     assert t.rng.random() == g.random()   # nothing else drawn
 
 
@@ -412,6 +464,16 @@ def test_fedex_members_get_their_configurations_in_the_box(build, monkeypatch):
         assert (m.fedex["theta"], m.fedex["baseline"], m.fedex["t"]) == ([0.25] * 4, None, 0)
         assert all(ss.in_ball(c, m.beta0, t.space.client, 0.3) for c in m.fedex["configs"])
     assert len(drawn) == 2
+
+
+def test_a_tuner_class_built_directly_records_its_own_name(build):
+    """FedEx(...) with tuner arguments naming another tuner (the default, fedpop) runs as FedEx and records "fedex"
+    (in the fingerprint, hence results and checkpoint)."""
+    from hfpfl.tuning import FedEx
+
+    t = build(cls=FedEx, population_size=1, fedex_configs=2)
+    assert type(t) is FedEx and t.t.tuner == "fedex" and t.fingerprint()["tuner"]["tuner"] == "fedex"
+    assert len(t.members[0].fedex["configs"]) == 2
 
 
 def test_the_space_is_fitted_once_with_the_models_dropout_and_method_hparams_are_drawn(build, monkeypatch):

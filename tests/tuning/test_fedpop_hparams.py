@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from hfpfl.algorithms import REGISTRY, get_algorithm, load_builtin_methods
-from hfpfl.tuning import Tuner, TunerArguments
+from hfpfl.tuning import SuccessiveHalving, Tuner, TunerArguments
 from hfpfl.tuning import search_space as ss
 
 ALL_SERVER = {"server_lr", "server_momentum", "server_lr_decay"}
@@ -167,7 +167,7 @@ def test_an_sha_budget_too_small_for_its_stages_is_refused_in_one_line(tmp_path,
     assert "--sha_start 4 needs 6 rounds" in err[0] and "is 4" in err[0] and "raise --rounds_per_member" in err[0]
     assert not out.exists()
     targs = TunerArguments(tuner=tuner, sha_start=4, sha_eta=2, population_size=2, rounds_per_member=3)
-    assert Tuner.sha_schedule(SimpleNamespace(t=targs, budget=6)) == [(4, 1), (2, 1)]   # 4 + 2 = 6 <= 6
+    assert SuccessiveHalving.sha_schedule(SimpleNamespace(t=targs, budget=6)) == [(4, 1), (2, 1)]   # 4 + 2 = 6 <= 6
 
 
 def test_recipe_runs_fedpop_over_scaffold_with_the_default_space(tmp_path):

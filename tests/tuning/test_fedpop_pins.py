@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from hfpfl.algorithms import get_algorithm
 from hfpfl.algorithms.base import MODEL
-from hfpfl.tuning import Tuner, TunerArguments
+from hfpfl.tuning import FedPopSHA, Tuner, TunerArguments
 from hfpfl.tuning import search_space as ss
 
 CLIENT_SPACE = {"lr": {"type": "log10", "low": -2.5, "high": -0.5},
@@ -271,7 +271,7 @@ def test_fedpop_sha_resumed_after_its_first_stage_trains_only_the_later_stages()
     lower Eq. 5 score of those four rounds."""
     from types import SimpleNamespace
 
-    t = Tuner.__new__(Tuner)
+    t = FedPopSHA.__new__(FedPopSHA)
     t.t = TunerArguments(tuner="fedpop_sha", sha_start=4, sha_eta=2, gamma_g=0.5)
     t.budget, t.T_g, t.round, t.events = 16, 3, 1, []
     t.members = [SimpleNamespace(idx=i, alive=i < 2, hist=[], stage_hist=[9.0]) for i in range(4)]

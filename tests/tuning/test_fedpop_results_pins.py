@@ -15,10 +15,9 @@ from hfpfl.config import RunArguments
 from hfpfl.data import DataArguments
 from hfpfl.federated.context import NonFiniteError
 from hfpfl.federated.state import MODEL
-from hfpfl.tuning import Tuner, TunerArguments
-from hfpfl.tuning import fedpop as fp
+from hfpfl.tuning import Member, TunerArguments, tuner_class
+from hfpfl.tuning import results as fp
 from hfpfl.tuning import search_space as ss
-from hfpfl.tuning.fedpop import Member
 
 SPACE = {"server": {"server_lr": {"type": "log10", "low": -1.0, "high": 1.0}},
          "client": {"lr": {"type": "log10", "low": -3.0, "high": -1.0},
@@ -27,7 +26,8 @@ SPACE = {"server": {"server_lr": {"type": "log10", "low": -1.0, "high": 1.0}},
 
 
 def bare(tmp_path, tuner="fedpop", main=True, **targs):
-    t = Tuner.__new__(Tuner)
+    cls = tuner_class(tuner)
+    t = cls.__new__(cls)
     t.t = TunerArguments(tuner=tuner, **targs)
     t.space = ss.SearchSpace(SPACE)
     t.run_args = RunArguments(method="fedprox", output_dir=str(tmp_path / "out"), momentum=0.3, weight_decay=0.01)
