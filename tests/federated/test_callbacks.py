@@ -73,9 +73,9 @@ def _ds(xs, ys):
     return Dataset.from_dict({"pixel_values": xs, "labels": ys}).with_format("torch")
 
 
-def _sim(tmp_path, callbacks=None, **kw):
+def _sim(tmp_path, callbacks=None, with_val=False, **kw):
     data = [([[1.0, 0.0], [0.0, 2.0]], [1.0, 0.0]), ([[2.0, 1.0], [1.0, 1.0], [0.0, 1.0]], [0.0, 1.0, 2.0])]
-    clients = [ClientData(i, _ds(*d), _ds(*d)) for i, d in enumerate(data)]
+    clients = [ClientData(i, _ds(*d), _ds(*d), _ds(*d) if with_val else None) for i, d in enumerate(data)]
     fed = FederatedData(clients, [], _ds(*data[0]), None, 1, ["y"], 1, 1)
     run = dict(method="test_callback_toy", num_rounds=1, batch_size=8, lr=0.1, momentum=0.0, progress=False,
                checkpoint_every=0, overwrite_output_dir=True, output_dir=str(tmp_path / "run"))
@@ -133,6 +133,36 @@ def test_after_client_update_sees_each_uploads_one_sgd_step_and_after_round_the_
     assert metrics["round"] == 1 and metrics["clients"] == [0, 1]
     assert metrics["train_loss"] == pytest.approx(3.325, abs=1e-6)
     assert rec.events[4] == ("end", results)
+
+
+class ValidationScorer(Callback):
+    needs_each_client = True
+
+    def __init__(self, scores: dict):
+        self.scores = scores
+
+    def after_client_update(self, sim, client_id, update):
+        if MODEL in update.upload:   # score the model as uploaded
+            sim.ctx.load(update.upload[MODEL])
+        self.scores[client_id] = float(sim.ctx.evaluate(sim.model, sim.ctx.val_data(client_id))["loss"])
+
+
+def test_a_tuners_validation_scorer_is_a_callback(tmp_path):
+    """FedPop's score of a client's update (the uploaded model's loss on the client's validation split, here its own
+    data) as a callback, by hand from the one-step weights: client 0, pred (1.93875, -0.345), squared error
+    (0.93875^2 + 0.345^2) / 2 = 0.50013828125; client 1, pred (1.45, 0.19, -1.07), (1.45^2 + 0.81^2 + 3.07^2) / 3 =
+    12.1835 / 3. The run's numbers are those of a run without it."""
+    scores = {}
+    sim = _sim(tmp_path, callbacks=[ValidationScorer(scores)], num_rounds=2, with_val=True)
+    sim.run()
+    plain = _sim(tmp_path, num_rounds=2, with_val=True, output_dir=str(tmp_path / "plain"))
+    plain.run()
+    assert sorted(scores) == [0, 1]                     # round 2's scores replaced round 1's
+    assert plain.history == sim.history
+    first = {}
+    again = _sim(tmp_path, callbacks=[ValidationScorer(first)], with_val=True, output_dir=str(tmp_path / "first"))
+    again.run()
+    assert first == pytest.approx({0: 0.50013828125, 1: 12.1835 / 3}, abs=1e-6)
 
 
 def test_after_client_update_is_not_called_without_the_declaration(tmp_path, monkeypatch):
