@@ -15,18 +15,23 @@ from .state import MODEL
 logger = logging.getLogger("hfpfl")
 
 
-def personal_models(sim, client_ids, server_state: dict, round_idx: int):
+def personal_models(sim, client_ids, server_state: dict, round_idx: int, *, skip_unchanged_loads: bool = False):
     """Yield ``(client_id, model)``: each client's personal model in turn, as every evaluation of ``sim`` sees it.
 
     For each client: torch's generator seeded with ``seed_for(round_idx, client, "eval")`` (a personal model that
     trains, FedAvg+FT's fine-tuning, comes out the same in every evaluation of that round), the client's stored
-    private model keys loaded (the initial ones for a client never trained, so nothing of the previous client
-    stays), then the method's ``load_personal``. The model is the simulation's one model: use it before taking the
-    next. While the generator runs, a load of a tensor unchanged since the previous client is skipped
-    (:func:`~hfpfl.federated.state.load_into`'s memo: version counters, so training between clients is safe)."""
+    private model keys loaded (the initial ones for a client never trained), then the method's ``load_personal``. The model is the simulation's one model: use it before taking the
+    next.
+
+    ``skip_unchanged_loads``: while the generator runs, skip copying a tensor whose source and model tensor kept
+    their version counters since the previous client (:func:`~hfpfl.federated.state.load_into`'s memo; the run's
+    evaluation, where the same global tensors are loaded for every client). BatchNorm's running statistics,
+    updated in place by a personal model that trains at load (FedAvg+FT's fine-tuning), do not bump their counter:
+    with the memo that client's statistics stay for the next, so only the run's evaluation, whose recorded
+    numbers were made with it, passes True."""
     algo = sim.algorithm
     outer = sim._load_memo
-    sim._load_memo = {} if outer is None else outer
+    sim._load_memo = {} if skip_unchanged_loads else None
     try:
         for cid in client_ids:
             sim.seed_torch(sim.seed_for(round_idx, cid, "eval"))
@@ -57,7 +62,7 @@ class Evaluator:
         return res
 
     def personal_models(self, client_ids, server_state: dict, round_idx: int):
-        """:func:`personal_models` of this simulation."""
+        """:func:`personal_models` of this simulation (every tensor loaded for each client)."""
         return personal_models(self.sim, client_ids, server_state, round_idx)
 
     def client_ids(self, round_idx: int, final: bool = False) -> list[int]:
@@ -95,7 +100,7 @@ class Evaluator:
                                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 self.sim._vector_failed = True
                 rows = []
-        for cid, model in personal_models(self.sim, ids, server_state, round_idx):
+        for cid, model in personal_models(self.sim, ids, server_state, round_idx, skip_unchanged_loads=True):
             res = self.score(model, self.sim.test_data(cid), f"client {cid}'s model")
             rows.append((cid, res["accuracy"], res["num_samples"]))
         rows = sorted(all_gather(rows, acc))

@@ -219,7 +219,7 @@ def test_metrics_file_is_rewritten_whole_after_a_state_is_loaded(tmp_path):
 def test_personal_models_seed_load_the_private_state_then_the_methods_model(tmp_path):
     """Each client in turn: torch seeded with its round's 'eval' seed, its stored private model keys loaded (the
     initial ones for a client with no stored state), then ``load_personal(client, state, its stored state, round)``;
-    the loaded-tensor memo lives only while the generator runs."""
+    the loaded-tensor memo lives only while the generator runs, and only where asked for (the run's evaluation)."""
     calls = []
     sim = _sim(tmp_path)
     sim.store.put(1, {MODEL: {"p": torch.tensor([7.0])}})
@@ -230,9 +230,12 @@ def test_personal_models_seed_load_the_private_state_then_the_methods_model(tmp_
         or f"model{cid}"
     got = []
     for cid, model in personal_models(sim, [1, 0], "S", 4):
-        assert sim._load_memo == {}
+        assert sim._load_memo is None
         got.append((cid, model))
+    assert [m for _, m in personal_models(sim, [0], "S", 4, skip_unchanged_loads=True) if sim._load_memo == {}] \
+        == ["model0"]
     assert sim._load_memo is None
+    calls[:] = calls[:6]
     assert got == [(1, "model1"), (0, "model0")]
     private1 = sim.store.get(1)
     assert calls == [("seed", sim.seed_for(4, 1, "eval")), ("load", {"p": [7.0]}), ("personal", 1, "S", private1, 4),
