@@ -147,14 +147,6 @@ def config_for_file(*configs) -> dict:
     return flat
 
 
-def check_run_against_data(run, fed) -> None:
-    """Checks that need the built federated dataset (the number of clients)."""
-    n = len(fed.clients)
-    if run.clients_per_round is not None and run.clients_per_round > n:
-        raise ValueError(f"--clients_per_round {run.clients_per_round} is more than the {n} training clients; pass "
-                         f"--clients_per_round {n} or less (or raise --num_clients)")
-
-
 def warn_random_backbone(run) -> bool:
     """Adapters on a frozen, randomly initialised backbone train on noise features: say so loudly (once per run),
     unless --random_backbone_ok. Returns True when it warned."""

@@ -51,13 +51,8 @@ def label_weighted_metrics(sim) -> dict:
     from hfpfl.data.benchmarks import label_weighted_accuracy
     fed, algo, n = sim.data, sim.algorithm, sim.num_clients
     out = {}
-    accs = []
-    for i, c in enumerate(fed.clients):
-        sim.seed_torch(sim.seed_for(sim.round, i, "eval"))
-        private = sim.store.get(i)
-        sim.ctx.load((private or {}).get("model") or sim.initial_private)
-        accs.append(label_weighted_accuracy(algo.load_personal(i, sim.server_state, private, sim.round), c,
-                                            fed.num_labels))
+    accs = [label_weighted_accuracy(model, fed.clients[i], fed.num_labels)
+            for i, model in sim.evaluator.personal_models(range(n), sim.server_state, sim.round)]
     out["personal_accuracy_lw"] = float(np.mean(accs))
 
     def new_clients(adapt: bool) -> float:

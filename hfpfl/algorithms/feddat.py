@@ -280,9 +280,8 @@ class FedDAT(VQAAdapter):
         """Table 4's inference rows: per-client accuracy with A_s (default), DAT (Â_s = the final global A_s, + A_c)
         and A_c alone."""
         rows = []
-        for cid in self.ctx.owned(range(self.ctx.num_clients)):
-            private = self.ctx.private_state(cid)
-            self.load_personal(cid, server_state, private, self.ctx.round)
+        for cid, _ in self.ctx.personal_models(self.ctx.owned(range(self.ctx.num_clients)), server_state,
+                                               self.ctx.round):
             self.model.copy_shared_to_frozen()
             accs = {}
             for mode in ("shared", "dat", "local"):

@@ -259,9 +259,8 @@ def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, s
     sim = algo.ctx
     kind, severity = parse_corruption(spec)
     rows = []
-    for cid in sim.owned(range(sim.num_clients)):
-        torch.manual_seed(sim.seed_for(round_idx, cid, "eval"))  # same personal model as the clean evaluation
-        model = algo.load_personal(cid, server_state, sim.private_state(cid), round_idx)
+    # each personal model as the clean evaluation builds it (the same seed, the client's private state)
+    for cid, model in sim.personal_models(sim.owned(range(sim.num_clients)), server_state, round_idx):
         sev = client_severity(cid) if severity is None else severity
         res = evaluate(model, corrupted_test_data(sim, cid, kind, sev), batch_size=sim.run.eval_batch_size,
                        device=sim.device)

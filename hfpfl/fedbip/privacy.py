@@ -3,7 +3,8 @@
 * Membership-inference gap (Yeom et al. 2018; Salem et al. 2018), as the paper's Table 4: the difference between the final
   model's average cross-entropy loss (and average prediction entropy) on *members* (the clients' real train images)
   and on *non-members* (the clients' real test images). Smaller is better. Each client is evaluated with the model
-  the method gives it (``algo.load_personal``), so the same function measures FedBiP, FedAvg and Local-only.
+  the method gives it, built as the run's evaluation builds it (``ctx.personal_models``), so the same function
+  measures FedBiP, FedAvg and Local-only.
   FedBiP's classifier never saw a member image; FedAvg's trained on them.
 * Nearest-neighbour distance from every synthetic image to the closest real *train* image of the client whose upload
   produced it (RMS pixel distance in [-1, 1], at the classifier resolution): mean and min. As a scale reference, the
@@ -49,10 +50,8 @@ def membership_inference_gap(algo, server_state, round_idx: int) -> dict:
 
     sim = algo.ctx
     mine = []
-    for cid in sim.owned(range(sim.num_clients)):
-        if not len(sim.client(cid).test):
-            continue
-        model = algo.load_personal(cid, server_state, sim.private_state(cid), round_idx)
+    scored = [cid for cid in sim.owned(range(sim.num_clients)) if len(sim.client(cid).test)]
+    for cid, model in sim.personal_models(scored, server_state, round_idx):
         ml, me = loss_and_entropy(model, sim.train_data(cid), sim.run.eval_batch_size, sim.device)
         nl, ne = loss_and_entropy(model, sim.test_data(cid), sim.run.eval_batch_size, sim.device)
         mine.append((cid, (ml, me, nl, ne)))

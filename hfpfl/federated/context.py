@@ -127,7 +127,8 @@ class MethodContext:
     ``hparams(i)`` (client i's this round), ``server_hparams()``, ``train(...)``, ``evaluate(model, data)``,
     ``metric()``, ``generator(round, i, tag)``, ``seed_for(round, i, tag)``, ``backward(loss)``.
     Several processes: ``is_main_process``, ``process_index``, ``owned(clients)``, ``gather(items)``,
-    ``private_state(i)``; ``output_dir`` for artefacts (grids, adapters)."""
+    ``private_state(i)``; ``output_dir`` for artefacts (grids, adapters).
+    Evaluation: ``personal_models(clients, server_state, round)``, each client's personal model as the run scores it."""
 
     def __init__(self, sim: "Simulation"):
         self._sim = sim
@@ -290,6 +291,11 @@ class MethodContext:
 
     def private_state(self, client_id: int) -> Parts | None:
         return self._sim.store.get(client_id)
+
+    def personal_models(self, client_ids, server_state: Parts, round_idx: int):
+        """``(client_id, model)`` for each client, each personal model built as the run's evaluation builds it
+        (seeded, the client's private state loaded: :func:`hfpfl.federated.evaluation.personal_models`)."""
+        return self._sim.evaluator.personal_models(client_ids, server_state, round_idx)
 
     @property
     def output_dir(self):

@@ -17,13 +17,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
-from tqdm.auto import tqdm
 
-from .. import tracking
 from ..runtime import configure_determinism
 from ..training import TensorData
 from . import checkpoint as ckpt
 from . import results, seeding
+from .callbacks import Callback, default_callbacks
 from .comm import CommLedger
 from .context import HParams, MethodContext, ServerHParams
 from .distributed import Ownership, barrier
@@ -49,10 +48,13 @@ class Simulation:
     are folded into running sums as they arrive and dropped (O(model) memory for any number of clients).
     ``recipe_settings`` are a recipe's own options that shape ``fed_data`` (e.g. FedPCE's ``--levels``): they join
     the resume fingerprint, so a checkpoint is never continued on differently built data.
+    ``callbacks`` run after :func:`~hfpfl.federated.callbacks.default_callbacks` (the run's files and log lines,
+    checkpoints, trackers, progress bar) at each moment of the run; ``sim.callbacks`` is the whole list.
     """
 
     def __init__(self, run_args, data_args=None, method_config=None, *, fed_data=None,
-                 accelerator: Accelerator | None = None, keep_uploads: bool = False, recipe_settings: dict | None = None):
+                 accelerator: Accelerator | None = None, keep_uploads: bool = False, recipe_settings: dict | None = None,
+                 callbacks: list[Callback] | None = None):
         if not run_args.output_dir:  # default: outputs/<method>-<timestamp>, the same on every process
             from ..runtime import resolve_output_dir
             run_args = dataclasses.replace(run_args, output_dir=resolve_output_dir(None, run_args.method))
@@ -60,6 +62,7 @@ class Simulation:
         self.data_args = data_args
         self.keep_uploads = keep_uploads
         self.recipe_settings = dict(recipe_settings or {})
+        self.callbacks: list[Callback] = [*default_callbacks(), *(callbacks or [])]
         log_with = None if run_args.report_to == "none" else run_args.report_to
         self.accelerator = accelerator or Accelerator(log_with=log_with, project_dir=run_args.output_dir)
         # after the accelerator: accelerate's multi-CPU state sets torch's pool to physical cores / processes when
@@ -77,8 +80,10 @@ class Simulation:
         self.num_clients = len(fed_data.clients)
         if self.num_clients == 0:
             raise ValueError("the federated dataset has no clients")
-        from ..config import check_run_against_data
-        check_run_against_data(run_args, fed_data)
+        if run_args.clients_per_round is not None and run_args.clients_per_round > self.num_clients:
+            raise ValueError(f"--clients_per_round {run_args.clients_per_round} is more than the {self.num_clients} "
+                             f"training clients; pass --clients_per_round {self.num_clients} or less (or raise "
+                             "--num_clients)")
         self.ownership = self._build_ownership()
 
         algo_cls = get_algorithm(run_args.method)
@@ -108,7 +113,7 @@ class Simulation:
                                       f"rank{self.accelerator.process_index}")
         self.ledger = CommLedger()
         self.history: list[dict] = []
-        self._history_written = 0  # rounds of history in metrics.jsonl (0: rewrite it whole, as after a resume)
+        self.round_seconds = 0.0              # how long the last round took, its evaluation included
         # the data cache, keyed by the split object: clients that share a split (the same Dataset) share one
         # converted copy; each entry keeps its split alive so its id cannot be reused while the entry exists
         self._tensors: OrderedDict[int, tuple[object, TensorData]] = OrderedDict()  # least recently used first
@@ -157,10 +162,8 @@ class Simulation:
         return self._caches.setdefault(name, {})
 
     def build_default_model(self) -> nn.Module:
-        from ..config import warn_random_backbone
         from ..models import build_run_model
         from ..runtime import preserved_rng
-        warn_random_backbone(self.args)
         self.default_model_built = True  # the run header names --model only when the model came from it
         with preserved_rng():  # pretraining a stand-in on first use must not shift this run's random streams
             self._default_model = build_run_model(
@@ -312,7 +315,7 @@ class Simulation:
         return {"round": self.round, "server_state": {p: dict(d) for p, d in (self.server_state or {}).items()},
                 "store": self.store.flatten(), "ledger": self.ledger.to_json(), "history": list(self.history),
                 "algorithm": self.algorithm.state_dict(), "torch_rng": torch.get_rng_state(),
-                "server_hparams": dataclasses.asdict(self._server_hp), "elapsed": self._elapsed()}
+                "server_hparams": dataclasses.asdict(self._server_hp), "elapsed": self.elapsed()}
 
     def load_state_dict(self, state: dict) -> None:
         expected = self.algorithm.init_server_state()
@@ -330,7 +333,6 @@ class Simulation:
         self.store.load_flat(state["store"])
         self.ledger = CommLedger.from_json(state["ledger"])
         self.history = list(state["history"])
-        self._history_written = 0
         self.algorithm.load_state_dict(state.get("algorithm", {}))
         if "torch_rng" in state:
             torch.set_rng_state(state["torch_rng"])
@@ -358,41 +360,37 @@ class Simulation:
         ckpt.resume(self, spec)
 
     # ------------------------------------------------------------------ the run
-    def _elapsed(self) -> float:
+    def elapsed(self) -> float:
+        """Seconds this run has trained, over every session that resumed it."""
         return self._elapsed_before + time.perf_counter() - getattr(self, "_start", time.perf_counter())
 
+    @property
+    def each_client(self) -> bool:
+        """A callback declared that it sees every client's upload as it is produced: train clients one by one."""
+        return any(cb.needs_each_client for cb in self.callbacks)
+
     def setup(self) -> None:
-        """Initial server state, or the state of ``--resume_from_checkpoint``; config written. Idempotent."""
+        """Initial server state, or the state of ``--resume_from_checkpoint``; then the callbacks' start. Idempotent."""
         if self.server_state is not None:
             return
-        acc, args = self.accelerator, self.args
         self._start = time.perf_counter()
-        resumed_rounds = None
-        if args.resume_from_checkpoint:
-            self.load_checkpoint(args.resume_from_checkpoint)
+        if self.args.resume_from_checkpoint:
+            self.load_checkpoint(self.args.resume_from_checkpoint)
             logger.info("resumed from round %d", self.round)
-            resumed_rounds = self.history and max(h["round"] for h in self.history)
         else:
             self.server_state = self.algorithm.init_server_state()
-        # a resumed run keeps its config.yaml; only an extended --num_rounds is recorded
-        if acc.is_main_process and (not args.resume_from_checkpoint or not (self.output_dir / "config.yaml").exists()
-                                    or (resumed_rounds is not None and args.num_rounds != _saved_rounds(self.output_dir))):
-            recipe = {"recipe": self.recipe_settings} if self.recipe_settings else {}  # a recipe's own options
-            tracking.write_config(self.output_dir, run=args, data=self.data_args, method=self.algorithm.config,
-                                  **recipe)
-        tracking.log_run_header(self)
-        if acc.log_with:
-            acc.init_trackers("hfpfl", config={k: v for k, v in dataclasses.asdict(args).items()
-                                                if isinstance(v, (int, float, str, bool))})
+        for cb in self.callbacks:
+            cb.on_train_begin(self)
 
     def step(self, client_hparams=None, server_hparams: dict | None = None) -> dict:
-        """Run the next round (with evaluation and checkpoint as configured); returns its metrics.
+        """Run the next round (with evaluation as configured, then the callbacks' ``after_round``); returns its
+        metrics.
 
         ``client_hparams``: ``{client_id: {"lr": ..., "local_epochs": ...}}`` or a function of the client id
         (FedPop-L gives every active client its own vector); ``server_hparams``: ``{"server_lr": ...,
         "server_momentum": ...}`` from this round on."""
         self.setup()
-        acc, args = self.accelerator, self.args
+        args = self.args
         r = self.round + 1
         self._client_hp_overrides = client_hparams or {}
         if server_hparams:
@@ -411,36 +409,25 @@ class Simulation:
             if last:
                 self.final_eval = ev
         self.history.append(metrics)
-        tracking.log_round(self, metrics, time.perf_counter() - round_start)
-        if acc.log_with:
-            acc.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=r)
-        if args.checkpoint_every and (r % args.checkpoint_every == 0 or last):
-            self.save_checkpoint(r, self.server_state, self._elapsed())
-        if acc.is_main_process:
-            self._history_written = tracking.write_history(self.output_dir, self.history, self._history_written)
+        self.round_seconds = time.perf_counter() - round_start
+        for cb in self.callbacks:
+            cb.after_round(self, r, metrics)
         return metrics
 
     def run(self) -> dict:
         self.setup()
-        acc, args = self.accelerator, self.args
-        bar = tqdm(range(self.round + 1, args.num_rounds + 1), desc=f"{args.method} rounds", initial=self.round,
-                   total=args.num_rounds, disable=not (tracking.show_progress_bars(args.progress) and acc.is_local_main_process))
-        for _ in bar:
-            metrics = self.step()
-            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k.endswith("accuracy") and isinstance(v, float)})
+        while self.round < self.args.num_rounds:
+            self.step()
         return self.finish()
 
     def finish(self) -> dict:
-        """Final evaluation (if the last round did not have one), results.json and plots."""
-        acc = self.accelerator
+        """Final evaluation (if the last round did not have one), the run's results; then the callbacks' end
+        (results.json and plots by default)."""
         if self.final_eval is None:  # resumed a finished run, or stepped externally: evaluate the final state
             self.final_eval = self.evaluate(self.round, self.server_state, final=True)
-        out = results.run_results(self, self.final_eval, self._elapsed())
-        if acc.is_main_process:
-            tracking.write_results(self.output_dir, out)
-            tracking.plot_run(self, self.final_eval)
-        if acc.log_with:
-            acc.end_training()
+        out = results.run_results(self, self.final_eval, self.elapsed())
+        for cb in self.callbacks:
+            cb.on_train_end(self, out)
         return out
 
     def parameter_counts(self) -> dict:
@@ -449,13 +436,4 @@ class Simulation:
     def budget(self) -> dict:
         """Training spent so far (optimizer steps, examples) in total and per trained model, from the round history."""
         return results.budget(self)
-
-
-def _saved_rounds(output_dir: Path):
-    import yaml
-    try:
-        cfg = yaml.safe_load((output_dir / "config.yaml").read_text()) or {}
-    except Exception:  # noqa: BLE001 - an unreadable config is rewritten
-        return None
-    return (cfg.get("run") or {}).get("num_rounds", cfg.get("num_rounds"))
 

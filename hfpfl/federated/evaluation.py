@@ -1,6 +1,7 @@
 """Scoring a simulation's models: the global model on the global test set (shared over the processes), every
 client's personal model on its own test split (batched over clients where the method's personal models allow it),
-and held-out clients after the method's new-client protocol."""
+and held-out clients after the method's new-client protocol. :func:`personal_models` builds each client's personal
+model the one way every evaluation (the run's, a method's extra metric, a tuner's, a recipe's) uses."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +13,33 @@ from .distributed import all_gather, evaluate_sharded
 from .state import MODEL
 
 logger = logging.getLogger("hfpfl")
+
+
+def personal_models(sim, client_ids, server_state: dict, round_idx: int, *, skip_unchanged_loads: bool = False):
+    """Yield ``(client_id, model)``: each client's personal model in turn, as every evaluation of ``sim`` sees it.
+
+    For each client: torch's generator seeded with ``seed_for(round_idx, client, "eval")`` (a personal model that
+    trains, FedAvg+FT's fine-tuning, comes out the same in every evaluation of that round), the client's stored
+    private model keys loaded (the initial ones for a client never trained), then the method's ``load_personal``. The model is the simulation's one model: use it before taking the
+    next.
+
+    ``skip_unchanged_loads``: while the generator runs, skip copying a tensor whose source and model tensor kept
+    their version counters since the previous client (:func:`~hfpfl.federated.state.load_into`'s memo; the run's
+    evaluation, where the same global tensors are loaded for every client). BatchNorm's running statistics,
+    updated in place by a personal model that trains at load (FedAvg+FT's fine-tuning), do not bump their counter:
+    with the memo that client's statistics stay for the next, so only the run's evaluation, whose recorded
+    numbers were made with it, passes True."""
+    algo = sim.algorithm
+    outer = sim._load_memo
+    sim._load_memo = {} if skip_unchanged_loads else None
+    try:
+        for cid in client_ids:
+            sim.seed_torch(sim.seed_for(round_idx, cid, "eval"))
+            private = sim.store.get(cid)
+            sim.ctx.load((private or {}).get(MODEL) or sim.initial_private)
+            yield cid, algo.load_personal(cid, server_state, private, round_idx)
+    finally:
+        sim._load_memo = outer
 
 
 class Evaluator:
@@ -32,6 +60,10 @@ class Evaluator:
             raise NonFiniteError(f"training diverged by round {self.sim.round}: {where} has a non-finite evaluation loss; "
                                  f"{step_size_hint(self.sim.args, self.sim.algorithm.config, server=True)}")
         return res
+
+    def personal_models(self, client_ids, server_state: dict, round_idx: int):
+        """:func:`personal_models` of this simulation (every tensor loaded for each client)."""
+        return personal_models(self.sim, client_ids, server_state, round_idx)
 
     def client_ids(self, round_idx: int, final: bool = False) -> list[int]:
         """The clients scored at this evaluation: all at the final one, else ``--eval_clients`` of them (drawn from
@@ -68,17 +100,9 @@ class Evaluator:
                                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                 self.sim._vector_failed = True
                 rows = []
-        self.sim._load_memo = {}  # the same global tensors are loaded for every client: copy them once
-        try:
-            for cid in ids:
-                self.sim.seed_torch(self.sim.seed_for(round_idx, cid, "eval"))
-                private = self.sim.store.get(cid)
-                self.sim.ctx.load((private or {}).get(MODEL) or self.sim.initial_private)
-                model = algo.load_personal(cid, server_state, private, round_idx)
-                res = self.score(model, self.sim.test_data(cid), f"client {cid}'s model")
-                rows.append((cid, res["accuracy"], res["num_samples"]))
-        finally:
-            self.sim._load_memo = None
+        for cid, model in personal_models(self.sim, ids, server_state, round_idx, skip_unchanged_loads=True):
+            res = self.score(model, self.sim.test_data(cid), f"client {cid}'s model")
+            rows.append((cid, res["accuracy"], res["num_samples"]))
         rows = sorted(all_gather(rows, acc))
         if rows:
             out["personal_accuracy"] = float(np.mean([r[1] for r in rows]))  # mean per-client accuracy

@@ -34,8 +34,10 @@ class RoundRunner:
     def update_batches(self, cids: list[int], round_idx: int, server_state: dict, stacked: bool = False):
         """``(updates, stacked uploads or None)`` per vectorized chunk (or per client on the sequential path).
         ``stacked=True``: a vectorized chunk's updates come without per-client uploads, and its uploads as stacked
-        tensors (:class:`~hfpfl.federated.vectorized.ChunkUpdates`) for the caller to fold in one call."""
-        if len(cids) > 1 and not self.sim._vector_failed and vectorized.should_vectorize(self.sim, cids):
+        tensors (:class:`~hfpfl.federated.vectorized.ChunkUpdates`) for the caller to fold in one call. A callback
+        that sees each client's upload (``needs_each_client``) keeps every client on the sequential path."""
+        if len(cids) > 1 and not self.sim._vector_failed and not self.sim.each_client \
+                and vectorized.should_vectorize(self.sim, cids):
             algo = self.sim.algorithm
             for chunk in vectorized.chunks_of(self.sim, cids):
                 downs, privs = vectorized.downloads(algo, server_state, chunk), {}
@@ -95,8 +97,11 @@ class RoundRunner:
         # the engine, not the method, swaps the client's private model keys in: nothing leaks between clients
         self.sim.ctx.load(private.get(MODEL) or self.sim.initial_private)
         self.sim.seed_torch(self.sim.seed_for(round_idx, cid, "client"))
-        upd = algo.client_update(cid, down, private, round_idx)
-        return self.finish_update(upd, down, round_idx)
+        upd = self.finish_update(algo.client_update(cid, down, private, round_idx), down, round_idx)
+        for cb in self.sim.callbacks:
+            if cb.needs_each_client:
+                cb.after_client_update(self.sim, cid, upd)
+        return upd
 
     def finish_update(self, upd: Update, down: dict, round_idx: int) -> Update:
         """Checks, the private state into the store, the upload to the CPU, bytes counted."""

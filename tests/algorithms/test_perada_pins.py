@@ -122,24 +122,22 @@ def test_corrupted_test_data_applies_the_real_corruption():
 
 # ------------------------------------------------------------------------------------------------ corrupted metric
 def test_corrupted_personal_accuracy_by_hand(monkeypatch):
-    """The metric evaluates each client's personal model (``load_personal(cid, server_state, its private state,
-    round)``, torch seeded with the client's 'eval' seed as the clean evaluation) on its corrupted test set (client
+    """The metric evaluates each client the process owns with its personal model as the clean evaluation builds it
+    (``ctx.personal_models(owned clients, server_state, round)``) on its corrupted test set (client
     severity 1 + id mod 5 for 'noise:client', the default, or the fixed severity), with the run's eval batch size and
     device, and reports the mean, the population std and each client's accuracy. Accuracies 0.5, 0.25, 1.0: mean
     7/12, std sqrt(((-1/12)^2 + (-4/12)^2 + (5/12)^2) / 3)."""
     acc = {0: 0.5, 1: 0.25, 2: 1.0}
     seen = {"load": [], "data": [], "eval": []}
 
-    class Algo:
-        def load_personal(self, cid, server_state, private, round_idx):
-            seen["load"].append((cid, server_state, private, round_idx, torch.initial_seed()))
-            return f"model{cid}"
+    def personal_models(client_ids, server_state, round_idx):
+        for cid in client_ids:
+            seen["load"].append((cid, server_state, round_idx))
+            yield cid, f"model{cid}"
 
-    sim = SimpleNamespace(num_clients=3, owned=lambda ids: list(ids)[::-1], private_state=lambda cid: f"priv{cid}",
-                          seed_for=lambda r, cid, tag: 1000 * r + 10 * cid + {"eval": 1}.get(tag, 2),
-                          run=SimpleNamespace(eval_batch_size=17), device="dev",
-                          gather=lambda rows: rows)
-    algo = Algo()
+    sim = SimpleNamespace(num_clients=3, owned=lambda ids: list(ids)[::-1], personal_models=personal_models,
+                          run=SimpleNamespace(eval_batch_size=17), device="dev", gather=lambda rows: rows)
+    algo = SimpleNamespace()
     algo.ctx = sim
     monkeypatch.setattr(perada, "corrupted_test_data",
                         lambda s, cid, kind, sev: seen["data"].append((s, cid, kind, sev)) or f"data{cid}")
@@ -150,7 +148,7 @@ def test_corrupted_personal_accuracy_by_hand(monkeypatch):
 
     monkeypatch.setattr(perada, "evaluate", fake_evaluate)
     out = corrupted_personal_accuracy(algo, 4, "state")
-    assert sorted(seen["load"]) == [(c, "state", f"priv{c}", 4, 4000 + 10 * c + 1) for c in range(3)]
+    assert seen["load"] == [(c, "state", 4) for c in (2, 1, 0)]      # the owned clients, in the order owned gives
     assert sorted(seen["data"], key=lambda r: r[1]) == [(sim, 0, "noise", 1), (sim, 1, "noise", 2), (sim, 2, "noise", 3)]
     assert sorted(seen["eval"]) == [(f"model{c}", f"data{c}", 17, "dev") for c in range(3)]
     std = math.sqrt(((1 / 12) ** 2 + (4 / 12) ** 2 + (5 / 12) ** 2) / 3)

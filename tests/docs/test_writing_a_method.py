@@ -52,3 +52,13 @@ def test_the_context_paragraph_names_every_member_of_the_context_and_no_other():
     assert {"train", "evaluate"} <= named
     assert not {n for n in named if n not in members and n in {"args", "accelerator", "public_data",
                                                                   "global_test_data", "make_optimizer"}}
+
+
+def test_the_callback_example_is_the_tested_one():
+    text = PAGE.read_text()
+    block = text[text.index("**Callbacks.**"):]
+    block = block[block.index("```python\n") + len("```python\n"):]
+    block = block[:block.index("```")]
+    source = {_code(line) for line in (ROOT / "tests" / "federated" / "test_callbacks.py").read_text().splitlines()}
+    missing = [line for line in map(_code, block.splitlines()) if line and line not in source]
+    assert "class ValidationScorer(Callback):" in block and not missing, missing
