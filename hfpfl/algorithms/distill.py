@@ -8,11 +8,12 @@ Line 21: teacher first, Hinton et al.), ``batchmean``, no T^2 factor and no CE t
 ``divergence``); Adam(kd_lr) cosine-annealed to 0 over ``kd_steps``. Everything runs through the engine's one model
 instance: each teacher state is loaded in turn, so teacher logits are computed once per round over the pool.
 
-Teacher mode (``kd_teacher_mode``): the paper (PerAda Sec. 4, Alg. 1 Line 21) does not say. ``eval`` (default): the
-teachers normalise with their own running statistics and dropout is off: each teacher is the model its client
-would deploy. ``train``: the teachers run as models in training mode, which is what the PerAda code does (its
-``aggregation/distillation.py`` calls the clients' models just after their local ``model.train()`` epochs, under
-``no_grad`` without ``eval()``) and so the FedDF code it is based on: BatchNorm uses the statistics of each batch of
+Teacher mode (``kd_teacher_mode``): neither paper (PerAda Sec. 4, Alg. 1 Line 21; FedDF) says. ``eval`` (default):
+the teachers normalise with their own running statistics and dropout is off: each teacher is the model its client
+would deploy. This is what the FedDF code does (``pcode/aggregation/adv_knowledge_transfer.py``,
+``BaseKTSolver.prepare_model``: teachers ``eval()``). ``train``: the teachers run in training mode, which is what the
+PerAda code does (its ``aggregation/distillation.py``, after FedDF's, calls the clients' models just after their
+local ``model.train()`` epochs, under ``no_grad`` without ``eval()``): BatchNorm uses the statistics of each batch of
 the pool (here batches of the run's eval batch size, once per round; the code re-runs the teachers on every KD
 batch) and dropout is active (a fixed draw per round from the run's seed). The teachers' running statistics this
 moves are not kept: every BatchNorm buffer of the model is restored before the student trains.
@@ -92,8 +93,8 @@ class KDConfig:
                                                     "check": at_least(1)})
     kd_teacher_mode: str = field(default="eval", metadata={
         "help": "Mode of the teachers when their logits are taken: eval (running statistics, no dropout) | train "
-                "(BatchNorm on the pool's batch statistics, dropout active: the PerAda/FedDF code). Running "
-                "statistics are restored either way.", "check": one_of("eval", "train")})
+                "(BatchNorm on the pool's batch statistics, dropout active: the PerAda code; FedDF's code uses eval). "
+                "Running statistics are restored either way.", "check": one_of("eval", "train")})
     kd_student_bn: str = field(default="eval", metadata={
         "help": "BatchNorm mode of the student during distillation: eval (running statistics used and left "
                 "unchanged: only parameters are distilled) | train (batch statistics; the pool's statistics "
