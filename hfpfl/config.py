@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from .launch import DEFAULT_NUM_PROCESSES, ENV_NUM_PROCESSES
-from .options import Check, at_least, in_range, non_negative, one_of, positive, validate
+from .options import Check, at_least, in_range, non_negative, number_list, one_of, positive, validate
 
 
 ADAPTERS = ("none", "lora", "residual", "parallel")
@@ -59,6 +59,12 @@ class RunArguments:
     local_steps: int | None = field(default=None, metadata={"check": _or_none(at_least(1)), "help": "Exact local steps per round (overrides local_epochs)."})
     batch_size: int = field(default=32, metadata={"check": at_least(1), "help": "Local training batch size."})
     lr: float = field(default=0.05, metadata={"check": positive(), "help": "Local learning rate."})
+    lr_milestones: str | None = field(default=None, metadata={
+        "check": _or_none(number_list(low=1, integer=True)),
+        "help": "Rounds (comma-separated, 1-based) from which the clients' --lr is multiplied by --lr_gamma once more: "
+                "a step schedule; the parallel-adapters paper: 30 (0.1 -> 0.01 at round 30). None = constant --lr."})
+    lr_gamma: float = field(default=0.1, metadata={"check": in_range(0, 1, low_open=True),
+                                                   "help": "Factor of each --lr_milestones step (paper: 0.1)."})
     optimizer: str = field(default="sgd", metadata={"check": one_of("sgd", "adam", "adamw"), "help": "Local optimizer: sgd | adam | adamw."})
     momentum: float = field(default=0.9, metadata={"check": in_range(0, 1, high_open=True), "help": "SGD momentum (fresh optimizer every round)."})
     weight_decay: float = field(default=0.0, metadata={"check": non_negative(), "help": "Weight decay."})

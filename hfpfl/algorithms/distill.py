@@ -6,8 +6,17 @@ uploaded states on an unlabelled pool (labels never read): by default the out-of
 split (``kd_pool='public'``). Loss = KL(softmax(teacher/T) || softmax(student/T)) (PerAda Sec. 4, the KD loss of
 Line 21: teacher first, Hinton et al.), ``batchmean``, no T^2 factor and no CE term (the PerAda and FedDF code's
 ``divergence``); Adam(kd_lr) cosine-annealed to 0 over ``kd_steps``. Everything runs through the engine's one model
-instance: each teacher state is loaded in turn (teachers in eval mode), so teacher logits are computed once per
-round over the pool.
+instance: each teacher state is loaded in turn, so teacher logits are computed once per round over the pool.
+
+Teacher mode (``kd_teacher_mode``): neither paper (PerAda Sec. 4, Alg. 1 Line 21; FedDF) says. ``eval`` (default):
+the teachers normalise with their own running statistics and dropout is off: each teacher is the model its client
+would deploy. This is what the FedDF code does (``pcode/aggregation/adv_knowledge_transfer.py``,
+``BaseKTSolver.prepare_model``: teachers ``eval()``). ``train``: the teachers run in training mode, which is what the
+PerAda code does (its ``aggregation/distillation.py``, after FedDF's, calls the clients' models just after their
+local ``model.train()`` epochs, under ``no_grad`` without ``eval()``): BatchNorm uses the statistics of each batch of
+the pool (here batches of the run's eval batch size, once per round; the code re-runs the teachers on every KD
+batch) and dropout is active (a fixed draw per round from the run's seed). The teachers' running statistics this
+moves are not kept: every BatchNorm buffer of the model is restored before the student trains.
 
 BatchNorm during distillation: Line 21 updates the adapter's *parameters* w by gradient steps on the KL loss; the
 student's BatchNorms run in eval mode (``kd_student_bn='eval'``, default), so they normalise with the averaged
@@ -40,6 +49,7 @@ from ..options import Check, at_least, in_range, one_of, positive, validate
 from ..training import TensorData, evaluate, train_local
 
 logger = logging.getLogger("hfpfl")
+BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _is_repo_id(value) -> bool:
@@ -81,6 +91,10 @@ class KDConfig:
                 "0 = off (pure unlabeled KD as the paper describes).", "check": in_range(0, 1, high_open=True)})
     kd_eval_every: int = field(default=5, metadata={"help": "With kd_val_fraction > 0: score the student every N steps.",
                                                     "check": at_least(1)})
+    kd_teacher_mode: str = field(default="eval", metadata={
+        "help": "Mode of the teachers when their logits are taken: eval (running statistics, no dropout) | train "
+                "(BatchNorm on the pool's batch statistics, dropout active: the PerAda code; FedDF's code uses eval). "
+                "Running statistics are restored either way.", "check": one_of("eval", "train")})
     kd_student_bn: str = field(default="eval", metadata={
         "help": "BatchNorm mode of the student during distillation: eval (running statistics used and left "
                 "unchanged: only parameters are distilled) | train (batch statistics; the pool's statistics "
@@ -153,6 +167,31 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
                     reduction="batchmean", log_target=True)
 
 
+def _teacher_logits(sim, model, teachers: list[dict], keys: list, pixels: torch.Tensor, config: KDConfig,
+                    round_idx: int) -> torch.Tensor:
+    """The uniform mean of the K teachers' logits over the pool (the PerAda code), in ``config.kd_teacher_mode``."""
+    bs, dev = sim.run.eval_batch_size, sim.device
+    train = config.kd_teacher_mode == "train"
+    # train mode moves running statistics (also of BNs outside ``keys``): all of them are put back afterwards
+    stats = snapshot(sim.model_state, [k for k in sim.model_state if k.endswith(BN_BUFFERS)]) if train else {}
+    model.train(train)
+    teacher_logits = torch.zeros(0)
+    cuda = torch.device(dev).type == "cuda"
+    with torch.random.fork_rng(devices=[dev] if cuda else []):
+        if train:  # dropout draws: fixed per run seed and round, not the global RNG's state (restored after)
+            seed = sim.generator(round_idx, -1, "kd-teacher").initial_seed()
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                torch.cuda.manual_seed(seed)
+        for t in teachers:
+            load_into(sim.model_state, {k: t[k] for k in keys})
+            lg = _logits(model, pixels, bs, dev)
+            teacher_logits = lg if teacher_logits.numel() == 0 else teacher_logits + lg
+    load_into(sim.model_state, stats)
+    model.eval()
+    return teacher_logits / len(teachers)
+
+
 def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig, round_idx: int) -> tuple[dict, dict]:
     """Distil ``student`` (a global-keys state) from the logit ensemble of ``teachers`` (uploaded global-keys states)
     on the public pool, through ``algo.ctx.model``. Returns (new student state, metrics)."""
@@ -160,13 +199,7 @@ def ensemble_distill(algo, student: dict, teachers: list[dict], config: KDConfig
     keys = list(student)
     pixels, val = public_pool(sim, config)
     bs, dev = sim.run.eval_batch_size, sim.device
-    model.eval()
-    teacher_logits = torch.zeros(0)
-    for t in teachers:  # uniform mean of the K teachers' logits (the PerAda code)
-        load_into(sim.model_state, {k: t[k] for k in keys})
-        lg = _logits(model, pixels, bs, dev)
-        teacher_logits = lg if teacher_logits.numel() == 0 else teacher_logits + lg
-    teacher_logits /= len(teachers)
+    teacher_logits = _teacher_logits(sim, model, teachers, keys, pixels, config, round_idx)
 
     load_into(sim.model_state, student)
     opt = torch.optim.Adam(algo.trainable_parameters(keys), lr=config.kd_lr)

@@ -66,6 +66,11 @@ class FedPCEConfig:
     new_client_init: str = field(default="zero", metadata={
         "help": "Start of a new client's local state: zero (v = 0; FedBN gamma=1, beta=0; initial head) or mean "
                 "(mean of this process's clients' local states).", "check": one_of("zero", "mean")})
+    augment: str = field(default="none", metadata={
+        "help": "Training augmentation: none | paper (section 5: zero-pad 4 and random crop, horizontal flip p 0.25, "
+                "rotation U(-15, 15) degrees p 0.25, random erasing of 16-256 pixels p 0.5; sizes scale with the "
+                "image, hfpfl/data/augment.py), in collaborative training and when adapting new clients.",
+        "check": one_of("none", "paper")})
     mu: float = field(default=0.01, metadata={"help": "FedProx proximal coefficient (pce_fedprox only).",
                                               "check": non_negative()})
     #: the options that set the step size of what this method trains (named when training diverges; --lr always is)
@@ -143,12 +148,24 @@ class _PCELoop(Algorithm):
             groups.append({"params": emb, "lr": self._lr(c.lr_embedding, c.min_lr_embedding, round_idx), **extra})
         return groups
 
+    def augmented(self, hooks: dict, round_idx: int, client_id: int, tag: str) -> dict:
+        """``hooks`` with the loss taken on augmented pixels when ``augment='paper'`` (drawn from the run's
+        generator for (round, client, tag)); unchanged otherwise."""
+        if self.config.augment == "none":
+            return hooks
+        from ..data.augment import paper_augment
+        from ..training import default_loss
+
+        loss, g = hooks.get("loss_fn", default_loss), self.ctx.generator(round_idx, client_id, tag)
+        return {**hooks, "loss_fn": lambda m, b: loss(m, {**b, "pixel_values": paper_augment(b["pixel_values"], g)})}
+
     def client_update(self, client_id, down, private, round_idx):
         self.load_client(down, private)
         hp = self.ctx.hparams(client_id)
         m = self.local_train(client_id, round_idx, hp=hp, params=self.param_groups(round_idx, hp),
                              optimizer_state=(private or {}).get(OPTIM, {}),
-                             **self.bind_hooks(client_id, down, private))
+                             **self.augmented(self.bind_hooks(client_id, down, private), round_idx, client_id,
+                                              "augment"))
         return Update(client_id, {MODEL: self.ctx.snapshot(self.global_keys)}, len(self.ctx.train_data(client_id)),
                       {MODEL: self.ctx.snapshot(self.private_keys), OPTIM: m.pop("optimizer_state")}, m)
 
@@ -180,7 +197,8 @@ class _PCELoop(Algorithm):
             hp = self.ctx.hparams(client_id)
             params = [{"params": [named[k] for k in keys if k in named], "lr": self.adapt_lr(hp), **self._extra(hp)}]
             self.ctx.train(client_id, round_idx, params=params, hp=hp, steps=self.config.new_client_steps,
-                           epochs=10 ** 9, data=data, tag="new-client")
+                           epochs=10 ** 9, data=data, tag="new-client",
+                           **self.augmented({}, round_idx, client_id, "new-client-augment"))
         finally:
             for n, p in named.items():
                 p.requires_grad_(was[n])

@@ -44,14 +44,14 @@ class DataArguments:
     partition: str = field(
         default="feature_shift",
         metadata={"help": "Partition scheme: iid, dirichlet, pathological, shards, quantity, feature_shift, "
-                          "concept_drift, natural_id.", "check": one_of(*PARTITIONS)},
+                          "concept_drift, natural_id, label_quantity (#M).", "check": one_of(*PARTITIONS)},
     )
     num_clients: int = field(default=8, metadata={"help": "Number of training clients.", "check": at_least(1)})
     alpha: float = field(default=0.5, metadata={"help": "Dirichlet concentration (dirichlet; quantity sizes).",
                                                 "check": _ALPHA})
     min_partition_size: int = field(default=10, metadata={"help": "Minimum samples per client (dirichlet, quantity).",
                                                           "check": at_least(0)})
-    classes_per_client: int = field(default=2, metadata={"help": "Classes per client (pathological).",
+    classes_per_client: int = field(default=2, metadata={"help": "Classes per client (pathological, label_quantity).",
                                                          "check": at_least(1)})
     num_shards_per_client: int = field(default=2, metadata={"help": "Label-sorted shards per client (shards).",
                                                             "check": at_least(1)})
@@ -95,6 +95,20 @@ class DataArguments:
         default=None,
         metadata={"help": "Comma-separated degradations added as extra domains, e.g. 'noise,rotation' or "
                           "'noise:5'; same as appending '+noise+rotation' to --dataset.", "check": _DEGRADATIONS},
+    )
+    noise_skew: float | None = field(
+        default=None,
+        metadata={"help": "Noise-based feature skew Gau(sigma) (adapters paper section IV, after NIID-Bench): training "
+                          "client i of N gets Gaussian noise of variance sigma * i / N (i = 1..N; see "
+                          "--noise_skew_rule) on the [0, 1] image scale, on its train/val/test splits; the global "
+                          "test set and new clients stay clean. The paper: 0.1 with a homogeneous split "
+                          "(--partition iid). None = off.", "check": _says(positive(), "> 0 (or None = off)")},
+    )
+    noise_skew_rule: str = field(
+        default="paper",
+        metadata={"help": "--noise_skew per-client spread: paper (variance sigma * i / N, i = 1..N) | niid_bench (the "
+                          "NIID-Bench code: standard deviation sigma * i / (N - 1), i = 0..N-1, client 0 clean).",
+                  "check": one_of("paper", "niid_bench")},
     )
     shots_per_class: int | None = field(
         default=None,

@@ -14,7 +14,10 @@ scale, added to the model inputs without clamping, and ColorJitter factors linsp
 contrast and saturation and linspace(-0.5, 0.5, M) for hue, each list randomly permuted over the clients, applied in
 a random order per image. ``"cycled"`` is the milder earlier setting: the 5 levels of :mod:`hfpfl.data.transforms`
 (noise std 0.08..0.38, clamped; jitter drawn per image) cycled over a group's clients. Rotation has no counterpart in
-the paper (its third group is class imbalance) and keeps the cycled 15..90 degree ranges in both settings.
+the paper and keeps the cycled 15..90 degree ranges in both settings. The paper's third group, Class imbalance, is
+the group ``"imbalance"`` (:mod:`hfpfl.data.class_imbalance`): undegraded images over client pairs by Dirichlet(alpha)
+label proportions, alpha logspace(0.1, 10) per pair. ``new_client_test_size`` gives the held-out clients test sets of
+that many images (from the source's test split, through the client's degradation) instead of their own 25 %.
 
 Differences from the paper, said once: the degradations are applied once per image (fixed draws, seeded) rather than
 resampled at every load; the noise is added after resizing to ``image_size`` (the paper's CIFAR images are used at
@@ -49,56 +52,131 @@ def _assemble(collab, new, global_test, label_feat, image_size, num_channels, pu
                          image_size=image_size, num_channels=num_channels)
 
 
+GROUPS = DEGRADATIONS + ("imbalance",)
+
+
 def degradation_benchmark(source: str = "mnist", groups=("noise", "color", "rotation"), clients_per_group: int = 4,
                           new_per_group: int = 1, max_per_domain: int | None = 600, image_size: int = 28,
                           num_channels: int = 3, test_fraction: float = 0.25, seed: int = 0,
-                          levels: str = "paper") -> FederatedData:
+                          levels: str = "paper", new_client_test_size: int | None = None) -> FederatedData:
     """Clients in degradation groups with held-out new clients per group (see the module docstring).
 
     Each group gets M = ``clients_per_group + new_per_group`` clients; client j of a group has level j + 1 of M
     (``levels="paper"``) or severity ``1 + j % 5`` (``"cycled"``); which of them are held out is drawn with ``seed``
     (stratified: ``new_per_group`` per group). ``ClientData.domain`` is ``"<kind>-<level>"``;
-    :func:`degradation_settings` gives each level's parameters."""
+    :func:`degradation_settings` gives each level's parameters. The group ``"imbalance"`` is FedPCE's Class imbalance
+    (:mod:`hfpfl.data.class_imbalance`; M must be even): the group's images, undegraded, split over client pairs by
+    Dirichlet(alpha) label proportions, alpha logspace(0.1, 10, M / 2).
+
+    ``new_client_test_size``: each held-out client's test split is instead this many images of the source's test
+    split (disjoint between new clients, so not its own 25 %), through the client's own degradation (a fresh draw of
+    its noise; the same jitter factors or rotation severity); an imbalance client's follow its training labels'
+    proportions. None (default): the client's own ``test_fraction`` split, as before."""
     if levels not in ("paper", "cycled"):
         raise ValueError(f"levels must be 'paper' or 'cycled', got {levels!r}")
     groups = tuple(groups)
     for g in groups:
-        if g not in DEGRADATIONS:
-            raise ValueError(f"unknown degradation {g!r}; expected some of {DEGRADATIONS}")
+        if g not in GROUPS:
+            raise ValueError(f"unknown degradation {g!r}; expected some of {GROUPS}")
     if clients_per_group < 1 or new_per_group < 0:
         raise ValueError("clients_per_group must be >= 1 and new_per_group >= 0")
+    if new_client_test_size is not None and new_client_test_size < 1:
+        raise ValueError(f"new_client_test_size must be >= 1 (or None), got {new_client_test_size}")
     raw = load_source(source, "train", seed=seed, max_per_domain=max_per_domain)
+    raw_test = load_source(source, "test", seed=seed, max_per_domain=max_per_domain)
     per_group = clients_per_group + new_per_group
     n = len(groups) * per_group
     rng = np.random.default_rng([seed, 11])
     chunks = np.array_split(rng.permutation(len(raw)), n)
     if min(len(c) for c in chunks) < 4:
         raise ValueError(f"{len(raw)} images cannot make {n} clients: raise max_per_domain")
+    pool = NewClientTests(raw_test, new_client_test_size, len(groups) * new_per_group, seed)
     collab, new = [], []
     for gi, kind in enumerate(groups):
         held = set(rng.choice(per_group, size=new_per_group, replace=False).tolist()) if new_per_group else set()
         settings = degradation_settings(kind, per_group, levels, seed=seed * 1000 + gi)
+        if kind == "imbalance":
+            from .class_imbalance import class_imbalance_split
+            group_idx = np.concatenate(chunks[gi * per_group:(gi + 1) * per_group])
+            pair_parts = class_imbalance_split(np.asarray(raw.select(group_idx)["label"]), per_group,
+                                               seed=seed * 1000 + gi)
         for j in range(per_group):
             k = gi * per_group + j
-            ds, post = raw.select(np.sort(chunks[k])), None
-            if levels == "paper" and kind == "noise":
-                post = lambda d, s=settings[j]["std"], kk=k: add_input_noise(d, s, seed=seed * 1000 + kk)  # noqa: E731
-            elif levels == "paper" and kind == "color":
-                ds = color_jitter_fixed(ds, settings[j]["factors"], seed=seed * 1000 + k)
-            else:
-                ds = degrade(ds, kind, settings[j]["severity"], seed=seed * 1000 + k)
-            c = _client(k, ds, f"{kind}-{j + 1 if levels == 'paper' else settings[j]['severity']}", image_size,
-                        num_channels, test_fraction, seed, post=post)
+            rows = group_idx[pair_parts[j]] if kind == "imbalance" else chunks[k]
+            ds, post = _degraded(raw.select(np.sort(rows)), kind, settings[j], levels, seed * 1000 + k)
+            level = j + 1 if levels == "paper" or kind == "imbalance" else settings[j]["severity"]
+            c = _client(k, ds, f"{kind}-{level}", image_size, num_channels, test_fraction, seed, post=post)
+            if j in held and new_client_test_size is not None:
+                labels = np.asarray(c.train.with_format(None)["labels"]) if kind == "imbalance" else None
+                tds, tpost = _degraded(pool.take(labels), kind, settings[j], levels, seed * 1000 + k + 500_000)
+                tds = to_model_inputs(tds, image_size, num_channels)
+                c.test = _finish((tpost(tds) if tpost else tds).with_format(None))
             (new if j in held else collab).append(c)
-    test = to_model_inputs(load_source(source, "test", seed=seed, max_per_domain=max_per_domain), image_size,
-                           num_channels)
+    test = to_model_inputs(raw_test, image_size, num_channels)
     return _assemble(collab, new, test, raw.features["label"], image_size, num_channels)
+
+
+def _degraded(ds, kind: str, setting: dict, levels: str, seed: int):
+    """(images with the client's degradation, a post-step on model inputs or None) for one client's setting."""
+    if kind == "imbalance":
+        return ds, None
+    if levels == "paper" and kind == "noise":
+        return ds, lambda d, s=setting["std"]: add_input_noise(d, s, seed=seed)
+    if levels == "paper" and kind == "color":
+        return color_jitter_fixed(ds, setting["factors"], seed=seed), None
+    return degrade(ds, kind, setting["severity"], seed=seed), None
+
+
+class NewClientTests:
+    """Disjoint test sets for the new clients out of the source's test split (``degradation_benchmark``'s
+    ``new_client_test_size``): uniform draws, or, given a client's training labels, per-class counts in their
+    proportions (largest remainders)."""
+
+    def __init__(self, raw_test, size: int | None, num_new: int, seed: int):
+        self.raw, self.size = raw_test, size
+        if size is None:
+            return
+        if size * num_new > len(raw_test):
+            raise ValueError(f"{num_new} new clients x new_client_test_size {size} > the {len(raw_test)} images of "
+                             f"the test split: lower new_client_test_size or raise max_per_domain")
+        self.labels = np.asarray(raw_test["label"])
+        self.free = np.random.default_rng([seed, 43]).permutation(len(raw_test))
+
+    def take(self, train_labels=None):
+        if train_labels is None:
+            rows, self.free = self.free[:self.size], self.free[self.size:]
+            return self.raw.select(np.sort(rows))
+        counts = class_counts(np.bincount(train_labels), self.size)
+        rows = []
+        for k, c in enumerate(counts):
+            of_k = self.free[self.labels[self.free] == k][:c]
+            if len(of_k) < c:
+                raise ValueError(f"the test split has too few images of class {k} for the new clients' test sets: "
+                                 f"lower new_client_test_size or raise max_per_domain")
+            rows.append(of_k)
+        rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        self.free = np.setdiff1d(self.free, rows, assume_unique=True)  # keeps the permutation's order
+        return self.raw.select(np.sort(rows))
+
+
+def class_counts(histogram, total: int) -> list[int]:
+    """``total`` split over classes in proportion to ``histogram`` by largest remainders (ties: lower class)."""
+    h = np.asarray(histogram, dtype=np.float64)
+    exact = h / h.sum() * total
+    base = np.floor(exact).astype(int)
+    order = sorted(range(len(h)), key=lambda i: (-(exact[i] - base[i]), i))
+    for i in order[: total - int(base.sum())]:
+        base[i] += 1
+    return base.tolist()
 
 
 def degradation_settings(kind: str, m: int, levels: str = "paper", seed: int = 0) -> list[dict]:
     """The per-client parameters of a degradation group of ``m`` clients (see the module docstring): ``severity``
     (cycled levels), ``std`` (paper noise: sqrt of linspace(0.005, 1, m)) or ``factors`` (paper jitter:
     (brightness, contrast, saturation, hue), each list linspace-spaced and permuted with ``seed``)."""
+    if kind == "imbalance":
+        from .class_imbalance import imbalance_alphas
+        return [{"alpha": a} for a in imbalance_alphas(m)]
     if levels == "paper" and kind == "noise":
         return [{"variance": float(v), "std": float(np.sqrt(v))} for v in np.linspace(0.005, 1.0, m)]
     if levels == "paper" and kind == "color":

@@ -10,6 +10,7 @@ from datasets import Dataset
 
 from .arguments import DataArguments
 from .federated import ClientData, FederatedData, few_shot
+from .niid_bench import noise_skew
 from .partition import partition_dataset
 from .sources import load_source
 from .transforms import to_model_inputs
@@ -100,4 +101,6 @@ def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData
         image_size=args.image_size,
         num_channels=args.num_channels,
     )
+    if args.noise_skew is not None:
+        fed = noise_skew(fed, args.noise_skew, args.noise_skew_rule, seed)
     return few_shot(fed, args.shots_per_class, draw_seed)

@@ -18,6 +18,8 @@ scheme                  what / keyword arguments
 ``feature_shift``       one domain per client, several clients per domain (``column`` = ``"domain"``)
 ``concept_drift``       same P(x), different P(y|x) between client groups (``num_concepts`` = 2)
 ``natural_id``          Flower ``NaturalIdPartitioner`` by a column (``column`` = ``"domain"``): one client per value
+``label_quantity``      #M of NIID-Bench / the adapters paper: ``classes_per_client`` labels, client i's first i mod K
+                        (:mod:`hfpfl.data.niid_bench`)
 ======================  ==========================================================================================
 
 Every scheme is deterministic per ``seed``; an empty client raises ``ValueError`` naming the client.
@@ -298,6 +300,8 @@ def natural_id(ds: Dataset, num_partitions: int, seed: int = 0, column: str = "d
     return _check_nonempty(parts, "natural_id", "")
 
 
+from .niid_bench import label_quantity  # noqa: E402  (after the helpers it imports from here)
+
 PARTITIONS: dict[str, Callable[..., list[Dataset]]] = {
     "iid": iid,
     "dirichlet": dirichlet,
@@ -307,6 +311,7 @@ PARTITIONS: dict[str, Callable[..., list[Dataset]]] = {
     "feature_shift": feature_shift,
     "concept_drift": concept_drift,
     "natural_id": natural_id,
+    "label_quantity": label_quantity,
 }
 
 

@@ -278,6 +278,9 @@ class Simulation:
     def client_hparams(self, client_id: int) -> HParams:
         """This client's hyperparameters in the current round: run arguments < step(client_hparams=...) < method."""
         hp = HParams.from_args(self.args)
+        if getattr(self.args, "lr_milestones", None):   # the run's step schedule of --lr (federated/lr_schedule.py)
+            from .lr_schedule import scheduled_lr
+            hp = hp.replace(lr=scheduled_lr(hp.lr, self.round + 1, self.args))
         over = self._client_hp_overrides
         over = over(client_id) if callable(over) else over.get(client_id, {})
         if over:

@@ -124,5 +124,7 @@ def test_fedadapter_recipe_defaults_and_configs():
                                    "--method", "fednova"])
     assert (run.method, data.num_clients, run.client_fraction, run.local_epochs) == ("fednova", 100, 0.2, 5)
     _, data, _ = parse_run_args(["--config", str(root / "recipes/configs/fedadapter_cross_silo_pathological.yaml")])
-    assert (data.partition, data.classes_per_client) == ("pathological", 2)
+    assert (data.partition, data.classes_per_client) == ("label_quantity", 2)
+    _, data, _ = parse_run_args(["--config", str(root / "recipes/configs/fedadapter_cross_silo_noise.yaml")])
+    assert (data.dataset, data.partition, data.noise_skew, data.noise_skew_rule) == ("digits", "iid", 0.1, "paper")
     assert get_algorithm("fednova") and get_algorithm("feddf") and get_algorithm("perada")

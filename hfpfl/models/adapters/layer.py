@@ -93,12 +93,14 @@ class ConvUnitAdapterLayer(nn.Module, AdapterLayerMixin):
         raise NotImplementedError
 
     def update_layer(self, adapter_name: str, config: ConvAdapterConfig, with_adapter: bool) -> None:
-        if with_adapter:
-            self._make_adapter(adapter_name, config)
+        # checked first, so that a shortcut named as a target gets this message, not the kernel-shape one; refused
+        # rather than supported: ResNet26 (adapters paper section III, Rebuffi et al.) has parameter-free shortcuts
         if not isinstance(getattr(self.base_layer, "activation", None), nn.Module):  # forward ends in .activation
             raise ValueError(f"{type(self.base_layer).__name__} (a shortcut/downsample unit: conv + BN, no activation) "
                              f"cannot take a {config.kind} adapter or a trainable BN copy; remove it from "
                              f"target_modules / norm_modules")
+        if with_adapter:
+            self._make_adapter(adapter_name, config)
         if config.train_norms or not with_adapter:
             self._norm_dict()[adapter_name] = copy.deepcopy(self.base_layer.normalization)
 
