@@ -35,7 +35,7 @@ from . import search_space as ss
 from .arguments import TUNERS, TunerArguments
 from .checkpoint import PopulationCheckpoint
 from .results import PopulationResults
-from .scoring import ValidationScorer, _attach
+from .scoring import ValidationScorer
 
 logger = logging.getLogger("hfpfl")
 
@@ -204,7 +204,7 @@ class Tuner(PopulationCheckpoint, PopulationResults):
             m.sim.algorithm.config = self.space.method_values(m.mhp, m.sim.algorithm.config)
 
     def _install_scorer(self, m: Member) -> None:
-        _attach(ValidationScorer(m), m.sim)
+        m.sim.callbacks.append(ValidationScorer(m))
 
     def _gather_scores(self, m: Member, clients: list[int]) -> list[float]:
         from ..federated.distributed import all_gather

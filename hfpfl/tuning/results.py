@@ -22,10 +22,8 @@ class PopulationResults:
         """Sample-weighted validation loss of the member's final model(s) over every client's val split (each
         client's personal model where the method has one, the global model otherwise)."""
         sim, tot, n = m.sim, 0.0, 0
-        for cid in range(len(self.fed_data.clients)):
-            private = sim.store.get(cid)
-            sim.ctx.load((private or {}).get(MODEL) or sim.initial_private)
-            model = sim.algorithm.load_personal(cid, sim.server_state, private, sim.round)
+        for cid, model in sim.evaluator.personal_models(range(len(self.fed_data.clients)), sim.server_state,
+                                                          sim.round):
             res = sim.ctx.evaluate(model, sim.ctx.val_data(cid))
             tot += res["loss"] * res["num_samples"]
             n += res["num_samples"]

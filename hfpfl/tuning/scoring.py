@@ -6,11 +6,14 @@ Ditto's personal model) and evaluated on that client's val split; a method that 
 deltas) is scored on the model its update leaves. Evaluation is in eval mode and changes no weights or statistics."""
 from __future__ import annotations
 
+from ..federated.callbacks import Callback
 from ..federated.state import MODEL
 
 
-class ValidationScorer:
+class ValidationScorer(Callback):
     """Records ``member.scores[client_id]`` after each client's local update of the member's simulation."""
+
+    needs_each_client = True  # it reads each client's own upload as it is produced: clients train one by one
 
     def __init__(self, member):
         self.member = member
@@ -21,20 +24,3 @@ class ValidationScorer:
             ctx.load(update.upload[MODEL])
         res = ctx.evaluate(ctx.model, ctx.val_data(client_id))
         self.member.scores[client_id] = float(res["loss"])
-
-
-def _attach(scorer: ValidationScorer, sim) -> None:
-    """Run ``scorer.after_client_update`` after each client update of ``sim``. For now it wraps the algorithm's
-    ``client_update`` on the instance; it is replaced by the simulation's ``after_client_update`` callback when that
-    lands."""
-    algo = sim.algorithm
-    original = algo.client_update
-
-    def client_update(client_id, down, private, round_idx):
-        upd = original(client_id, down, private, round_idx)
-        scorer.after_client_update(sim, client_id, upd)
-        return upd
-
-    algo.client_update = client_update
-    # the scorer reads each client's model right after its update: the engine must train clients one by one
-    algo.local_update = "own"

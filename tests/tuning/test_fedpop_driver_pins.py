@@ -159,37 +159,17 @@ def test_gather_scores_reads_the_round_in_client_order_and_clears_them():
     assert t._gather_scores(m, [1, 4, 7]) == [0.1, 0.2, 0.3] and m.scores == {}
 
 
-def test_the_score_wrapper_evaluates_the_uploaded_model_on_the_clients_val_split():
-    """After the method's own client_update, the uploaded model part (if any) is loaded and the model evaluated on
-    that client's val split; the loss is the client's score; the update is returned unchanged."""
-    log = []
-
-    class Ctx:
-        model = "ctx-model"
-
-        def load(self, x):
-            log.append(("load", x))
-
-        def val_data(self, cid):
-            return f"val{cid}"
-
-        def evaluate(self, model, data):
-            log.append(("evaluate", model, data))
-            return {"loss": 2, "accuracy": 0.5}
-
-    upd = SimpleNamespace(upload={MODEL: "w_k", "other": 1})
-    algo = SimpleNamespace(ctx=Ctx(), client_update=lambda *a: (log.append(("update", a)), upd)[1])
+def test_the_scorer_is_installed_as_a_callback_that_sees_each_client():
+    """_install_scorer adds one ValidationScorer of the member to its simulation's callbacks, declared to see each
+    client's upload (so the engine trains clients one by one); the method is left as it is."""
+    algo = SimpleNamespace()
     m = _member(StepSim({}))
-    m.sim = SimpleNamespace(algorithm=algo)
+    m.sim = SimpleNamespace(algorithm=algo, callbacks=["defaults"])
     bare()._install_scorer(m)
-    assert algo.client_update(3, "down", "priv", 5) is upd
-    assert log == [("update", (3, "down", "priv", 5)), ("load", "w_k"), ("evaluate", "ctx-model", "val3")]
-    assert m.scores == {3: 2.0} and type(m.scores[3]) is float
-    upd.upload = {"deltas": 1}     # nothing of the model uploaded (SCAFFOLD's deltas): scored as the update left it
-    log.clear()
-    algo.client_update(4, "down", None, 5)
-    assert [e[0] for e in log] == ["update", "evaluate"] and m.scores == {3: 2.0, 4: 2.0}
-    assert algo.local_update == "own"   # the scorer reads each client's model: clients train one by one
+    assert m.sim.callbacks[0] == "defaults" and len(m.sim.callbacks) == 2
+    scorer = m.sim.callbacks[1]
+    assert isinstance(scorer, ValidationScorer) and scorer.member is m and scorer.needs_each_client is True
+    assert vars(algo) == {}
 
 
 def test_the_validation_scorer_as_a_callback_scores_its_member():
@@ -420,9 +400,10 @@ def test_the_population_is_built_with_its_budget_horizon_and_members(build, tmp_
         # the space file is written with sorted keys: dropout, local_epochs, lr
         want_beta = {"dropout": g.uniform(0.0, 0.5), "local_epochs": int(g.integers(3)), "lr": g.uniform(-2.5, -0.5)}
         assert m.alpha == want_alpha and m.beta0 == want_beta and m.mhp == {} and m.fedex is None
-        wrapper = vars(m.sim.algorithm)["client_update"]   # the scorer, installed on this member's algorithm
-        scorers = [c.cell_contents for c in wrapper.__closure__ if isinstance(c.cell_contents, ValidationScorer)]
-        assert [s.member for s in scorers] == [m]
+        # the scorer: a callback of this member's simulation that sees each client's upload (nothing on the instance)
+        scorers = [c for c in m.sim.callbacks if isinstance(c, ValidationScorer)]
+        assert [s.member for s in scorers] == [m] and m.sim.each_client
+        assert "client_update" not in vars(m.sim.algorithm) and m.sim.algorithm.local_update == "engine"
     assert t.rng.random() == g.random()   # nothing else drawn
 
 

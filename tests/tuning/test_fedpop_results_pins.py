@@ -14,6 +14,7 @@ from hfpfl.algorithms import get_algorithm
 from hfpfl.config import RunArguments
 from hfpfl.data import DataArguments
 from hfpfl.federated.context import NonFiniteError
+from hfpfl.federated.evaluation import Evaluator
 from hfpfl.federated.state import MODEL
 from hfpfl.tuning import Member, TunerArguments, tuner_class
 from hfpfl.tuning import results as fp
@@ -48,6 +49,8 @@ class EvalSim:
         self.results, self.calls = results, []
         self.store = SimpleNamespace(get=lambda cid: (store or {}).get(cid))
         self.initial_private, self.server_state, self.round, self.model = "init", "server", 4, "trained-model"
+        self._load_memo = None
+        self.evaluator = Evaluator(self)  # the engine's one evaluation of personal models, on this stub
         self.args = RunArguments(method="fedprox", momentum=0.3, weight_decay=0.01, local_epochs=5)
         sim = self
 
@@ -75,18 +78,28 @@ class EvalSim:
 
         self.ctx, self.algorithm = Ctx(), Algo()
 
+    def seed_for(self, r, cid, tag):
+        return (r, cid, tag)
+
+    def seed_torch(self, seed):
+        self.calls.append(("seed", seed))
+
 
 # ------------------------------------------------------------------------------------------------ the final scores
 def test_member_val_loss_is_the_sample_weighted_mean_over_every_clients_val_split(tmp_path):
-    """Losses 1, 2, 4 on 10, 30, 0 samples: (10 + 60 + 0) / 40 = 1.75. Each client's private model part is loaded
-    first (the initial one where the client has none), then its personal model is evaluated."""
+    """Losses 1, 2, 4 on 10, 30, 0 samples: (10 + 60 + 0) / 40 = 1.75. Each client's personal model is the engine's
+    (seeded for the round and client, its private model part loaded first, the initial one where the client has
+    none, then load_personal), evaluated on its val split."""
     t = bare(tmp_path)
     sim = EvalSim({"val0": {"loss": 1.0, "num_samples": 10}, "val1": {"loss": 2.0, "num_samples": 30},
                    "val2": {"loss": 4.0, "num_samples": 0}}, store={0: {MODEL: "p0"}, 2: {"other": 1}})
     assert t.member_val_loss(Member(0, sim, {}, {})) == pytest.approx(1.75)
-    assert sim.calls == [("load", "p0"), ("personal", 0, "server", {MODEL: "p0"}, 4), ("evaluate", "model0", "val0"),
-                         ("load", "init"), ("personal", 1, "server", None, 4), ("evaluate", "model1", "val1"),
-                         ("load", "init"), ("personal", 2, "server", {"other": 1}, 4), ("evaluate", "model2", "val2")]
+    assert sim.calls == [("seed", (4, 0, "eval")), ("load", "p0"), ("personal", 0, "server", {MODEL: "p0"}, 4),
+                         ("evaluate", "model0", "val0"),
+                         ("seed", (4, 1, "eval")), ("load", "init"), ("personal", 1, "server", None, 4),
+                         ("evaluate", "model1", "val1"),
+                         ("seed", (4, 2, "eval")), ("load", "init"), ("personal", 2, "server", {"other": 1}, 4),
+                         ("evaluate", "model2", "val2")]
     sim = EvalSim({f"val{c}": {"loss": 3.0, "num_samples": 0} for c in range(3)})
     assert t.member_val_loss(Member(0, sim, {}, {})) == 0.0      # no validation samples: 0, not a division by 0
     sim = EvalSim({"val0": {"loss": 3.0, "num_samples": 1}, "val1": {"loss": 5.0, "num_samples": 0},
