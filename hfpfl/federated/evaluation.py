@@ -25,19 +25,22 @@ def personal_models(sim, client_ids, server_state: dict, round_idx: int, *, skip
 
     ``skip_unchanged_loads``: while the generator runs, skip copying a tensor whose source and model tensor kept
     their version counters since the previous client (:func:`~hfpfl.federated.state.load_into`'s memo; the run's
-    evaluation, where the same global tensors are loaded for every client). BatchNorm's running statistics,
-    updated in place by a personal model that trains at load (FedAvg+FT's fine-tuning), do not bump their counter:
-    with the memo that client's statistics stay for the next, so only the run's evaluation, whose recorded
-    numbers were made with it, passes True."""
+    evaluation, where the same global tensors are loaded for every client). Buffers are loaded for every client
+    all the same: BatchNorm's running statistics, updated in place by a personal model that trains at load
+    (FedAvg+FT's fine-tuning), do not bump their version counter, so a memo would leave one client's statistics
+    in the next client's model."""
     algo = sim.algorithm
     outer = sim._load_memo
-    sim._load_memo = {} if skip_unchanged_loads else None
+    memo = sim._load_memo = {} if skip_unchanged_loads else None
+    buffers = [k for k, _ in sim.model.named_buffers()] if memo is not None else []
     try:
         for cid in client_ids:
             sim.seed_torch(sim.seed_for(round_idx, cid, "eval"))
             private = sim.store.get(cid)
             sim.ctx.load((private or {}).get(MODEL) or sim.initial_private)
             yield cid, algo.load_personal(cid, server_state, private, round_idx)
+            for k in buffers:
+                memo.pop(k, None)
     finally:
         sim._load_memo = outer
 
