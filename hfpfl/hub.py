@@ -42,6 +42,8 @@ __all__ = [
     "list_revisions",
     "list_repo_files",
     "require_cached",
+    "cached_snapshot",
+    "ensure_published",
     "verify_safetensors",
     "resolve_pretrained",
     "use_hub_cache",
@@ -333,6 +335,62 @@ def require_cached(
             f"({snapshot})." + _fix_hint(repo_id)
         )
     return str(snapshot)
+
+
+def cached_snapshot(
+    repo_id: str,
+    revision: str = "main",
+    repo_type: str = "model",
+    cache_dir: str | os.PathLike | None = None,
+    required_file: str | None = None,
+) -> str | None:
+    """Snapshot path of ``repo_id@revision`` when the local cache holds it (with ``required_file`` in it, when given),
+    else None; never touches the network."""
+    try:
+        path = require_cached(repo_id, repo_type, revision, cache_dir)
+    except (OfflineModelError, ValueError):
+        return None
+    if required_file is not None and not (Path(path) / required_file).exists():
+        return None
+    return path
+
+
+def ensure_published(
+    repo_id: str,
+    publish,
+    stale=None,
+    force: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    required_file: str | None = None,
+    log=print,
+) -> str:
+    """The snapshot path of ``repo_id`` in the local cache, published first when it is not cached, when
+    ``stale(path)`` gives a reason to replace the cached copy (None: it is current), or when ``force``:
+    ``publish()`` writes it (e.g. with :func:`push_folder_to_cache`) and returns its snapshot path. One publisher at a
+    time per repo id (a file lock in the cache: several processes of a run may ask at once); whoever waited on the
+    lock finds the snapshot its predecessor published."""
+    from filelock import FileLock
+
+    validate_repo_id(repo_id)
+
+    def current():
+        path = cached_snapshot(repo_id, cache_dir=cache_dir, required_file=required_file)
+        return path, (stale(path) if path is not None and stale is not None else None)
+
+    if not force:
+        path, reason = current()
+        if path is not None and reason is None:
+            return path
+        if path is not None:
+            log(f"[hub] cached {repo_id} {reason}: replacing it")
+    locks = Path(hub_cache_dir(cache_dir)) / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(locks / ("hfpfl-publish-" + repo_id.replace("/", "--") + ".lock"))):
+        if not force:
+            path, reason = current()
+            if path is not None and reason is None:
+                return path
+        return str(publish())
 
 
 def list_repo_files(

@@ -37,7 +37,7 @@ def main(argv=None):
 
     from hfpfl.cli import fail
 
-    from hfpfl.algorithms.fedbip import load_ldm
+    from hfpfl.fedbip.method import load_ldm
     from hfpfl.fedbip.ldm import resolve_ldm
     from hfpfl.data import build_federated_dataset
     from hfpfl.experiments import fedbip_compare as compare

@@ -23,6 +23,24 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}                 # for the one-process re
 CPU_PROCESSES = {**CPU_ONLY, "ACCELERATE_USE_CPU": "1"}  # for the LAUNCH_TWO run
 
 
+class _PipelinesBesideTheTests:
+    """``hfpfl.pipelines`` is the repository's top-level ``pipelines/`` folder, installed under that name (pyproject's
+    package-dir). The tests import the one beside them: from a checkout other than the installed one (a worktree, or
+    mutmut's ``mutants/``, where the pipeline file is mutated) the install's mapping would give another checkout's
+    file. Whether the install itself maps it is tests/hub/test_packaging.py's test."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "hfpfl.pipelines":
+            return None
+        import importlib.machinery
+
+        return importlib.machinery.PathFinder.find_spec(name, [str(Path(__file__).resolve().parents[1])])
+
+
+sys.meta_path.insert(0, _PipelinesBesideTheTests)
+
+
 def load_script(relpath: str, name: str | None = None):
     """A repository script or recipe (``"recipes/fedpop.py"``) imported as a module under ``name``, registered in
     ``sys.modules`` (its dataclasses look their module up there), so its ``main(argv)`` runs in this process."""
@@ -38,7 +56,7 @@ def load_script(relpath: str, name: str | None = None):
 
 def spy_concept_prompts(monkeypatch) -> list:
     """Every (S, V) the FedBiP pipeline encodes into a prompt from now on, in order (the encoder still runs)."""
-    import pipelines.pipeline_fedbip as pf
+    import hfpfl.pipelines.pipeline_fedbip as pf
 
     seen, real = [], pf.encode_concept_prompt
 

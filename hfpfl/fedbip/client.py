@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipelines.pipeline_fedbip import encode_concept_prompt, expand_template, tokenize_concept_template
+from ..pipelines.pipeline_fedbip import encode_concept_prompt, expand_template, tokenize_concept_template
 
 UPLOAD_KEYS = ("latents", "labels", "domain_concept", "class_concepts")
 

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import hfpfl.fedbip.client as client  # noqa: E402
 from hfpfl.fedbip import build_tiny_ldm  # noqa: E402
 from hfpfl.fedbip.protocol import mixed_init  # noqa: E402
-from pipelines import FedBiPPipeline  # noqa: E402
+from hfpfl.pipelines import FedBiPPipeline  # noqa: E402
 
 torch.set_num_threads(1)
 
