@@ -85,8 +85,9 @@ TARGETS: dict[str, Target] = {
     "fedpce": Target(["hfpfl/algorithms/fedpce.py"], ["tests/algorithms/test_fedpce*.py"]),
     "fraug": Target(["hfpfl/algorithms/fraug.py"], ["tests/algorithms/test_fraug*.py"]),
     "feddat": Target(["hfpfl/algorithms/feddat.py"], ["tests/algorithms/test_feddat*.py"]),
-    "fedbip": Target(["hfpfl/fedbip/config.py", "hfpfl/fedbip/method.py", "hfpfl/fedbip/client.py",
-                      "hfpfl/fedbip/protocol.py", "pipelines/pipeline_fedbip.py"],
+    "fedbip": Target(["hfpfl/fedbip/config.py", "hfpfl/fedbip/method.py", "hfpfl/fedbip/latents.py",
+                      "hfpfl/fedbip/concepts.py", "hfpfl/fedbip/client.py", "hfpfl/fedbip/protocol.py",
+                      "pipelines/pipeline_fedbip.py"],
                      ["tests/fedbip/test_fedbip_algorithm*.py", "tests/fedbip/test_fedbip_pipeline*.py", "tests/fedbip/test_fedbip_pins.py"]),
     "fedpop": Target(["hfpfl/tuning/*.py"], ["tests/tuning/test_fedpop*.py"]),
     # FedPop and FedEx wrapped in SHA (the dissertation's appendix algorithm): the part of the fedpop target they add
@@ -167,7 +168,7 @@ TARGETS: dict[str, Target] = {
                               k="pins or noise_to_the_samplers or out_of_range_timesteps or resolution_matched or "
                                 "random_latent_rows or concept_lr_and_sigma or keep_the_real_words or "
                                 "synthetic_set_size or aggregate_called_directly"),
-    "fedbip_client": Target(["hfpfl/fedbip/client.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
+    "fedbip_client": Target(["hfpfl/fedbip/latents.py", "hfpfl/fedbip/concepts.py", "hfpfl/fedbip/client.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
                             functions=["*"]),
     "fedbip_pipeline": Target(["pipelines/pipeline_fedbip.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
                               functions=["*"]),

@@ -3,7 +3,7 @@ method package laid out like a peft tuner:
 
 * :mod:`.config`     :class:`FedBiPConfig`, the options and what each personalization level uploads
 * :mod:`.method`     :class:`FedBiP`, the engine plug-in (registered as ``fedbip``)
-* :mod:`.client`     instance-level latents (Eq. 3), concept training (Eq. 4), the one-shot upload
+* :mod:`.client`     the one-shot upload: :mod:`.latents` (instance level, Eq. 3) and :mod:`.concepts` (Eq. 4)
 * :mod:`.protocol`   the noising timestep, the concepts' step sizes, the synthetic set
 * :mod:`.privacy`    membership inference and nearest-neighbour distances of the synthetic set
 * :mod:`.quality`    judges that never saw a client image, and what they read off a run's synthetic set
@@ -20,10 +20,11 @@ The names below are loaded on first use: importing the package (the method's reg
 import importlib
 
 _EXPORTS = {
-    "client": ("UPLOAD_KEYS", "ConceptResult", "class_average_latents", "client_upload", "concept_denoising_loss",
-               "concept_space_scale", "encode_images", "images_to_tensor", "init_concepts", "instance_level_latents",
-               "interpolate_latents", "noise_to_max_timestep", "sample_gamma", "sample_partners",
-               "sampler_start_timestep", "train_concepts"),
+    "client": ("UPLOAD_KEYS", "client_upload"),
+    "latents": ("class_average_latents", "encode_images", "images_to_tensor", "instance_level_latents",
+                "interpolate_latents", "noise_to_max_timestep", "sample_gamma", "sample_partners",
+                "sampler_start_timestep"),
+    "concepts": ("ConceptResult", "concept_denoising_loss", "concept_space_scale", "init_concepts", "train_concepts"),
     "config": ("FedBiPConfig",),
     "method": ("FedBiP", "load_ldm"),
     "ldm": ("TinyLDMConfig", "build_tiny_ldm", "digit_prompt", "make_scheduler", "resolve_ldm", "state_checksum"),

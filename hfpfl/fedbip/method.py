@@ -61,11 +61,12 @@ from ..logs import quiet_library_progress_bars
 from ..training import TensorData
 from .config import DIGIT_WORDS, UPLOAD, FedBiPConfig
 from .grid import save_real_vs_synthetic_grid
+from .latents import instance_level_latents
 from .pool import caption_word
 from .privacy import membership_inference_gap, synthetic_nearest_neighbors
 from .protocol import concept_settings, mixed_init, noising_timestep, synthetic_set
 
-# The client's steps (.client), the LDM (.ldm) and the pipeline import diffusers: they are imported where they are
+# The concept level (.concepts), the LDM (.ldm) and the pipeline import diffusers: they are imported where they are
 # used, so that registering the method (``import hfpfl.algorithms``) loads no model code (tests/cli/test_footprint.py)
 
 logger = logging.getLogger("hfpfl")
@@ -175,7 +176,7 @@ class FedBiP(Algorithm):
         return domain, classes
 
     def word_concepts(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from .client import init_concepts
+        from .concepts import init_concepts
 
         domain, classes = self.words(client_id)
         cfg = self.config
@@ -214,8 +215,6 @@ class FedBiP(Algorithm):
 
     def instance_latents(self, client_id, x, y, round_idx, noise_scheduler):
         """Eq. 3 for every image, ``multiplier`` draws each; single-image classes per ``singleton_classes``."""
-        from .client import instance_level_latents
-
         cfg, pipe = self.config, self.pipe
         g = self.ctx.generator(round_idx, client_id, "fedbip-instance")
         counts = torch.bincount(y, minlength=self.ctx.data.num_labels)
@@ -238,7 +237,7 @@ class FedBiP(Algorithm):
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def train_concepts(self, client_id, x, y, round_idx, noise_scheduler):
-        from .client import train_concepts
+        from .concepts import train_concepts
 
         cfg = self.config
         seed = self.ctx.seed_for(round_idx, client_id, "fedbip-concepts")

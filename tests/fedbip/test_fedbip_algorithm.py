@@ -473,7 +473,7 @@ def test_s_only_and_v_only_keep_the_real_words_fixed(ldm_dir, fed, tmp_path, mon
     client 0's domain (USPS's public images: "handwritten"; its name "usps" is in no caption) -- both
     where the client trains (the fixed half it trains against, left unchanged) and where the server builds the
     prompt (the fixed half it inserts). The expected rows are read off the embedding table by token id here."""
-    import hfpfl.fedbip.client as fb
+    import hfpfl.fedbip.concepts as fb
 
     sim = _sim(fed, tmp_path, _cfg(ldm_dir, personalization=level, concept_steps=3, reuse_concepts=False),
                name=level, num_rounds=1)

@@ -12,7 +12,7 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import hfpfl.fedbip.client as client  # noqa: E402
+import hfpfl.fedbip.concepts as concepts  # noqa: E402
 import hfpfl.fedbip.method as fedbip_mod  # noqa: E402
 from hfpfl.fedbip.method import FedBiP  # noqa: E402
 
@@ -45,7 +45,7 @@ def calls(monkeypatch):
         calls["mixed"].append((algo, cid, train_s, train_v, seed))
         return torch.full((2, 4), 0.5), torch.full((2, 3, 4), -0.5)
 
-    monkeypatch.setattr(client, "train_concepts", fake_train)
+    monkeypatch.setattr(concepts, "train_concepts", fake_train)
     monkeypatch.setattr(fedbip_mod, "mixed_init", fake_mixed)
     monkeypatch.setattr(fedbip_mod, "_CONCEPTS", {})
     return calls
@@ -135,7 +135,7 @@ def latent_calls(monkeypatch):
                           g=g, t=timestep))
         return x + (100 if class_average else 0), y.clone()
 
-    monkeypatch.setattr(client, "instance_level_latents", fake)
+    monkeypatch.setattr(fedbip_mod, "instance_level_latents", fake)
     return calls
 
 
@@ -296,7 +296,7 @@ def test_word_concepts_are_the_clients_real_words_in_the_configured_space(monkey
     """The real-word concepts: init_concepts(init="words") with the client's domain and class words, the run's
     n_s / n_v / template / space and the data's class count."""
     seen = []
-    monkeypatch.setattr(client, "init_concepts", lambda *a, **kw: seen.append((a, kw)) or ("S", "V"))
+    monkeypatch.setattr(concepts, "init_concepts", lambda *a, **kw: seen.append((a, kw)) or ("S", "V"))
     me = _self()
     assert FedBiP.word_concepts(me, 2) == ("S", "V")
     assert seen == [((me.pipe, 2, 2, 3, "[S] of [V]"), dict(init="words", domain_word="syn",
