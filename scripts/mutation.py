@@ -168,7 +168,8 @@ TARGETS: dict[str, Target] = {
                               k="pins or noise_to_the_samplers or out_of_range_timesteps or resolution_matched or "
                                 "random_latent_rows or concept_lr_and_sigma or keep_the_real_words or "
                                 "synthetic_set_size or aggregate_called_directly"),
-    "fedbip_client": Target(["hfpfl/fedbip/latents.py", "hfpfl/fedbip/concepts.py", "hfpfl/fedbip/client.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
+    "fedbip_client": Target(["hfpfl/fedbip/latents.py", "hfpfl/fedbip/concepts.py", "hfpfl/fedbip/client.py"],
+                            ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
                             functions=["*"]),
     "fedbip_pipeline": Target(["pipelines/pipeline_fedbip.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
                               functions=["*"]),

@@ -1,4 +1,4 @@
-"""FedBiP protocol settings shared by the engine plug-in (``hfpfl.algorithms.fedbip``) and the tests: the noising
+"""FedBiP protocol settings shared by the engine plug-in (:mod:`hfpfl.fedbip.method`) and the tests: the noising
 timestep, the concept-space scale of lr / sigma, the mixed (learned + real-word) concepts of the "S only" / "V only"
 ablations, and the synthetic set gathered from the clients' uploads."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...runtime import configure_determinism
 from ..ldm import build_tiny_ldm, digit_prompt
 from ..pool import build_pool, pool_to_tensor
 from ..publish import LDM_RECIPE_VERSION
@@ -99,8 +100,6 @@ def pretrain_tiny_ldm(cfg: PretrainConfig | None = None, log=print, pool: dict |
     dev = torch.device(cfg.device)
     torch.set_num_threads(cfg.num_threads)
     if dev.type == "cuda":  # same seed, same weights on this GPU (cuDNN/TF32 defaults are not)
-        from hfpfl.runtime import configure_determinism
-
         configure_determinism(dev)
     t_start = time.time()
     cpu_start = time.process_time()
