@@ -46,8 +46,8 @@ SAMPLERS = {"pndm": "PNDMScheduler", "ddim": "DDIMScheduler", "ddpm": "DDPMSched
 EXAMPLE_DOC_STRING = """
     Examples:
         ```py
-        >>> from pipelines.pipeline_fedbip import FedBiPPipeline
-        >>> pipe = FedBiPPipeline.from_pretrained("hfpfl/tiny-ldm-digits")  # or "CompVis/stable-diffusion-v1-4"
+        >>> from hfpfl.pipelines import FedBiPPipeline
+        >>> pipe = FedBiPPipeline.from_pretrained("hfpfl/tiny-ldm-digits-broad")  # or "CompVis/stable-diffusion-v1-4"
         >>> out = pipe(**upload, num_inference_steps=20, generator=torch.Generator().manual_seed(0))
         >>> out.images, out.labels
         ```

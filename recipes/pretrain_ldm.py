@@ -3,7 +3,7 @@ local Hub cache.
 
     HF_HUB_OFFLINE=1 python recipes/pretrain_ldm.py --output_dir runs/tiny_ldm
     # --device auto (default): on a CUDA machine the judge, VAE, text tower and UNet train there, with the
-    # accelerator budget (hfpfl.fedbip.ldm.PRETRAIN_BUDGETS: VAE 3000 x 64, UNet 4000 x 128; ~7 min on one H100)
+    # accelerator budget (hfpfl.fedbip.pretraining.PRETRAIN_BUDGETS: VAE 3000 x 64, UNet 4000 x 128; ~7 min on one H100)
     # afterwards, offline:  StableDiffusionPipeline.from_pretrained("hfpfl/tiny-ldm-digits-broad")
     #                        FedBiPPipeline.from_pretrained("hfpfl/tiny-ldm-digits-broad")
 
@@ -27,7 +27,10 @@ import os
 from dataclasses import asdict, dataclass, field
 
 
-from hfpfl.fedbip.ldm import DEFAULT_LDM_REPO, PretrainConfig, ensure_pretrained_ldm  # noqa: E402
+from hfpfl.fedbip.ldm import TinyLDMConfig  # noqa: E402
+from hfpfl.fedbip.pretraining import PretrainConfig, ldm_config, measure_cached_ldm, pretrain_ldm  # noqa: E402
+from hfpfl.fedbip.publish import DEFAULT_LDM_REPO  # noqa: E402
+from hfpfl.hub import cached_snapshot  # noqa: E402
 
 
 @dataclass
@@ -51,7 +54,7 @@ class PretrainArguments:
     max_images: int | None = field(default=None, metadata={"help": "Cap on public images used (default: all)."})
     device: str = field(default="auto", metadata={
         "help": "Where to train: auto (CUDA when available, else cpu), cpu, cuda, cuda:N. The step and batch "
-                "defaults below are the device's budget (hfpfl.fedbip.ldm.PRETRAIN_BUDGETS)."})
+                "defaults below are the device's budget (hfpfl.fedbip.pretraining.PRETRAIN_BUDGETS)."})
     vae_steps: int | None = field(default=None, metadata={"help": "VAE optimisation steps (default: 400 on the CPU, "
                                                                    "3000 on an accelerator)."})
     vae_batch_size: int | None = field(default=None, metadata={
@@ -109,8 +112,6 @@ class PretrainArguments:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {self.device}: CUDA is not available on this machine; pass --device cpu "
                              "(or auto)")
-        from hfpfl.fedbip.ldm import PretrainConfig, TinyLDMConfig, ldm_config
-
         try:
             TinyLDMConfig.for_latent_size(self.image_size, self.latent_size)
         except ValueError:
@@ -142,8 +143,6 @@ RECIPE_OPTIONS = PretrainArguments  # this recipe's options (docs/reference/opti
 def latent_size_advice(image_size: int, latent_size: int | None) -> str:
     """The error for a latent side that does not divide ``image_size`` by a power of two, with only values
     :meth:`TinyLDMConfig.for_latent_size` accepts as advice (factor 4, the default's, first)."""
-    from hfpfl.fedbip.ldm import TinyLDMConfig
-
     valid = []
     for factor in (4, 2, 8, 1):
         if image_size % factor == 0:
@@ -173,10 +172,7 @@ def main(argv=None):
     if args.measure_only:
         import torch
 
-        from hfpfl.fedbip.ldm import cached_snapshot
-        from hfpfl.fedbip.quality import measure_cached_ldm
-
-        path = cached_snapshot(args.repo_id, args.cache_dir)
+        path = cached_snapshot(args.repo_id, cache_dir=args.cache_dir, required_file="model_index.json")
         if path is None:
             fail(ValueError(f"--measure_only: {args.repo_id} is not in the Hub cache; run without --measure_only to "
                             "pretrain it first"))
@@ -187,8 +183,7 @@ def main(argv=None):
         return path
     d = asdict(args)
     cfg = PretrainConfig(**{k: d[k] for k in PretrainConfig.__dataclass_fields__ if k in d})
-    path = ensure_pretrained_ldm(args.repo_id, cache_dir=args.cache_dir, force=args.force, config=cfg,
-                                 output_dir=args.output_dir)
+    path = pretrain_ldm(args.repo_id, cfg, cache_dir=args.cache_dir, force=args.force, output_dir=args.output_dir)
     print(path)
     return path
 

@@ -37,11 +37,11 @@ def main(argv=None):
 
     from hfpfl.cli import fail
 
-    from hfpfl.algorithms.fedbip import load_ldm
+    from hfpfl.fedbip.method import load_ldm
     from hfpfl.fedbip.ldm import resolve_ldm
     from hfpfl.data import build_federated_dataset
     from hfpfl.experiments import fedbip_compare as compare
-    from hfpfl.fedbip.client import sampler_timesteps
+    from hfpfl.fedbip.latents import sampler_timesteps
     from hfpfl.fedbip.protocol import noising_timestep
     from hfpfl.fedbip.sweep import check_sweepable, choose_noise_timestep, plot_sweep, train_spacing
     from hfpfl.runtime import check_output_dir, resolve_output_dir

@@ -85,7 +85,8 @@ TARGETS: dict[str, Target] = {
     "fedpce": Target(["hfpfl/algorithms/fedpce.py"], ["tests/algorithms/test_fedpce*.py"]),
     "fraug": Target(["hfpfl/algorithms/fraug.py"], ["tests/algorithms/test_fraug*.py"]),
     "feddat": Target(["hfpfl/algorithms/feddat.py"], ["tests/algorithms/test_feddat*.py"]),
-    "fedbip": Target(["hfpfl/algorithms/fedbip.py", "hfpfl/fedbip/client.py", "hfpfl/fedbip/protocol.py",
+    "fedbip": Target(["hfpfl/fedbip/config.py", "hfpfl/fedbip/method.py", "hfpfl/fedbip/latents.py",
+                      "hfpfl/fedbip/concepts.py", "hfpfl/fedbip/client.py", "hfpfl/fedbip/protocol.py",
                       "pipelines/pipeline_fedbip.py"],
                      ["tests/fedbip/test_fedbip_algorithm*.py", "tests/fedbip/test_fedbip_pipeline*.py", "tests/fedbip/test_fedbip_pins.py"]),
     "fedpop": Target(["hfpfl/tuning/*.py"], ["tests/tuning/test_fedpop*.py"]),
@@ -154,7 +155,7 @@ TARGETS: dict[str, Target] = {
     # the engine's aggregation (weighted sums, FedAvg's aggregate/reduce) and FedOpt's server optimizer
     # FedBiP's server side (the classifier's budget, Eq. 6) and the real words of its ablation prompts, against the
     # tests that pin them: a run of minutes, where the whole fedbip target takes hours on 2 cores
-    "fedbip_server": Target(["hfpfl/algorithms/fedbip.py"],
+    "fedbip_server": Target(["hfpfl/fedbip/method.py"],
                             ["tests/fedbip/test_fedbip_algorithm.py"],
                             functions=["xǁFedBiPǁaggregate", "xǁFedBiPǁwords"],
                             k="budget_is_the_server or learnt_it or keep_the_real_words or one_round_and_only or "
@@ -169,19 +170,20 @@ TARGETS: dict[str, Target] = {
                               k="pins or noise_to_the_samplers or out_of_range_timesteps or resolution_matched or "
                                 "random_latent_rows or concept_lr_and_sigma or keep_the_real_words or "
                                 "synthetic_set_size or aggregate_called_directly"),
-    "fedbip_client": Target(["hfpfl/fedbip/client.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
+    "fedbip_client": Target(["hfpfl/fedbip/latents.py", "hfpfl/fedbip/concepts.py", "hfpfl/fedbip/client.py"],
+                            ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
                             functions=["*"]),
     "fedbip_pipeline": Target(["pipelines/pipeline_fedbip.py"], ["tests/fedbip/test_fedbip_pipeline.py", *FEDBIP_PINS],
                               functions=["*"]),
     # the client side of the engine plug-in: the client's images, Eq. 3's latents, Eq. 4's concepts, the upload,
     # against the pins on a stand-in self (mutmut runs a mutant's tests in name order: with the plug-in's federation
     # tests selected every mutant would first wait for a federation)
-    "fedbip_concepts": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_PINS,
+    "fedbip_concepts": Target(["hfpfl/fedbip/method.py"], FEDBIP_PINS,
                               functions=["xǁFedBiPǁtrain_concepts", "xǁFedBiPǁinstance_latents",
                                          "xǁFedBiPǁclient_update", "xǁFedBiPǁreal_images",
                                          "xǁFedBiPǁword_concepts"]),  # download / init_private_state: no mutants
     # the options' checks, the LDM's loading, the server's check and synthesis of an upload, the grid, evaluation
-    "fedbip_rest": Target(["hfpfl/algorithms/fedbip.py"], FEDBIP_FAST,
+    "fedbip_rest": Target(["hfpfl/fedbip/config.py", "hfpfl/fedbip/method.py"], FEDBIP_FAST,
                           functions=["x__template_ok", "x__sampler_ok", "xǁFedBiPConfigǁ*", "x_load_ldm", "x__digest", "xǁFedBiPǁ__init__", "xǁFedBiPǁcheck_upload",
                                      "xǁFedBiPǁsynthesize", "xǁFedBiPǁreceive", "xǁFedBiPǁsave_grid",
                                      "xǁFedBiPǁload_personal", "xǁFedBiPǁpersonalize_new_client",

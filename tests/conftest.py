@@ -23,6 +23,44 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}                 # for the one-process re
 CPU_PROCESSES = {**CPU_ONLY, "ACCELERATE_USE_CPU": "1"}  # for the LAUNCH_TWO run
 
 
+class _PipelinesBesideTheTests:
+    """``hfpfl.pipelines`` is the repository's top-level ``pipelines/`` folder, installed under that name (pyproject's
+    package-dir). The tests import the one beside them: from a checkout other than the installed one (a worktree, or
+    mutmut's ``mutants/``, where the pipeline file is mutated) the install's mapping would give another checkout's
+    file. Under mutmut the modules are the top-level ``pipelines.*`` ones under a second name: mutmut names a mutant
+    after its file's path (``pipelines.pipeline_fedbip.x...``) and switches it on only in a module of that
+    ``__name__``. Whether the install itself maps the folder is tests/hub/test_packaging.py's test."""
+
+    root = str(Path(__file__).resolve().parents[1])
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "hfpfl.pipelines" and not name.startswith("hfpfl.pipelines."):
+            return None
+        import importlib.machinery
+        import importlib.util
+
+        if "MUTANT_UNDER_TEST" in os.environ:
+            return importlib.util.spec_from_loader(name, cls(name.removeprefix("hfpfl.")))
+        if name == "hfpfl.pipelines":
+            return importlib.machinery.PathFinder.find_spec(name, [cls.root])
+        return None  # a module of the package: found on its __path__
+
+    def __init__(self, same_as: str):
+        self.same_as = same_as
+
+    def create_module(self, spec):
+        import importlib
+
+        return importlib.import_module(self.same_as)
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _PipelinesBesideTheTests)
+
+
 def load_script(relpath: str, name: str | None = None):
     """A repository script or recipe (``"recipes/fedpop.py"``) imported as a module under ``name``, registered in
     ``sys.modules`` (its dataclasses look their module up there), so its ``main(argv)`` runs in this process."""
@@ -38,7 +76,7 @@ def load_script(relpath: str, name: str | None = None):
 
 def spy_concept_prompts(monkeypatch) -> list:
     """Every (S, V) the FedBiP pipeline encodes into a prompt from now on, in order (the encoder still runs)."""
-    import pipelines.pipeline_fedbip as pf
+    import hfpfl.pipelines.pipeline_fedbip as pf
 
     seen, real = [], pf.encode_concept_prompt
 

@@ -12,7 +12,8 @@ from .base import (FROZEN, GLOBAL, MODEL, OPTIM, PRIVATE, REGISTRY, Algorithm, H
                    get_algorithm, register, weighted_average)
 from . import ditto, fedavg, fedavg_ft, fedbn, fedper, fedprox, local, scaffold  # noqa: F401  (registration)
 from . import feddf, fednova, perada  # noqa: F401  (registration)
-from . import central, fedbip  # noqa: F401  (registration)
+from . import central  # noqa: F401  (registration)
+from ..fedbip import method as _fedbip  # noqa: F401  (registration: FedBiP is its own package, hfpfl.fedbip)
 from . import fedbabu, fedproto  # noqa: F401  (registration)
 from .fedavg import FedAvg
 

@@ -5,7 +5,7 @@ Setting (feature-space heterogeneity, the paper's §5.1 scaled down): 3 clients,
 by the run seed; the split itself at ``--data_seed 0``: the tiny LDM's pretraining pool is the public split of that
 seed, so a client split of another seed could overlap it), each client's own real test split for per-domain accuracy,
 and the global test set. The frozen tiny LDM (``hfpfl/tiny-ldm-digits-broad``, pretrained on the broad public pool of
-:mod:`hfpfl.fedbip.pool`; the snapshot ships with hfpfl, see :data:`hfpfl.fedbip.ldm.SHIPPED_LDM_DIRS`) is published
+:mod:`hfpfl.fedbip.pool`; the snapshot ships with hfpfl, see :data:`hfpfl.fedbip.publish.SHIPPED_LDM_DIRS`) is published
 to the local Hub cache on first use.
 
 The rows are the study ``fedbip_digits``'s (:mod:`hfpfl.experiments.studies.fedbip_digits`, the dissertation's Tables

@@ -1,4 +1,4 @@
-"""FedBiP protocol settings shared by the engine plug-in (``hfpfl.algorithms.fedbip``) and the tests: the noising
+"""FedBiP protocol settings shared by the engine plug-in (:mod:`hfpfl.fedbip.method`) and the tests: the noising
 timestep, the concept-space scale of lr / sigma, the mixed (learned + real-word) concepts of the "S only" / "V only"
 ablations, and the synthetic set gathered from the clients' uploads."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from .latents import sampler_timesteps
 
 logger = logging.getLogger("hfpfl")
 
@@ -48,8 +50,6 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
     prevent. The paper (and spec ambiguity 1: "not an intermediate, SDEdit-style strength") noises to the maximum
     T; we follow it by default, and ``resolution_matched`` is an explicit stand-in experiment, not the paper's
     choice."""
-    from .client import sampler_timesteps
-
     timesteps = sampler_timesteps(pipe.scheduler, config.num_inference_steps)
     t0, T = timesteps[0], int(pipe.scheduler.config.num_train_timesteps)
     choice = str(config.noise_timestep)
@@ -73,12 +73,12 @@ def noising_timestep(pipe, config) -> tuple[int, int]:
 
 
 def concept_settings(pipe, config) -> tuple[float, float, float]:
-    """(Adam lr, perturbation sigma, space scale) of the concepts; see :func:`hfpfl.fedbip.client.concept_space_scale`.
+    """(Adam lr, perturbation sigma, space scale) of the concepts; see :func:`hfpfl.fedbip.concepts.concept_space_scale`.
 
     lr 0.1 / sigma 0.1 (dissertation ch. 5, App. A) may be read as given in whatever space the concepts live; the authors' code
     applies them in the text encoder's *output* space (the authors' code). The paper (the paper) places the concepts in the input
     (token-embedding) space, which we follow, so ``concept_scale=auto`` converts the two numbers to that space."""
-    from .client import concept_space_scale
+    from .concepts import concept_space_scale
 
     scale = 1.0
     if config.concept_scale == "auto":
@@ -90,7 +90,7 @@ def concept_settings(pipe, config) -> tuple[float, float, float]:
 def mixed_init(algo, client_id: int, train_s: bool, train_v: bool, seed: int):
     """Initial (S, V) for the "S only" / "V only" ablations: the learned part drawn as ``concept_init`` says, the
     fixed part the embedding of the real words (exactly the real prompt's tokens)."""
-    from .client import init_concepts
+    from .concepts import init_concepts
 
     cfg = algo.config
     S_w, V_w = algo.word_concepts(client_id)

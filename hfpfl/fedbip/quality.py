@@ -1,15 +1,15 @@
-"""Quality of the tiny foundation LDM, measured before FedBiP is measured on it (DESIGN "honest stand-ins").
+"""Judges that never saw a client image, and what they read off a FedBiP run (DESIGN "honest stand-ins").
 
-* a **judge**: a small CNN trained on labelled public images (never on client data), with its own held-out accuracy
+* the **judge**: a small CNN trained on labelled public images (never on client data), with its own held-out accuracy
   reported. ``judge_pool="public"`` (the default, "a judge trained on real public images") trains
   it on the pool's real public splits only (the ``public-*`` styles: public mnist / usps / mnistm / syn);
   ``"all"`` on the whole pool (public splits + procedural styles: recipe v4's judge). Both share one held-out split
-  of the whole pool, so the two judges are scored on the same unseen images;
-* **class fidelity of plain prompts**: the judge's accuracy on images generated from ``"a photo of the digit {d}"``;
-* a **sample grid per style word**: one row per caption word of :data:`hfpfl.fedbip.pool.GRID_WORDS`, one column
-  per digit.
+  of the whole pool, so the two judges are scored on the same unseen images. It ships with the tiny LDM
+  (``judge.pt``); the LDM's own quality report (plain-prompt fidelity, grids per style) is the pretraining's,
+  :mod:`hfpfl.fedbip.pretraining.report`;
+* the **style judge**: a domain classifier on the public splits;
+* :func:`synthetic_quality`: both judges on a run's synthetic set (a study's metrics hook).
 """
-
 from __future__ import annotations
 
 import functools
@@ -162,27 +162,10 @@ def train_judge(images: torch.Tensor, labels: torch.Tensor, epochs: int | None =
     return judge, acc
 
 
-def make_fidelity_probe(judge, per_class: int = 5, guidance_scale: float = 3.0, num_inference_steps: int = 20,
-                        seed: int = 1234):
-    """A probe for :func:`hfpfl.fedbip.ldm.pretrain_tiny_ldm`: plain-prompt fidelity on a small fixed set (same
-    seed every call, so points of the curve differ only by the weights)."""
-
-    def probe(comps):
-        from diffusers import StableDiffusionPipeline
-
-        pipe = StableDiffusionPipeline(**comps, safety_checker=None, feature_extractor=None,
-                                       requires_safety_checker=False)
-        pipe.set_progress_bar_config(disable=True)
-        acc, _, _ = plain_prompt_fidelity(pipe, judge, per_class, guidance_scale, num_inference_steps, seed)
-        return {f"fidelity_g{guidance_scale:g}": acc}
-
-    return probe
-
-
 def load_ldm_judge(path: str):
     """The quality judge published with a tiny LDM (``judge.pt`` in its snapshot folder, trained on the pool's public
-    images; see :func:`measure_ldm`), in eval mode on the CPU; None when the folder has none (e.g. a real SD
-    checkpoint)."""
+    images; see :func:`hfpfl.fedbip.pretraining.report.measure_ldm`), in eval mode on the CPU; None when the folder
+    has none (e.g. a real SD checkpoint)."""
     f = os.path.join(str(path), "judge.pt")
     if not os.path.isfile(f):
         return None
@@ -245,182 +228,6 @@ def style_fidelity(judge, images: torch.Tensor, clients: torch.Tensor, client_do
     out = {d: float(np.mean(v)) for d, v in per.items()}
     out["mean"] = float(np.mean([a for v in per.values() for a in v]))
     return out
-
-
-@torch.no_grad()
-def generate(pipe, prompts: list[str], num_inference_steps: int = 20, guidance_scale: float = 3.0, seed: int = 0,
-             batch_size: int = 100) -> torch.Tensor:
-    """Images (N, 3, H, W) in [-1, 1] from plain text prompts with a StableDiffusionPipeline-like ``pipe``."""
-    out = []
-    g = torch.Generator().manual_seed(seed)
-    for i in range(0, len(prompts), batch_size):
-        im = pipe(prompt=prompts[i : i + batch_size], num_inference_steps=num_inference_steps,
-                  guidance_scale=guidance_scale, generator=g, output_type="pt").images
-        out.append(im.float().cpu() * 2 - 1)
-    return torch.cat(out)
-
-
-def plain_prompt_fidelity(pipe, judge, per_class: int = 10, guidance_scale: float = 3.0,
-                          num_inference_steps: int = 20, seed: int = 0, word: str | None = None):
-    """Judge accuracy on ``per_class`` images per digit generated from ``caption(d, word)``; returns (acc, images,
-    labels)."""
-    from .pool import caption
-
-    labels = torch.arange(10).repeat(per_class)
-    images = generate(pipe, [caption(int(y), word) for y in labels], num_inference_steps, guidance_scale, seed)
-    return judge_accuracy(judge, images, labels), images, labels
-
-
-def save_style_grid(pipe, path: str, words=None, guidance_scale: float = 3.0, num_inference_steps: int = 20,
-                    seed: int = 0, scale: int = 3) -> str:
-    """One row per caption word (``""`` = plain prompt), one column per digit; the word is written on the left."""
-    from PIL import Image, ImageDraw
-
-    from .pool import GRID_WORDS, caption
-
-    words = list(GRID_WORDS if words is None else words)
-    prompts = [caption(d, w or None) for w in words for d in range(10)]
-    ims = generate(pipe, prompts, num_inference_steps, guidance_scale, seed)
-    ims = ((ims.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
-    h, w = ims.shape[1:3]
-    margin, pad = 24, 2
-    grid = np.full((len(words) * (h + pad), margin + 10 * (w + pad), 3), 255, np.uint8)
-    for k, im in enumerate(ims):
-        r, c = divmod(k, 10)
-        grid[r * (h + pad) : r * (h + pad) + h, margin + c * (w + pad) : margin + c * (w + pad) + w] = im
-    img = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
-    draw = ImageDraw.Draw(img)
-    for r, wd in enumerate(words):
-        draw.text((2, r * (h + pad) * scale + 2), wd or "(plain)", fill=(200, 0, 0))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    img.save(path)
-    return path
-
-
-def save_pool_grid(pool: dict, path: str, per_style: int = 10, scale: int = 3, seed: int = 0) -> str:
-    """Real pool images: one row per style, ``per_style`` random images each (what the LDM was trained on)."""
-    from PIL import Image, ImageDraw
-
-    styles = sorted(set(pool["styles"]))
-    rng = np.random.default_rng(seed)
-    st = np.asarray(pool["styles"])
-    h, w = pool["images"].shape[1:3]
-    margin, pad = 40, 2
-    grid = np.full((len(styles) * (h + pad), margin + per_style * (w + pad), 3), 255, np.uint8)
-    for r, s in enumerate(styles):
-        idx = rng.permutation(np.flatnonzero(st == s))[:per_style]
-        for c, i in enumerate(idx):
-            grid[r * (h + pad) : r * (h + pad) + h, margin + c * (w + pad) : margin + c * (w + pad) + w] = \
-                pool["images"][i]
-    img = Image.fromarray(grid).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST)
-    draw = ImageDraw.Draw(img)
-    for r, s in enumerate(styles):
-        draw.text((2, r * (h + pad) * scale + 2), s[:18], fill=(200, 0, 0))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    img.save(path)
-    return path
-
-
-def measure_ldm(pipe, pool: dict, out_dir: str, per_class: int = 10, guidance_scales=(1.0, 3.0, 5.0), seed: int = 0,
-                log=print, judge=None, judge_pool: str = "public") -> dict:
-    """Train the judge on the pool's ``judge_pool`` images (or take ``judge`` = (judge, held-out accuracy, report)
-    trained before), measure plain-prompt fidelity at each guidance scale, write the grids."""
-    from .pool import pool_to_tensor
-
-    if judge is None:
-        x = pool_to_tensor(pool["images"], pipe.vae.config.sample_size)
-        y = torch.as_tensor(pool["labels"])
-        jrep: dict = {"judge_pool": judge_pool}
-        judge = (*train_judge(x, y, seed=seed, styles=pool["styles"], report=jrep,
-                              train_mask=judge_train_mask(pool["styles"], judge_pool)), jrep)
-    judge, judge_acc, jrep = judge
-    rep = {"judge_heldout_accuracy": judge_acc, "judge_pool": jrep.get("judge_pool", judge_pool), "judge": jrep,
-           "plain_prompt_fidelity": {}}
-    x = pool_to_tensor(pool["images"], pipe.vae.config.sample_size)
-    hold, _ = judge_split(len(x), seed)
-    hold = hold[torch.as_tensor(judge_train_mask(pool["styles"], rep["judge_pool"]))[hold]]  # the judge's own kind
-    rep["judge_on_vae_reconstructions"] = reconstruction_fidelity(pipe.vae, judge, x[hold],
-                                                                  torch.as_tensor(pool["labels"])[hold])
-    log(f"[ldm-quality] judge accuracy on VAE reconstructions of its held-out images (an upper bound on "
-        f"fidelity): {rep['judge_on_vae_reconstructions']:.3f}")
-    for gs in guidance_scales:
-        acc, _, _ = plain_prompt_fidelity(pipe, judge, per_class, gs, seed=seed)
-        rep["plain_prompt_fidelity"][str(gs)] = acc
-        log(f"[ldm-quality] plain-prompt class fidelity (judge) at guidance {gs}: {acc:.3f}")
-    rep["style_grid"] = save_style_grid(pipe, os.path.join(out_dir, "samples_per_style.png"), seed=seed)
-    rep["pool_grid"] = save_pool_grid(pool, os.path.join(out_dir, "pool_per_style.png"), seed=seed)
-    torch.save(judge.state_dict(), os.path.join(out_dir, "judge.pt"))
-    log(f"[ldm-quality] judge held-out accuracy on the pool {judge_acc:.3f}; grids: {rep['style_grid']}, "
-        f"{rep['pool_grid']}")
-    return rep
-
-
-def measure_cached_ldm(path: str, out_dir: str, judge_pools=JUDGE_POOLS, per_class: int = 10,
-                       guidance_scales=(1.0, 3.0, 5.0), seed: int = 0, num_inference_steps: int = 20,
-                       log=print) -> dict:
-    """Quality of an already published tiny LDM (a snapshot folder) under several judges, without pretraining:
-    each judge's held-out accuracy (on its own kind of held-out pool images and on all of them) and the plain-prompt
-    fidelity of the *same* generated images under each judge. The snapshot's own ``judge.pt`` is reused for the
-    judge pool it was trained on (``quality.judge_pool`` in its ``pretrain_stats.json``; recipe v4: ``"all"``);
-    other judges are trained here (:data:`JUDGE_EPOCHS` epochs, seed ``seed``). Writes ``judges.json``."""
-    import json
-    import time
-
-    from diffusers import StableDiffusionPipeline
-
-    from .pool import pool_to_tensor
-    from .pool import build_pool, caption
-
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(path, "pretrain_stats.json")) as f:
-        stats = json.load(f)
-    cfg = stats.get("config", {})
-    pool = build_pool(cfg.get("seed", 0), copies=cfg.get("pool_copies", 2), font_masks=cfg.get("pool_font_masks", 1500))
-    pipe = StableDiffusionPipeline.from_pretrained(path, safety_checker=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    size = pipe.vae.config.sample_size
-    x, y = pool_to_tensor(pool["images"], size), torch.as_tensor(pool["labels"])
-    hold, _ = judge_split(len(x), seed)
-    shipped_pool = stats.get("quality", {}).get("judge_pool", "all")
-    gens = {}
-    for gs in guidance_scales:  # one set of generated images per guidance scale, scored by every judge
-        labels = torch.arange(10).repeat(per_class)
-        gens[str(gs)] = (generate(pipe, [caption(int(c)) for c in labels], num_inference_steps, gs, seed), labels)
-    rep = {"snapshot": path, "n_pool": len(y), "per_class": per_class, "num_inference_steps": num_inference_steps,
-           "judges": {}}
-    for jp in judge_pools:
-        mask = judge_train_mask(pool["styles"], jp)
-        t0 = time.time()
-        jrep: dict = {"judge_pool": jp}
-        if jp == shipped_pool and os.path.exists(os.path.join(path, "judge.pt")):
-            judge = Judge()
-            judge.load_state_dict(torch.load(os.path.join(path, "judge.pt")))
-            judge.eval()
-            own = hold[torch.as_tensor(mask)[hold]]
-            jrep.update(source="judge.pt of the snapshot", heldout_accuracy=judge_accuracy(judge, x[own], y[own]),
-                        n_heldout=len(own), heldout_accuracy_all=judge_accuracy(judge, x[hold], y[hold]),
-                        n_heldout_all=len(hold))
-            st = np.asarray(pool["styles"])[hold.numpy()]
-            with torch.no_grad():
-                pred = torch.cat([judge(x[hold][i : i + 256]).argmax(1) for i in range(0, len(hold), 256)])
-            ok = (pred == y[hold]).numpy()
-            jrep["heldout_accuracy_per_style"] = {s: float(ok[st == s].mean()) for s in sorted(set(st))}
-        else:
-            judge, _ = train_judge(x, y, seed=seed, styles=pool["styles"], report=jrep, train_mask=mask)
-            jrep["source"] = f"trained here ({jrep['epochs']} epochs, seed {seed})"
-            torch.save(judge.state_dict(), os.path.join(out_dir, f"judge_{jp}.pt"))
-        jrep["seconds"] = time.time() - t0
-        own = hold[torch.as_tensor(mask)[hold]]
-        jrep["judge_on_vae_reconstructions"] = reconstruction_fidelity(pipe.vae, judge, x[own], y[own])
-        jrep["plain_prompt_fidelity"] = {gs: judge_accuracy(judge, im, lab) for gs, (im, lab) in gens.items()}
-        rep["judges"][jp] = jrep
-        log(f"[ldm-quality] judge '{jp}' ({jrep['source']}): held-out {jrep['heldout_accuracy']:.3f} on its own "
-            f"kind ({jrep['n_heldout']} images), {jrep['heldout_accuracy_all']:.3f} on all {jrep['n_heldout_all']}; "
-            f"VAE ceiling {jrep['judge_on_vae_reconstructions']:.3f}; plain-prompt fidelity "
-            + ", ".join(f"{v:.3f} at guidance {k}" for k, v in jrep["plain_prompt_fidelity"].items()))
-    with open(os.path.join(out_dir, "judges.json"), "w") as f:
-        json.dump(rep, f, indent=2)
-    return rep
 
 
 @functools.lru_cache(maxsize=2)

@@ -206,7 +206,7 @@ def test_divergence_hint_names_the_methods_step_sizes():
     """The words of the hint, written out by hand for fedbasis (lr 0.05 from the run; lr_coef, lr_full lower;
     temperature raise) and for a method that declares none (fedavg), with --server_lr for the server's state."""
     from hfpfl.algorithms.fedbasis import FedBasisConfig
-    from hfpfl.algorithms.fedbip import FedBiPConfig
+    from hfpfl.fedbip.config import FedBiPConfig
     from hfpfl.federated.context import step_size_hint
     from hfpfl.federated.protocol import NoConfig
 

@@ -23,10 +23,10 @@ LOADING_PATHS = textwrap.dedent("""
     if mode == "quiet":
         from hfpfl.logs import setup_logging
         setup_logging()
-        from hfpfl.algorithms.fedbip import load_ldm
+        from hfpfl.fedbip.method import load_ldm
         load_ldm(ldm_dir)
     else:
-        from pipelines.pipeline_fedbip import FedBiPPipeline
+        from hfpfl.pipelines.pipeline_fedbip import FedBiPPipeline
         FedBiPPipeline.from_pretrained(ldm_dir)
     from diffusers import StableDiffusionPipeline  # noqa: F401  (imports transformers' CLIPImageProcessor)
     import datasets
@@ -54,7 +54,7 @@ def _run_redirected(argv, log: Path, timeout=300, **env_extra) -> str:
 @pytest.fixture(scope="module")
 def tiny_ldm_dir(tmp_path_factory):
     from hfpfl.fedbip import build_tiny_ldm
-    from pipelines.pipeline_fedbip import FedBiPPipeline
+    from hfpfl.pipelines.pipeline_fedbip import FedBiPPipeline
 
     path = tmp_path_factory.mktemp("tiny_ldm")
     FedBiPPipeline(**build_tiny_ldm(image_size=16, seed=0)).save_pretrained(str(path))

@@ -82,7 +82,7 @@ def _no_work(monkeypatch, mod):
     monkeypatch.setattr(engine, "Simulation", started)
     monkeypatch.setattr(tuning, "Tuner", started)
     monkeypatch.setattr(fedbip_ldm, "resolve_ldm", started)
-    for attr in ("ensure_pretrained", "ensure_pretrained_ldm"):
+    for attr in ("ensure_pretrained", "pretrain_ldm"):
         if hasattr(mod, attr):
             monkeypatch.setattr(mod, attr, started)
 
@@ -293,7 +293,7 @@ def test_fedbip_honours_hfpfl_num_processes_and_the_flag_wins(monkeypatch):
 
 def test_fedbip_class_words_checked_against_the_loaded_classes():
     """A Hub dataset's classes are known once loaded: the same check then, with its count."""
-    from hfpfl.algorithms.fedbip import FedBiPConfig
+    from hfpfl.fedbip.config import FedBiPConfig
     from hfpfl.experiments.fedbip_compare import builtin_num_labels, check_words
     assert builtin_num_labels("digits-nomnist") == 10 and builtin_num_labels("usps+noise:2") == 10
     assert builtin_num_labels("owner/flowers") is None

@@ -9,7 +9,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from hfpfl.algorithms.fedbip import FedBiPConfig, load_ldm  # noqa: E402
+from hfpfl.fedbip.config import FedBiPConfig  # noqa: E402
+from hfpfl.fedbip.method import load_ldm  # noqa: E402
 from hfpfl.config import RunArguments  # noqa: E402
 from hfpfl.fedbip import build_tiny_ldm, state_checksum  # noqa: E402
 
@@ -19,7 +20,7 @@ SHOTS = 2
 
 @pytest.fixture(scope="module")
 def ldm_dir(tmp_path_factory):
-    from pipelines.pipeline_fedbip import FedBiPPipeline
+    from hfpfl.pipelines.pipeline_fedbip import FedBiPPipeline
 
     path = tmp_path_factory.mktemp("tiny_ldm")
     FedBiPPipeline(**build_tiny_ldm(image_size=16, seed=0)).save_pretrained(str(path))
@@ -407,7 +408,7 @@ def test_pndm_started_below_its_top_denoises_an_exact_noise_prediction_back(ldm_
     """With an oracle noise prediction (the true eps) every deterministic step keeps x_t on the line
     sqrt(ab_t) x0 + sqrt(1 - ab_t) eps, so a sampler started at 551 must end at ab_0's point of it. The schedule
     ``timesteps_from`` gives does; the img2img-style cut (PLMS's repeated timestep dropped) does not."""
-    from hfpfl.algorithms.fedbip import load_ldm
+    from hfpfl.fedbip.method import load_ldm
 
     pipe = load_ldm(ldm_dir)
     pipe.set_sampler("pndm")
@@ -472,7 +473,7 @@ def test_s_only_and_v_only_keep_the_real_words_fixed(ldm_dir, fed, tmp_path, mon
     client 0's domain (USPS's public images: "handwritten"; its name "usps" is in no caption) -- both
     where the client trains (the fixed half it trains against, left unchanged) and where the server builds the
     prompt (the fixed half it inserts). The expected rows are read off the embedding table by token id here."""
-    import hfpfl.fedbip as fb
+    import hfpfl.fedbip.concepts as fb
 
     sim = _sim(fed, tmp_path, _cfg(ldm_dir, personalization=level, concept_steps=3, reuse_concepts=False),
                name=level, num_rounds=1)

@@ -14,9 +14,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import hfpfl.fedbip.client as client  # noqa: E402
+import hfpfl.fedbip.concepts as concepts  # noqa: E402
+import hfpfl.fedbip.latents as latents  # noqa: E402
 from hfpfl.fedbip import build_tiny_ldm  # noqa: E402
 from hfpfl.fedbip.protocol import mixed_init  # noqa: E402
-from pipelines import FedBiPPipeline  # noqa: E402
+from hfpfl.pipelines import FedBiPPipeline  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -259,7 +261,7 @@ def test_concept_training_with_the_defaults_replayed_by_hand(stub):
     requires_grad comes back."""
     v = torch.rand(16, 3, 4, 4, generator=torch.Generator().manual_seed(0)) * 2 - 1
     y = torch.tensor([0, 1, 2] * 5 + [0])
-    res = client.train_concepts(stub, _blocks(v), y, 3, generator=torch.Generator().manual_seed(4))
+    res = concepts.train_concepts(stub, _blocks(v), y, 3, generator=torch.Generator().manual_seed(4))
     g = torch.Generator().manual_seed(4)
     s = float(stub.text_encoder.emb.weight.detach().std())
     S0, V0 = s * torch.randn(1, DS, generator=g), s * torch.randn(3, 1, DS, generator=g)
@@ -280,7 +282,7 @@ def test_concept_training_batches_and_reshuffles_by_hand(stub, n, batch, steps):
     y = torch.arange(n) % 2
     S0 = torch.linspace(-1, 1, DS)[None]
     V0 = torch.stack([torch.full((1, DS), 0.5), torch.full((1, DS), -0.5)])
-    res = client.train_concepts(stub, _blocks(v), y, 2, num_steps=steps, batch_size=batch, lr=0.05,
+    res = concepts.train_concepts(stub, _blocks(v), y, 2, num_steps=steps, batch_size=batch, lr=0.05,
                                 init_domain_concept=S0, init_class_concepts=V0, concept_space="output",
                                 generator=torch.Generator().manual_seed(9))
     S, V, losses = _reference_training(stub, v, y, 2, steps, batch, 0.05, "output", S0, V0,
@@ -295,13 +297,13 @@ def test_s_only_training_keeps_v_and_one_given_half_is_not_an_init(stub):
     v = torch.rand(4, 3, 4, 4, generator=torch.Generator().manual_seed(2)) * 2 - 1
     y = torch.tensor([0, 1, 1, 0])
     S0, V0 = torch.ones(1, DS) * 0.1, torch.ones(2, 1, DS) * -0.1
-    res = client.train_concepts(stub, _blocks(v), y, 2, num_steps=3, batch_size=4, init_domain_concept=S0,
+    res = concepts.train_concepts(stub, _blocks(v), y, 2, num_steps=3, batch_size=4, init_domain_concept=S0,
                                 init_class_concepts=V0, concept_space="output", train_class=False,
                                 generator=torch.Generator().manual_seed(1))
     S, V, _ = _reference_training(stub, v, y, 2, 3, 4, 0.1, "output", S0, V0, torch.Generator().manual_seed(1),
                                   train_v=False)
     assert torch.equal(res.class_concepts, V0) and torch.allclose(res.domain_concept, S, atol=1e-5)
-    res = client.train_concepts(stub, _blocks(v), y, 2, num_steps=1, init_domain_concept=S0,
+    res = concepts.train_concepts(stub, _blocks(v), y, 2, num_steps=1, init_domain_concept=S0,
                                 concept_space="output", generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(1)
     ids, _, _ = _template_rows(stub)
@@ -313,13 +315,13 @@ def test_s_only_training_keeps_v_and_one_given_half_is_not_an_init(stub):
 def test_concept_training_refuses_bad_inputs_with_the_reason(stub):
     x = torch.zeros(2, 3, 4, 4)
     with pytest.raises(ValueError, match="^2 images but 3 labels$"):
-        client.train_concepts(stub, x, [0, 1, 0], 2, num_steps=1)
+        concepts.train_concepts(stub, x, [0, 1, 0], 2, num_steps=1)
     with pytest.raises(ValueError, match="^label 2 >= num_classes=2$"):
-        client.train_concepts(stub, x, [0, 2], 2, num_steps=1)
-    client.train_concepts(stub, x, [0, 1], 2, num_steps=1)  # label C - 1 is fine
+        concepts.train_concepts(stub, x, [0, 2], 2, num_steps=1)
+    concepts.train_concepts(stub, x, [0, 1], 2, num_steps=1)  # label C - 1 is fine
     with pytest.raises(ValueError, match=r"^train_concepts: nothing to train \(train_domain and train_class are both "
                                          r"False\)$"):
-        client.train_concepts(stub, x, [0, 1], 2, num_steps=1, train_domain=False, train_class=False)
+        concepts.train_concepts(stub, x, [0, 1], 2, num_steps=1, train_domain=False, train_class=False)
 
 
 def test_the_loss_of_given_draws_by_hand(stub):
@@ -330,7 +332,7 @@ def test_the_loss_of_given_draws_by_hand(stub):
     S, V = torch.full((1, DS), 0.3), torch.stack([torch.full((1, DS), -0.2), torch.full((1, DS), 0.4)])
     from diffusers import DDPMScheduler
 
-    loss = client.concept_denoising_loss(stub, DDPMScheduler(), z0, [1, 0], S, V, t, eps)
+    loss = concepts.concept_denoising_loss(stub, DDPMScheduler(), z0, [1, 0], S, V, t, eps)
     ab = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000), 0)[t][:, None, None, None]
     ids, sp, vp = _template_rows(stub)
     e = stub.text_encoder.emb.weight.detach()[ids].expand(2, -1, -1).clone()
@@ -351,12 +353,12 @@ def test_instance_latents_by_hand_with_the_defaults_and_a_timestep(stub):
     ab = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000), 0)
     z = torch.cat([v, v.sum(1, keepdim=True)], 1) * 0.5
     avg = torch.stack([z[y == c].mean(0) for c in y.tolist()])
-    zt, ys = client.instance_level_latents(stub.vae, ns, _blocks(v), y, class_average=True,
+    zt, ys = latents.instance_level_latents(stub.vae, ns, _blocks(v), y, class_average=True,
                                            generator=torch.Generator().manual_seed(6), timestep=500)
     eps = torch.randn(z.shape, generator=torch.Generator().manual_seed(6))
     assert torch.allclose(zt, ab[500].sqrt() * avg + (1 - ab[500]).sqrt() * eps, atol=1e-6)
     assert torch.equal(ys, y)
-    zt, ys = client.instance_level_latents(stub.vae, ns, _blocks(v), y, class_average=True,
+    zt, ys = latents.instance_level_latents(stub.vae, ns, _blocks(v), y, class_average=True,
                                            generator=torch.Generator().manual_seed(6))
     assert zt.shape == (5, 4, 4, 4) and torch.allclose(zt, ab[999].sqrt() * avg + (1 - ab[999]).sqrt() * eps,
                                                        atol=1e-6)
@@ -366,7 +368,7 @@ def test_interpolation_defaults_are_gamma_half_plus_a_tenth_noise():
     """Two images per class, so each partner is the other one (the partner draw picks among one); gamma =
     clip(0.5 + 0.1 n, 0, 1) drawn after the partners."""
     z0 = torch.arange(4 * 2.0).view(4, 2)
-    zbar, gamma, partners = client.interpolate_latents(z0, torch.tensor([0, 1, 1, 0]),
+    zbar, gamma, partners = latents.interpolate_latents(z0, torch.tensor([0, 1, 1, 0]),
                                                        generator=torch.Generator().manual_seed(2))
     g = torch.Generator().manual_seed(2)
     for _ in range(2):
@@ -382,19 +384,19 @@ def test_images_to_tensor_reads_pil_and_uint8():
 
     a = np.array([[[0, 255, 51], [102, 0, 0]], [[255, 255, 255], [0, 0, 0]]], dtype=np.uint8)  # (2, 2, 3)
     grey = np.array([[0, 255], [51, 102]], dtype=np.uint8)
-    x = client.images_to_tensor([Image.fromarray(a), Image.fromarray(grey)])
+    x = latents.images_to_tensor([Image.fromarray(a), Image.fromarray(grey)])
     assert x.shape == (2, 3, 2, 2)
     assert torch.allclose(x[0], torch.tensor(a).permute(2, 0, 1).float() / 127.5 - 1)
     assert torch.allclose(x[1], (torch.tensor(grey).float() / 127.5 - 1).expand(3, 2, 2))
-    assert torch.allclose(client.images_to_tensor([Image.fromarray(grey)]), x[1:])  # a list of one
-    assert torch.allclose(client.images_to_tensor(grey[None]), x[1:])
-    assert torch.allclose(client.images_to_tensor([grey, grey]), x[[1, 1]])  # a list of arrays is no PIL list
-    assert torch.allclose(client.images_to_tensor(a[None]), x[:1])
-    assert torch.allclose(client.images_to_tensor(grey[None, :, :, None]), x[1:])
+    assert torch.allclose(latents.images_to_tensor([Image.fromarray(grey)]), x[1:])  # a list of one
+    assert torch.allclose(latents.images_to_tensor(grey[None]), x[1:])
+    assert torch.allclose(latents.images_to_tensor([grey, grey]), x[[1, 1]])  # a list of arrays is no PIL list
+    assert torch.allclose(latents.images_to_tensor(a[None]), x[:1])
+    assert torch.allclose(latents.images_to_tensor(grey[None, :, :, None]), x[1:])
     with pytest.raises(ValueError, match=r"images must be \(N, 3, H, W\) floats"):
-        client.images_to_tensor(torch.zeros(2, 4, 5, 5))
+        latents.images_to_tensor(torch.zeros(2, 4, 5, 5))
     with pytest.raises(ValueError, match=r"images must be \(N, 3, H, W\) floats"):
-        client.images_to_tensor([])
+        latents.images_to_tensor([])
 
 
 def test_sampler_timesteps_are_read_off_a_copy():
@@ -403,13 +405,13 @@ def test_sampler_timesteps_are_read_off_a_copy():
     from diffusers import PNDMScheduler
 
     sched = PNDMScheduler(skip_prk_steps=True, steps_offset=1)
-    assert client.sampler_timesteps(sched, 10) == [901, 801, 801, 701, 601, 501, 401, 301, 201, 101, 1]
-    assert client.sampler_start_timestep(sched, 10) == 901
-    assert client.sampler_start_timestep(PNDMScheduler(skip_prk_steps=True, steps_offset=1,
+    assert latents.sampler_timesteps(sched, 10) == [901, 801, 801, 701, 601, 501, 401, 301, 201, 101, 1]
+    assert latents.sampler_start_timestep(sched, 10) == 901
+    assert latents.sampler_start_timestep(PNDMScheduler(skip_prk_steps=True, steps_offset=1,
                                                        timestep_spacing="trailing"), 10) == 999
     assert sched.timesteps is None
 
 
 def test_vae_size_is_the_first_side_of_a_listed_sample_size():
-    assert client._vae_size(SimpleNamespace(config=SimpleNamespace(sample_size=(4, 5)))) == 4
-    assert client._vae_size(SimpleNamespace(config=SimpleNamespace(sample_size=7))) == 7
+    assert latents._vae_size(SimpleNamespace(config=SimpleNamespace(sample_size=(4, 5)))) == 4
+    assert latents._vae_size(SimpleNamespace(config=SimpleNamespace(sample_size=7))) == 7

@@ -44,8 +44,9 @@ def test_shipped_ldm_renders_the_digit_a_plain_prompt_names(tmp_path):
     caption scores ~0.1; the CPU-budget recipe v4 scored 0.50 at guidance 3."""
     from diffusers import StableDiffusionPipeline
 
-    from hfpfl.fedbip.ldm import DEFAULT_LDM_REPO, LDM_RECIPE_VERSION, ensure_pretrained_ldm, snapshot_recipe_version
-    from hfpfl.fedbip.quality import load_ldm_judge, plain_prompt_fidelity
+    from hfpfl.fedbip.pretraining import plain_prompt_fidelity
+    from hfpfl.fedbip.publish import DEFAULT_LDM_REPO, LDM_RECIPE_VERSION, ensure_pretrained_ldm, snapshot_recipe_version
+    from hfpfl.fedbip.quality import load_ldm_judge
 
     path = ensure_pretrained_ldm(DEFAULT_LDM_REPO, cache_dir=str(tmp_path / "hub"), log=lambda *a: None)
     assert path.startswith(str(tmp_path)) and snapshot_recipe_version(path) == LDM_RECIPE_VERSION
@@ -59,19 +60,25 @@ def test_shipped_ldm_renders_the_digit_a_plain_prompt_names(tmp_path):
 
 def test_shipped_ldm_is_published_as_float32_and_loads_like_a_hub_checkpoint(tmp_path, monkeypatch):
     """First use of the default repo id publishes the shipped float16 snapshot, upcast to float32 and nothing else
-    changed, into the Hub cache layout (no training: ``_pretrain_and_publish`` must not run); a second call reuses it;
-    an explicit pretraining config (``recipes/pretrain_ldm.py``) or ``force`` trains instead."""
+    changed, into the Hub cache layout (no training: the pretraining must not run); a second call reuses it. The
+    recipe's ``pretrain_ldm`` (``recipes/pretrain_ldm.py``) trains instead when forced, for a repo id nothing ships
+    for, or when nothing current is cached; the library itself never pretrains (a repo id nothing ships for is an
+    error naming the recipe)."""
     from safetensors.torch import load_file
 
-    from hfpfl.fedbip import ldm
+    from hfpfl import hub
+    from hfpfl.fedbip import publish
+    from hfpfl.fedbip.pretraining import PretrainConfig, pretrain_ldm
+    from hfpfl.fedbip.pretraining import publish as pretrain_publish
 
     trained = []
-    monkeypatch.setattr(ldm, "_pretrain_and_publish", lambda repo_id, *a, **k: trained.append(repo_id) or "trained")
+    monkeypatch.setattr(pretrain_publish, "pretrain_and_publish",
+                        lambda repo_id, *a, **k: trained.append(repo_id) or "trained")
     cache = str(tmp_path / "hub")
-    path = ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None)
+    path = publish.ensure_pretrained_ldm(publish.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None)
     assert trained == [] and os.path.isfile(os.path.join(path, "model_index.json"))
     assert os.path.realpath(path).startswith(os.path.realpath(cache))
-    src = ldm.SHIPPED_LDM_DIRS[ldm.DEFAULT_LDM_REPO]
+    src = publish.SHIPPED_LDM_DIRS[publish.DEFAULT_LDM_REPO]
     for sub, name in (("unet", "diffusion_pytorch_model.safetensors"), ("vae", "diffusion_pytorch_model.safetensors"),
                       ("text_encoder", "model.safetensors")):
         half, full = load_file(os.path.join(src, sub, name)), load_file(os.path.join(path, sub, name))
@@ -79,14 +86,18 @@ def test_shipped_ldm_is_published_as_float32_and_loads_like_a_hub_checkpoint(tmp
         for k, v in full.items():
             assert v.dtype == torch.float32 and half[k].dtype == torch.float16
             assert torch.equal(v, half[k].float())
-    assert ldm.cached_snapshot(ldm.DEFAULT_LDM_REPO, cache) == path
-    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None) == path
+    assert hub.cached_snapshot(publish.DEFAULT_LDM_REPO, cache_dir=cache) == path
+    assert publish.ensure_pretrained_ldm(publish.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None) == path
+    assert pretrain_ldm(publish.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None) == path  # current: kept
     assert trained == []
-    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, force=True) == "trained"
-    assert ldm.ensure_pretrained_ldm("someone/other-ldm", cache_dir=cache) == "trained"
-    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=str(tmp_path / "empty"),
-                                     config=ldm.PretrainConfig()) == "trained"
-    assert trained == [ldm.DEFAULT_LDM_REPO, "someone/other-ldm", ldm.DEFAULT_LDM_REPO]
+    with pytest.raises(OSError, match=r"^LDM 'someone/other-ldm' is not in the local Hub cache and no snapshot ships "
+                                      r"with hfpfl for it: pretrain it with python recipes/pretrain_ldm.py --repo_id "
+                                      r"someone/other-ldm \(about 30 min on 2 CPU cores\)$"):
+        publish.ensure_pretrained_ldm("someone/other-ldm", cache_dir=cache)
+    assert pretrain_ldm(publish.DEFAULT_LDM_REPO, cache_dir=cache, force=True) == "trained"
+    assert pretrain_ldm("someone/other-ldm", cache_dir=cache) == "trained"
+    assert pretrain_ldm(publish.DEFAULT_LDM_REPO, PretrainConfig(), cache_dir=str(tmp_path / "empty")) == "trained"
+    assert trained == [publish.DEFAULT_LDM_REPO, "someone/other-ldm", publish.DEFAULT_LDM_REPO]
 
 
 def test_unet_has_a_global_text_path_and_cross_attention():
@@ -122,7 +133,8 @@ def test_lit_text_tower_separates_digit_words():
     """The LiT stage (contrastive against frozen image features) makes captions that differ only in the digit word
     encode differently (a random frozen CLIP maps them to ~the same vectors: mean-pooled cosine ~0.99), and leaves the
     text encoder frozen."""
-    from hfpfl.fedbip.ldm import PretrainConfig, build_tiny_ldm, digit_prompt, pretrain_text_tower, text_separation
+    from hfpfl.fedbip.ldm import build_tiny_ldm, digit_prompt
+    from hfpfl.fedbip.pretraining import PretrainConfig, pretrain_text_tower, text_separation
 
     c = build_tiny_ldm(16, seed=0)
     te, tok = c["text_encoder"], c["tokenizer"]
@@ -143,33 +155,38 @@ def test_lit_text_tower_separates_digit_words():
 
 
 def test_cached_ldm_of_an_older_recipe_is_retrained(tmp_path, monkeypatch):
-    """A cached hfpfl/tiny-ldm-digits-broad without the current recipe_version is replaced on first use (here by
-    pretraining: a config is given; without one the shipped snapshot replaces it); one with it is reused as is."""
+    """A cached hfpfl/tiny-ldm-digits-broad without the current recipe_version is replaced on first use (here by the
+    recipe's pretraining; in a run, by the shipped snapshot); one with it is reused as is."""
     import json
 
-    from hfpfl.fedbip import ldm
+    from hfpfl.fedbip import publish
+    from hfpfl.fedbip.pretraining import PretrainConfig, pretrain_ldm
+    from hfpfl.fedbip.pretraining import publish as pretrain_publish
+    from hfpfl.hub import push_folder_to_cache
 
     calls = []
 
     def fake_publish(repo_id, cache_dir, config, output_dir, sample_grid, log):
         calls.append(repo_id)
-        return _publish(repo_id, cache_dir, ldm.LDM_RECIPE_VERSION)
+        return _publish(repo_id, cache_dir, publish.LDM_RECIPE_VERSION)
 
     def _publish(repo_id, cache_dir, version):
         folder = tmp_path / f"v{version}"
         folder.mkdir(exist_ok=True)
         (folder / "model_index.json").write_text("{}")
         (folder / "pretrain_stats.json").write_text(json.dumps({} if version is None else {"recipe_version": version}))
-        return ldm.push_folder_to_cache(str(folder), repo_id, cache_dir=str(tmp_path / "cache"))
+        return push_folder_to_cache(str(folder), repo_id, cache_dir=str(tmp_path / "cache"))
 
-    monkeypatch.setattr(ldm, "_pretrain_and_publish", fake_publish)
+    monkeypatch.setattr(pretrain_publish, "pretrain_and_publish", fake_publish)
     cache = str(tmp_path / "cache")
-    old = _publish(ldm.DEFAULT_LDM_REPO, cache, None)  # a snapshot of the previous recipe
-    new = ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, config=ldm.PretrainConfig(),
-                                    log=lambda *a: None)
-    assert calls == [ldm.DEFAULT_LDM_REPO] and new != old
-    assert ldm.snapshot_recipe_version(new) == ldm.LDM_RECIPE_VERSION
-    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None) == new
+    old = _publish(publish.DEFAULT_LDM_REPO, cache, None)  # a snapshot of the previous recipe
+    lines = []
+    new = pretrain_ldm(publish.DEFAULT_LDM_REPO, PretrainConfig(), cache_dir=cache, log=lines.append)
+    assert calls == [publish.DEFAULT_LDM_REPO] and new != old
+    assert lines == [f"[hub] cached {publish.DEFAULT_LDM_REPO} is of recipe version None, not "
+                     f"{publish.LDM_RECIPE_VERSION}: replacing it"]
+    assert publish.snapshot_recipe_version(new) == publish.LDM_RECIPE_VERSION
+    assert publish.ensure_pretrained_ldm(publish.DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None) == new
     assert len(calls) == 1
 
 
@@ -177,7 +194,7 @@ def test_pretraining_probe_sees_ema_weights_and_records_the_curve():
     """``pretrain_tiny_ldm(probe=...)`` calls the probe every ``probe_every`` UNet steps and after the last, on the EMA
     weights in eval mode, restores the live weights afterwards (training goes on from them), and returns the curve.
     A pool passed in is used as is (no public data is loaded)."""
-    from hfpfl.fedbip.ldm import PretrainConfig, pretrain_tiny_ldm
+    from hfpfl.fedbip.pretraining import PretrainConfig, pretrain_tiny_ldm
 
     rng = np.random.default_rng(0)
     pool = {"images": rng.integers(0, 256, (12, 28, 28, 3), dtype=np.uint8), "labels": np.arange(12) % 10,
@@ -189,7 +206,7 @@ def test_pretraining_probe_sees_ema_weights_and_records_the_curve():
         seen.append((unet.training, [p.detach().clone() for p in unet.parameters()]))
         return {"fidelity_g3": 0.5}
 
-    from hfpfl.fedbip import ldm as ldm_mod
+    from hfpfl.fedbip.pretraining import loops as ldm_mod  # where the pretraining builds the model
 
     fwd = []  # the first UNet weight at every *training* forward
     orig_build = ldm_mod.build_tiny_ldm
@@ -312,7 +329,8 @@ def test_measure_cached_ldm_scores_the_same_images_under_both_judges(tmp_path, m
 
     from diffusers import StableDiffusionPipeline
 
-    from hfpfl.fedbip import build_tiny_ldm, pool as pool_mod, quality as q
+    from hfpfl.fedbip import build_tiny_ldm, quality as q
+    from hfpfl.fedbip.pretraining import report
 
     snap = tmp_path / "snap"
     StableDiffusionPipeline(**build_tiny_ldm(image_size=16, seed=0), safety_checker=None, feature_extractor=None,
@@ -326,14 +344,14 @@ def test_measure_cached_ldm_scores_the_same_images_under_both_judges(tmp_path, m
             return out + 0 * super().forward(x).sum()
 
     torch.save(Zero().state_dict(), snap / "judge.pt")
-    monkeypatch.setattr(q, "Judge", Zero)  # the loaded judge.pt answers 0 for every image
+    monkeypatch.setattr(report, "Judge", Zero)  # the loaded judge.pt answers 0 for every image
     rng = np.random.default_rng(0)
     n = 40
     fake = {"images": rng.integers(0, 255, (n, 28, 28, 3), dtype=np.uint8), "labels": np.arange(n) % 10,
             "styles": ["public-mnist" if i % 2 else "plain" for i in range(n)], "captions": [""] * n}
-    monkeypatch.setattr(pool_mod, "build_pool", lambda *a, **k: fake)
-    rep = q.measure_cached_ldm(str(snap), str(tmp_path / "out"), per_class=1, guidance_scales=(1.0,),
-                               num_inference_steps=2, log=lambda *a: None)
+    monkeypatch.setattr(report, "build_pool", lambda *a, **k: fake)
+    rep = report.measure_cached_ldm(str(snap), str(tmp_path / "out"), per_class=1, guidance_scales=(1.0,),
+                                    num_inference_steps=2, log=lambda *a: None)
     assert set(rep["judges"]) == {"public", "all"}
     assert rep["judges"]["all"]["source"] == "judge.pt of the snapshot"
     assert rep["judges"]["public"]["source"].startswith("trained here")
@@ -347,7 +365,7 @@ def test_measure_cached_ldm_scores_the_same_images_under_both_judges(tmp_path, m
 def test_pretrain_budget_follows_the_device_and_keeps_explicit_values():
     """``device="cpu"`` gets the CPU budget (the first-run recipe), an explicit value wins over the budget, and a
     CUDA device where there is none is refused up front (not after building the pool)."""
-    from hfpfl.fedbip.ldm import PRETRAIN_BUDGETS, PretrainConfig, resolve_pretrain_config
+    from hfpfl.fedbip.pretraining import PRETRAIN_BUDGETS, PretrainConfig, resolve_pretrain_config
 
     cpu = resolve_pretrain_config(PretrainConfig(device="cpu", unet_steps=7))
     assert (cpu.vae_steps, cpu.vae_batch_size, cpu.unet_batch_size) == (400, 32, 32) and cpu.unet_steps == 7
@@ -407,17 +425,22 @@ def test_ldm_judge_loads_from_the_snapshot_folder_and_reads_like_the_saved_one(t
     assert judge_accuracy(loaded, x, (labels + 1) % 10) == 0.0
 
 
-def test_missing_shipped_snapshot_falls_back_to_pretraining_and_says_so(tmp_path, monkeypatch):
-    """An install without the package data (no shipped folder) does not fail on a missing path: the default LDM is
-    pretrained here instead, with one log line that says why and how to avoid it."""
-    from hfpfl.fedbip import ldm
+def test_missing_shipped_snapshot_names_the_reinstall_and_the_recipe(tmp_path, monkeypatch):
+    """An install without the package data (no shipped folder) does not fail on a missing path, and a run does not
+    pretrain for half an hour: one OSError that says why and both fixes (reinstall with the package data, or
+    pretrain with the recipe); nothing is published."""
+    from hfpfl.fedbip import publish
 
-    monkeypatch.setitem(ldm.SHIPPED_LDM_DIRS, ldm.DEFAULT_LDM_REPO, str(tmp_path / "not-installed"))
-    monkeypatch.setattr(ldm, "_pretrain_and_publish", lambda repo_id, *a, **k: "trained")
+    missing = str(tmp_path / "not-installed")
+    monkeypatch.setitem(publish.SHIPPED_LDM_DIRS, publish.DEFAULT_LDM_REPO, missing)
     lines = []
-    assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=str(tmp_path / "hub"), log=lines.append) == \
-        "trained"
-    assert len(lines) == 1 and "missing" in lines[0] and "package data" in lines[0]
+    with pytest.raises(OSError) as err:
+        publish.ensure_pretrained_ldm(publish.DEFAULT_LDM_REPO, cache_dir=str(tmp_path / "hub"), log=lines.append)
+    assert str(err.value) == (
+        f"LDM 'hfpfl/tiny-ldm-digits-broad' is not in the local Hub cache and the snapshot shipped for it is missing "
+        f"({missing}): reinstall hfpfl with its package data (pip install -e . in the repository), or pretrain it "
+        f"with python recipes/pretrain_ldm.py --repo_id hfpfl/tiny-ldm-digits-broad (about 30 min on 2 CPU cores)")
+    assert lines == [] and not (tmp_path / "hub" / "models--hfpfl--tiny-ldm-digits-broad").exists()
 
 
 def test_cache_published_from_other_shipped_weights_is_replaced_and_a_local_pretraining_is_kept(tmp_path, monkeypatch):
@@ -427,9 +450,9 @@ def test_cache_published_from_other_shipped_weights_is_replaced_and_a_local_pret
 
     from safetensors.torch import load_file
 
-    from hfpfl.fedbip import ldm
+    from hfpfl.fedbip import publish as ldm
+    from hfpfl.hub import push_folder_to_cache
 
-    monkeypatch.setattr(ldm, "_pretrain_and_publish", lambda *a, **k: pytest.fail("must not pretrain"))
     shipped = tmp_path / "shipped"
     shutil.copytree(ldm.SHIPPED_LDM_DIRS[ldm.DEFAULT_LDM_REPO], shipped)
     monkeypatch.setitem(ldm.SHIPPED_LDM_DIRS, ldm.DEFAULT_LDM_REPO, str(shipped))
@@ -452,7 +475,7 @@ def test_cache_published_from_other_shipped_weights_is_replaced_and_a_local_pret
     # a snapshot pretrained here carries no marker: it stays, whatever is shipped
     own = tmp_path / "own"
     shutil.copytree(second, own, ignore=shutil.ignore_patterns(ldm.SHIPPED_MARKER))
-    mine = ldm.push_folder_to_cache(str(own), ldm.DEFAULT_LDM_REPO, cache_dir=cache)
+    mine = push_folder_to_cache(str(own), ldm.DEFAULT_LDM_REPO, cache_dir=cache)
     assert ldm.ensure_pretrained_ldm(ldm.DEFAULT_LDM_REPO, cache_dir=cache, log=lines.append) == mine
     assert len(lines) == 3  # nothing replaced, nothing published
 
@@ -568,7 +591,8 @@ def test_unet_levels_and_attention_are_built_as_asked():
     out, the shipped (32, 64) with attention on all but the lowest level; mismatched or ungroupable shapes refused."""
     import torch
 
-    from hfpfl.fedbip.ldm import PretrainConfig, build_tiny_ldm, ldm_config
+    from hfpfl.fedbip.ldm import build_tiny_ldm
+    from hfpfl.fedbip.pretraining import PretrainConfig, ldm_config
 
     cfg = ldm_config(PretrainConfig(latent_size=16, unet_channels=(32, 64, 64), unet_attention=(0, 1, 0)))
     unet = build_tiny_ldm(32, config=cfg)["unet"]

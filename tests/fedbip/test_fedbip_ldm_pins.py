@@ -13,9 +13,9 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import hfpfl.algorithms.fedbip as fedbip_mod  # noqa: E402
 import hfpfl.fedbip.ldm as ldm  # noqa: E402
-from hfpfl.algorithms.fedbip import load_ldm  # noqa: E402
+import hfpfl.fedbip.method as fedbip_mod  # noqa: E402
+from hfpfl.fedbip.method import load_ldm  # noqa: E402
 from hfpfl.fedbip.ldm import resolve_ldm  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def test_load_ldm_holds_one_frozen_pipeline_per_folder_and_device(monkeypatch, t
     """Loaded once per (real path, device): UNet, VAE and text encoder in eval mode with no gradients, progress bars
     off, moved to the device (CPU when none is given); a symlink to the same folder shares it, another device gets
     its own."""
-    from pipelines.pipeline_fedbip import FedBiPPipeline
+    from hfpfl.pipelines.pipeline_fedbip import FedBiPPipeline
 
     loads = []
 

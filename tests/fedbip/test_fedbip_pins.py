@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from hfpfl.fedbip import build_tiny_ldm  # noqa: E402
-from pipelines import FedBiPPipeline  # noqa: E402
+from hfpfl.pipelines import FedBiPPipeline  # noqa: E402
 
 torch.set_num_threads(1)
 C, H, W, D = 4, 4, 4, 32  # the 16 px tiny LDM: 4 x 4 latents with 4 channels, text width 32

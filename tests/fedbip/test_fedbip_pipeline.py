@@ -22,7 +22,7 @@ from hfpfl.fedbip import (  # noqa: E402
     state_checksum,
     train_concepts,
 )
-from pipelines import FedBiPPipeline  # noqa: E402
+from hfpfl.pipelines import FedBiPPipeline  # noqa: E402
 
 torch.set_num_threads(1)
 N_CLASSES = 3
@@ -178,7 +178,7 @@ def test_set_sampler_keeps_the_checkpoints_noise_schedule(name, cls):
 def test_save_load_round_trip_and_hub_cache(pipe, upload, tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    from hfpfl.fedbip.ldm import push_folder_to_cache
+    from hfpfl.hub import push_folder_to_cache
 
     kw = dict(num_inference_steps=3, output_type="pt")
     ref = pipe(**upload, generator=torch.Generator().manual_seed(7), **kw).images
@@ -280,7 +280,7 @@ def test_word_init_and_concept_spaces(pipe, data, space):
 def test_word_concepts_reproduce_the_real_prompt(pipe):
     """Inserting the real words' token embeddings at the placeholders == encoding the plain prompt (wiring check)."""
     from hfpfl.fedbip import DIGIT_NAMES, init_concepts
-    from pipelines.pipeline_fedbip import encode_concept_prompt
+    from hfpfl.pipelines.pipeline_fedbip import encode_concept_prompt
 
     S, V = init_concepts(pipe, 10, init="words", domain_word="photo", class_words=list(DIGIT_NAMES))
     with torch.no_grad():
@@ -313,7 +313,7 @@ def test_perturbation_std_matches_sigma(pipe, upload, monkeypatch):
 
 def test_tokenizer_keeps_every_word_whole():
     """The locally written CLIP BPE files make every vocabulary word one token (was: "three" -> th re e)."""
-    from hfpfl.fedbip.ldm import BASE_WORDS, DIGIT_NAMES, build_tiny_tokenizer
+    from hfpfl.fedbip.tokenizer import BASE_WORDS, DIGIT_NAMES, build_tiny_tokenizer
     from hfpfl.fedbip.pool import CAPTION_WORDS
 
     tok = build_tiny_tokenizer()

@@ -14,8 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from hfpfl.fedbip import build_tiny_ldm  # noqa: E402
-from pipelines import FedBiPPipeline  # noqa: E402
-from pipelines.pipeline_fedbip import encode_concept_prompt, expand_template, tokenize_concept_template  # noqa: E402
+from hfpfl.pipelines import FedBiPPipeline  # noqa: E402
+from hfpfl.pipelines.pipeline_fedbip import encode_concept_prompt, expand_template, tokenize_concept_template  # noqa: E402
 
 torch.set_num_threads(1)
 D = 32  # the tiny LDM's text width

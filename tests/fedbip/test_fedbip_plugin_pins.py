@@ -12,10 +12,9 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import hfpfl.algorithms.fedbip as fedbip_mod  # noqa: E402
-import hfpfl.fedbip as fedbip_pkg  # noqa: E402
-import hfpfl.fedbip.protocol as protocol  # noqa: E402
-from hfpfl.algorithms.fedbip import FedBiP  # noqa: E402
+import hfpfl.fedbip.concepts as concepts  # noqa: E402
+import hfpfl.fedbip.method as fedbip_mod  # noqa: E402
+from hfpfl.fedbip.method import FedBiP  # noqa: E402
 
 SEEDS = {(0, 1, "fedbip-concepts"): 4242, (0, 2, "fedbip-concepts"): 77, (3, 1, "fedbip-concepts"): 99}
 
@@ -46,8 +45,8 @@ def calls(monkeypatch):
         calls["mixed"].append((algo, cid, train_s, train_v, seed))
         return torch.full((2, 4), 0.5), torch.full((2, 3, 4), -0.5)
 
-    monkeypatch.setattr(fedbip_pkg, "train_concepts", fake_train)
-    monkeypatch.setattr(protocol, "mixed_init", fake_mixed)
+    monkeypatch.setattr(concepts, "train_concepts", fake_train)
+    monkeypatch.setattr(fedbip_mod, "mixed_init", fake_mixed)
     monkeypatch.setattr(fedbip_mod, "_CONCEPTS", {})
     return calls
 
@@ -136,7 +135,7 @@ def latent_calls(monkeypatch):
                           g=g, t=timestep))
         return x + (100 if class_average else 0), y.clone()
 
-    monkeypatch.setattr(fedbip_pkg, "instance_level_latents", fake)
+    monkeypatch.setattr(fedbip_mod, "instance_level_latents", fake)
     return calls
 
 
@@ -189,7 +188,7 @@ def test_only_singleton_classes(latent_calls):
 def _upd_self(level, fail=None):
     from diffusers import PNDMScheduler
 
-    from hfpfl.algorithms.fedbip import UPLOAD_KEYS_BY_LEVEL
+    from hfpfl.fedbip.config import UPLOAD_KEYS_BY_LEVEL
 
     seen = {}
 
@@ -215,7 +214,7 @@ def test_client_update_uploads_what_its_level_uses(level, inst, conc):
     """Each Table 3 level runs the levels it uses, on the client's images and one DDPM noise scheduler built from
     the LDM's, and uploads exactly its keys: latents / labels from Eq. 3 (else the client's labels), S unless V
     only, V unless S only; num_samples is the client's image count, the metric the number of latents."""
-    from hfpfl.algorithms.fedbip import UPLOAD
+    from hfpfl.fedbip.config import UPLOAD
 
     me = _upd_self(level)
     upd = FedBiP.client_update(me, 3, {}, {}, 2)
@@ -297,7 +296,7 @@ def test_word_concepts_are_the_clients_real_words_in_the_configured_space(monkey
     """The real-word concepts: init_concepts(init="words") with the client's domain and class words, the run's
     n_s / n_v / template / space and the data's class count."""
     seen = []
-    monkeypatch.setattr(fedbip_pkg, "init_concepts", lambda *a, **kw: seen.append((a, kw)) or ("S", "V"))
+    monkeypatch.setattr(concepts, "init_concepts", lambda *a, **kw: seen.append((a, kw)) or ("S", "V"))
     me = _self()
     assert FedBiP.word_concepts(me, 2) == ("S", "V")
     assert seen == [((me.pipe, 2, 2, 3, "[S] of [V]"), dict(init="words", domain_word="syn",

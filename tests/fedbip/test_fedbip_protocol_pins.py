@@ -11,7 +11,7 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import hfpfl.fedbip.client as client  # noqa: E402
+import hfpfl.fedbip.concepts as concepts  # noqa: E402
 from hfpfl.fedbip.protocol import concept_settings, noising_timestep, resolution_matched_timestep, synthetic_set  # noqa: E402,E501
 
 
@@ -68,7 +68,7 @@ def test_concept_settings_scale_lr_and_sigma_only_when_auto(monkeypatch):
     """concept_scale=auto multiplies Adam's lr and the perturbation sigma by the space's scale (computed from the
     text encoder, tokenizer, template, space, n_s and n_v); none uses them literally."""
     seen = []
-    monkeypatch.setattr(client, "concept_space_scale", lambda *a: seen.append(a) or 0.25)
+    monkeypatch.setattr(concepts, "concept_space_scale", lambda *a: seen.append(a) or 0.25)
     pipe = SimpleNamespace(text_encoder="te", tokenizer="tok")
     cfg = SimpleNamespace(concept_scale="auto", concept_lr=0.2, concept_noise_sigma=0.4, prompt_template="[S] [V]",
                           concept_space="input", n_s=2, n_v=3)

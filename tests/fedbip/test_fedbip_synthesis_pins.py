@@ -15,9 +15,9 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import hfpfl.fedbip.grid as grid  # noqa: E402
-import hfpfl.fedbip.privacy as privacy  # noqa: E402
-from hfpfl.algorithms.fedbip import UPLOAD, FedBiP, FedBiPConfig, _sampler_ok, _template_ok  # noqa: E402
+import hfpfl.fedbip.method as method  # noqa: E402
+from hfpfl.fedbip.config import UPLOAD, FedBiPConfig, _sampler_ok, _template_ok  # noqa: E402
+from hfpfl.fedbip.method import FedBiP  # noqa: E402
 
 C, D = 4, 8  # latent channels (4 x 4 latents), text width
 
@@ -183,7 +183,7 @@ def test_the_grid_shows_each_clients_real_and_own_synthetic_images(monkeypatch, 
     made from its upload only, "client c: <domain>" ("mixed" for a client holding several domains), the class count
     and grid_per_class; written to <output_dir>/synthetic_grid.png unless a path is given."""
     seen = {}
-    monkeypatch.setattr(grid, "save_real_vs_synthetic_grid",
+    monkeypatch.setattr(method, "save_real_vs_synthetic_grid",
                         lambda path, real, syn, names, n, per_class: seen.update(
                             path=path, real=real, syn=syn, names=names, n=n, per_class=per_class) or "written")
     train = {0: SimpleNamespace(pixel_values=torch.zeros(1, 1, 2, 2), labels=torch.tensor([1])),
@@ -215,8 +215,8 @@ def test_every_client_is_evaluated_on_the_one_global_classifier():
 def test_extra_metrics(monkeypatch):
     """The synthetic set's size and the classifier's last train loss after aggregate; the privacy metrics (both
     functions' rows) only when asked, the nearest-neighbour ones only once there is a synthetic set."""
-    monkeypatch.setattr(privacy, "membership_inference_gap", lambda algo, state, r: {"mia": (algo, state, r)})
-    monkeypatch.setattr(privacy, "synthetic_nearest_neighbors", lambda sim, syn: {"nn": (sim, syn)})
+    monkeypatch.setattr(method, "membership_inference_gap", lambda algo, state, r: {"mia": (algo, state, r)})
+    monkeypatch.setattr(method, "synthetic_nearest_neighbors", lambda sim, syn: {"nn": (sim, syn)})
     syn = {"labels": torch.zeros(6)}
     me = SimpleNamespace(synthetic=syn, classifier_metrics={"train_loss": torch.tensor(0.25)},
                          config=SimpleNamespace(privacy_metrics=False), ctx="sim")

@@ -173,3 +173,74 @@ def test_use_hub_cache_context(tmp_path):
         hub.push_state_dict({"a": torch.ones(1)}, "org/ctx")
         assert (tmp_path / "c" / "models--org--ctx").is_dir()
     assert (constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE) == before
+
+
+def _folder(tmp_path, name, **files):
+    folder = tmp_path / name
+    folder.mkdir()
+    for rel, text in files.items():
+        (folder / rel).write_text(text)
+    return folder
+
+
+def test_cached_snapshot_is_the_pushed_revision_or_none_without_the_network(cache, tmp_path, network_calls):
+    """The snapshot a push wrote, for its revision; None for a repo or revision not cached, a snapshot without the
+    required file, and an invalid id: never an attempt to reach the Hub."""
+    snap = hub.push_folder_to_cache(_folder(tmp_path, "a", **{"model_index.json": "{}"}), "org/ldm")
+    other = hub.push_folder_to_cache(_folder(tmp_path, "b", **{"config.json": "{}"}), "org/ldm", revision="round-1")
+    assert hub.cached_snapshot("org/ldm") == snap != other
+    assert hub.cached_snapshot("org/ldm", revision="round-1") == other
+    assert hub.cached_snapshot("org/ldm", cache_dir=cache, required_file="model_index.json") == snap
+    assert hub.cached_snapshot("org/ldm", revision="round-1", required_file="model_index.json") is None
+    assert hub.cached_snapshot("org/ldm", revision="round-2") is None
+    assert hub.cached_snapshot("org/other") is None
+    assert hub.cached_snapshot("../escape") is None
+    assert hub.cached_snapshot("org/ldm", cache_dir=tmp_path / "empty") is None
+    assert network_calls == []
+
+
+def test_ensure_published_publishes_once_then_only_when_stale_forced_or_incomplete(cache, tmp_path):
+    """Not cached: ``publish()`` runs and its path is returned. Cached and current: returned as is, publish not
+    called. ``stale(path)`` giving a reason: one log line naming it, then publish. ``force``: publish, no line. A
+    cached snapshot without ``required_file`` counts as not cached (publish, no line)."""
+    calls, lines, reasons = [], [], {}
+
+    def publish():
+        calls.append(len(calls))
+        return hub.push_folder_to_cache(_folder(tmp_path, f"v{len(calls)}", **{"model_index.json": str(len(calls))}),
+                                        "org/ldm")
+
+    def ensure(**kw):
+        return hub.ensure_published("org/ldm", publish, stale=lambda path: reasons.get(path), log=lines.append,
+                                    required_file="model_index.json", **kw)
+
+    first = ensure()
+    assert calls == [0] and first == hub.cached_snapshot("org/ldm") and lines == []
+    assert ensure() == first and calls == [0]
+    reasons[first] = "is of recipe version 3, not 4"
+    second = ensure()
+    assert calls == [0, 1] and second != first
+    assert lines == ["[hub] cached org/ldm is of recipe version 3, not 4: replacing it"]
+    third = ensure(force=True)
+    assert calls == [0, 1, 2] and third not in (first, second) and len(lines) == 1
+    hub.push_folder_to_cache(_folder(tmp_path, "incomplete", **{"README.md": "no model"}), "org/ldm")
+    assert ensure() != third and calls == [0, 1, 2, 3] and len(lines) == 1
+    with pytest.raises(ValueError, match="invalid repo id"):
+        hub.ensure_published("../escape", publish)
+    assert len(calls) == 4
+
+
+def test_ensure_published_looks_again_once_it_holds_the_lock(cache, tmp_path):
+    """Several processes may ask at once: one publishes, and whoever waited on the lock finds a current snapshot and
+    returns it without publishing again (here the stale copy turns current while the lock is taken)."""
+    snap = hub.push_folder_to_cache(_folder(tmp_path, "a", **{"model_index.json": "{}"}), "org/ldm")
+    answers = ["published by an older hfpfl"]  # the first look: stale; the look under the lock: current
+
+    def publish():
+        raise AssertionError("published twice")
+
+    lines = []
+    assert hub.ensure_published("org/ldm", publish, stale=lambda path: answers.pop(0) if answers else None,
+                                log=lines.append) == snap
+    assert lines == ["[hub] cached org/ldm published by an older hfpfl: replacing it"]
+    assert (cache / ".locks").is_dir()

@@ -152,8 +152,8 @@ def test_fedbip_pipeline_loads_through_diffusers_custom_pipeline_without_hfpfl(t
     from safetensors.torch import load_file, save_file
 
     from hfpfl import hub
-    from hfpfl.fedbip.ldm import DEFAULT_LDM_REPO, publish_shipped_ldm
-    from pipelines import FedBiPPipeline
+    from hfpfl.fedbip.publish import DEFAULT_LDM_REPO, publish_shipped_ldm
+    from hfpfl.pipelines import FedBiPPipeline
 
     cache = tmp_path / "hub"
     snapshot = publish_shipped_ldm(DEFAULT_LDM_REPO, cache_dir=cache, log=lambda *a: None)

@@ -46,7 +46,8 @@ def test_fedbip_parts_and_what_mutmut_leaves_out(mod, mutated):
                                            "fedbip_concepts", "fedbip_rest"}
     # FedBiPPipeline.__call__ carries a decorator: mutmut skips it (its changes are applied by hand: fedbip.md)
     assert "xǁFedBiPPipelineǁ__call__" not in fns["pipelines/pipeline_fedbip.py"]
-    assert {"xǁFedBiPǁtrain_concepts", "xǁFedBiPǁsave_grid"} <= set(fns["hfpfl/algorithms/fedbip.py"])
+    assert {"xǁFedBiPǁtrain_concepts", "xǁFedBiPǁsave_grid"} <= set(fns["hfpfl/fedbip/method.py"])
+    assert {"x__template_ok", "x__sampler_ok"} <= set(fns["hfpfl/fedbip/config.py"])
 
 
 @pytest.mark.parametrize("target, part, drop, add, other", [

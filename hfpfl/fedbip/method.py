@@ -50,170 +50,26 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ..options import Check, at_least, non_negative, one_of, positive, validate
+from ..federated.protocol import Algorithm, Update
+from ..federated.registry import register
+from ..federated.state import MODEL
+from ..logs import quiet_library_progress_bars
 from ..training import TensorData
-from .base import MODEL, Algorithm, Update, register
+from .config import DIGIT_WORDS, UPLOAD, FedBiPConfig
+from .grid import save_real_vs_synthetic_grid
+from .latents import instance_level_latents
+from .pool import caption_word
+from .privacy import membership_inference_gap, synthetic_nearest_neighbors
+from .protocol import concept_settings, mixed_init, noising_timestep, synthetic_set
 
-UPLOAD = "fedbip"  # the one upload part: latents, labels, domain_concept, class_concepts
+# The concept level (.concepts), the LDM (.ldm) and the pipeline import diffusers: they are imported where they are
+# used, so that registering the method (``import hfpfl.algorithms``) loads no model code (tests/cli/test_footprint.py)
 
 logger = logging.getLogger("hfpfl")
-
-PERSONALIZATION_LEVELS = ("full", "instance", "concept", "domain", "class", "none")
-UPLOAD_KEYS_BY_LEVEL = {
-    "full": ("latents", "labels", "domain_concept", "class_concepts"),
-    "instance": ("latents", "labels"),
-    "concept": ("labels", "domain_concept", "class_concepts"),
-    "domain": ("labels", "domain_concept"),  # the paper's Table 3 "S^ only": learned S, real class words
-    "class": ("labels", "class_concepts"),  # the paper's Table 3 "V only": real domain word, learned V
-    "none": ("labels",),
-}
-NOISE_TIMESTEPS = ("resolution_matched", "sampler_start", "max")
-DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-
-
-def _template_ok(template) -> bool:
-    from pipelines.pipeline_fedbip import expand_template
-    try:
-        expand_template(str(template), 1, 1)
-    except ValueError:
-        return False
-    return True
-
-
-def _sampler_ok(name) -> bool:
-    from pipelines.pipeline_fedbip import SAMPLERS
-    return str(name).lower() in SAMPLERS
-
-
-_TEMPLATE = Check(_template_ok, "a prompt with exactly one domain placeholder ([S] or [STY]) and one class "
-                                "placeholder ([V] or [CLS]), e.g. 'A [S] style of a [V]'")
-_SAMPLER = Check(_sampler_ok, "one of pndm, ddim, ddpm")
-_NOISE_TIMESTEP = Check(lambda v: v in NOISE_TIMESTEPS or str(v).isdigit(),
-                        f"one of {', '.join(NOISE_TIMESTEPS)} or a whole number >= 0")
-_WORDS = Check(lambda v: all(w.strip() for w in str(v).split(",")),
-               "comma-separated words, none of them empty (e.g. 'usps,mnist')")
-
-
-@dataclass
-class FedBiPConfig:
-    ldm: str = field(default="hfpfl/tiny-ldm-digits-broad", metadata={
-        "help": "Frozen pretrained latent diffusion model: a Hub repo id or a local folder, loaded with "
-                "FedBiPPipeline.from_pretrained (e.g. CompVis/stable-diffusion-v1-4). The default tiny LDM is "
-                "pretrained on a broad public digit-style pool (hfpfl.fedbip.pool); it ships with hfpfl and is "
-                "published to the local Hub cache on first use."})
-    multiplier: int = field(default=2, metadata={
-        "help": "Synthetic images per real client image: 2 / 5 / 10 = FedBiP-S / -M / -L (paper §5.1).",
-        "check": at_least(1)._replace(allowed=">= 1 (2/5/10 = FedBiP-S/M/L)")})
-    personalization: str = field(default="full", metadata={
-        "help": "full (FedBiP: instance + concept level) | instance (latents + real-word prompt) | concept (learned "
-                "S and V, random latents) | domain (learned S only) | class (learned V only) | none (prompt only "
-                "with real words, random latents) (paper Table 3).", "check": one_of(*PERSONALIZATION_LEVELS)})
-    n_s: int = field(default=1, metadata={"help": "Domain-concept tokens n_s (paper Table 5: 1 for style datasets).",
-                                          "check": at_least(1)})
-    n_v: int = field(default=1, metadata={"help": "Tokens per class concept n_v (n_c in the paper's Table 5).",
-                                          "check": at_least(1)})
-    concept_epochs: int = field(default=50, metadata={
-        "help": "Concept-training epochs over the client's data (paper §5.1: 50; App. A: 30).", "check": at_least(1)})
-    concept_steps: int | None = field(default=None, metadata={
-        "help": "Exact concept-training steps (overrides concept_epochs).", "check": at_least(1)})
-    concept_lr: float = field(default=0.1, metadata={"help": "Adam learning rate of the concepts (paper App. A: 0.1).",
-                                                     "check": positive()})
-    concept_batch_size: int = field(default=8, metadata={"help": "Concept-training batch size (the authors' code: 8).",
-                                                         "check": at_least(1)})
-    concept_init: str = field(default="random", metadata={
-        "help": "random (the paper: N(0, s^2) at the scale of the token embeddings) | words (from the real domain/class "
-                "words, as the authors' code).", "check": one_of("random", "words")})
-    concept_space: str = field(default="input", metadata={
-        "help": "input: concepts replace token embeddings (the paper, textual inversion) | output: replace the text "
-                "encoder's output states (the authors' code).", "check": one_of("input", "output")})
-    prompt_template: str = field(default="A [S] style of a [V]", metadata={
-        "help": "Prompt with one domain placeholder ([S] or [STY]) and one class placeholder ([V] or [CLS]) "
-                "(paper Algorithm 1).", "check": _TEMPLATE})
-    concept_noise_sigma: float = field(default=0.1, metadata={
-        "help": "Std of the perturbation eta of the domain concept, S^ = S + eta, per image (paper App. A: 0.1); in "
-                "output-space units when concept_scale=auto.", "check": non_negative()})
-    concept_scale: str = field(default="auto", metadata={
-        "help": "auto: concept_lr and concept_noise_sigma are the authors' output-space settings and are "
-                "multiplied by std(token embeddings)/std(encoder outputs) when the concepts live in the input space "
-                "(1.0 in output space) | none: use them literally in whatever space the concepts live.",
-        "check": one_of("auto", "none")})
-    noise_timestep: str = field(default="sampler_start", metadata={
-        "help": "Timestep clients noise their latents to: sampler_start (the server sampler's first timestep, so the "
-                "instance signal enters at the SNR the sampler assumes; 901 for PNDM with 10 leading steps) | "
-                "resolution_matched (the paper's T scaled to the LDM's latent size, so that as much of each image "
-                "survives, scale for scale, as SD v1's 64x64 latent keeps at T=999; the sampler starts there: 551 "
-                "for the tiny LDM's 8x8 latents with 20 PNDM steps, sampler_start on SD itself. More style reaches "
-                "the synthetics, but on the tiny LDM they come closer to the client's images than its own test "
-                "images are, with a 5-9x membership-inference gap: CHANGELOG.md) | max "
-                "(num_train_timesteps-1 = 999, the paper's literal T; with leading spacing the sampler then starts at a "
-                "lower timestep than the noise level) | an integer (the first sampler timestep at or above it: clients noise "
-                "there and the sampler starts there; scripts/fedbip_noise_sweep.py measures style against closeness per "
-                "timestep, CHANGELOG.md).", "check": _NOISE_TIMESTEP})
-    timestep_spacing: str | None = field(default=None, metadata={
-        "help": "Sampler timestep spacing override: leading (the SD-v1 config) | trailing (the first step is T=999, "
-                "so sampler_start and max coincide) | linspace; default: the LDM's scheduler config.",
-        "check": one_of("leading", "trailing", "linspace")})
-    sampler: str = field(default="pndm", metadata={"help": "Server sampler: pndm (paper App. A) | ddim | ddpm.",
-                                                   "check": _SAMPLER})
-    num_inference_steps: int = field(default=50, metadata={"help": "Reverse-diffusion steps (not stated in the paper).",
-                                                           "check": at_least(1)})
-    guidance_scale: float = field(default=1.0, metadata={
-        "help": "Classifier-free guidance scale; 1.0 = the pure conditional Eq. 5 (not stated in the paper).",
-        "check": at_least(1)._replace(allowed=">= 1 (1 = no guidance)")})
-    class_average: bool = field(default=False, metadata={
-        "help": "Instance level from class-average latents (categorical prototypes, the paper's §5.6 stricter privacy) "
-                "instead of pairwise interpolation."})
-    singleton_classes: str = field(default="error", metadata={
-        "help": "A class with one image on a client has no same-class partner for Eq. 3: error (default: the paper "
-                "requires i' != i) | self (fallback i' = i: that latent is not interpolated, only noised; "
-                "logged) | drop (no latent for it; its concepts are still trained). Label-skew (Dirichlet) splits "
-                "need self or drop, or class_average.", "check": one_of("error", "self", "drop")})
-    gamma_std: float = field(default=0.1, metadata={
-        "help": "Std of the interpolation weight gamma ~ N(0.5, std^2) clipped to [0, 1] (paper Eq. 3: 0.1).",
-        "check": non_negative()})
-    classifier_epochs: int = field(default=50, metadata={
-        "help": "Server classifier epochs on the synthetic set (paper App. A: 50); optimizer, lr, momentum and batch "
-                "size come from --optimizer/--lr/--momentum/--batch_size.", "check": at_least(1)})
-    classifier_steps: int | None = field(default=None, metadata={
-        "help": "Exact server classifier steps (overrides --classifier_epochs): a budget that does not grow with the "
-                "synthetic set, so rows of different amounts (2x / 5x / 10x) and the real-data baselines can be "
-                "matched step for step.", "check": at_least(1)})
-    synthesis_batch_size: int = field(default=64, metadata={"help": "Latents denoised together on the server.",
-                                                            "check": at_least(1)})
-    domain_words: str | None = field(default=None, metadata={
-        "help": "Comma-separated real domain word per client for the real-word prompts (default: the word the tiny "
-                "LDM's pretraining captions gave the public images of the client's domain, usps -> handwritten, "
-                "mnistm -> textured, syn -> printed, mnist -> handwritten; else the domain name; 'image' when a "
-                "client holds several domains).", "check": _WORDS})
-    class_words: str | None = field(default=None, metadata={
-        "help": "Comma-separated real class words (default: digit names for digit labels, else the label names).",
-        "check": _WORDS})
-    save_grid: bool = field(default=True, metadata={
-        "help": "Write synthetic_grid.png (real vs synthetic images per client and class) to --output_dir."})
-    grid_per_class: int = field(default=3, metadata={"help": "Images per class and client in the grid.",
-                                                     "check": at_least(1)})
-    privacy_metrics: bool = field(default=True, metadata={
-        "help": "Report membership-inference gaps and synthetic-to-real nearest-neighbour distances."})
-    reuse_concepts: bool = field(default=True, metadata={
-        "help": "Memoise identical concept trainings within the process (same LDM, client data, seed, settings)."})
-
-    #: the options that set the step size of what this method trains (named when training diverges; --lr, which
-    #: trains the server classifier, always is)
-    STEP_SIZES: ClassVar[dict[str, str]] = {"concept_lr": "lower"}
-
-    def __post_init__(self):
-        validate(self)
-
-    @property
-    def upload_keys(self) -> tuple[str, ...]:
-        return UPLOAD_KEYS_BY_LEVEL[self.personalization]
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # the frozen LDM: one per process
@@ -225,15 +81,14 @@ _CONCEPTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 def load_ldm(ldm: str, device=None):
     """The process-wide frozen FedBiPPipeline for ``ldm`` (loaded once per device, shared by clients and
     simulations), on ``device`` (the accelerator's device; CPU when there is none)."""
-    from ..fedbip.ldm import resolve_ldm
+    from .ldm import resolve_ldm
 
     path = resolve_ldm(ldm)
     device = torch.device(device or "cpu")
     key = f"{os.path.realpath(path)}@{device}"
     if key not in _PIPES:
-        from pipelines.pipeline_fedbip import FedBiPPipeline
+        from ..pipelines.pipeline_fedbip import FedBiPPipeline
 
-        from ..logs import quiet_library_progress_bars
         quiet_library_progress_bars(diffusers=True)  # a redirected hfpfl log: no "Loading pipeline components" bars
         pipe = FedBiPPipeline.from_pretrained(path)
         for m in (pipe.unet, pipe.vae, pipe.text_encoder):
@@ -273,8 +128,6 @@ class FedBiP(Algorithm):
 
     def __init__(self, sim, config):
         super().__init__(sim, config)
-        from ..fedbip.protocol import concept_settings, noising_timestep
-
         self.pipe = load_ldm(config.ldm, getattr(sim, "device", None))
         overrides = {"timestep_spacing": config.timestep_spacing} if config.timestep_spacing else {}
         self.pipe.set_sampler(config.sampler, **overrides)
@@ -311,8 +164,6 @@ class FedBiP(Algorithm):
             doms = [w.strip() for w in cfg.domain_words.split(",")]
             domain = doms[client_id % len(doms)]
         else:
-            from ..fedbip.pool import caption_word
-
             domain = caption_word(self.ctx.client(client_id).domain) or "image"
         if cfg.class_words:
             classes = [w.strip() for w in cfg.class_words.split(",")]
@@ -325,7 +176,7 @@ class FedBiP(Algorithm):
         return domain, classes
 
     def word_concepts(self, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from ..fedbip import init_concepts
+        from .concepts import init_concepts
 
         domain, classes = self.words(client_id)
         cfg = self.config
@@ -364,8 +215,6 @@ class FedBiP(Algorithm):
 
     def instance_latents(self, client_id, x, y, round_idx, noise_scheduler):
         """Eq. 3 for every image, ``multiplier`` draws each; single-image classes per ``singleton_classes``."""
-        from ..fedbip import instance_level_latents
-
         cfg, pipe = self.config, self.pipe
         g = self.ctx.generator(round_idx, client_id, "fedbip-instance")
         counts = torch.bincount(y, minlength=self.ctx.data.num_labels)
@@ -388,7 +237,7 @@ class FedBiP(Algorithm):
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def train_concepts(self, client_id, x, y, round_idx, noise_scheduler):
-        from ..fedbip import train_concepts
+        from .concepts import train_concepts
 
         cfg = self.config
         seed = self.ctx.seed_for(round_idx, client_id, "fedbip-concepts")
@@ -396,8 +245,6 @@ class FedBiP(Algorithm):
         train_s, train_v = cfg.personalization != "class", cfg.personalization != "domain"
         init_s = init_v = None
         if not (train_s and train_v):  # S only / V only: the other part is the real words' embedding, fixed
-            from ..fedbip.protocol import mixed_init
-
             init_s, init_v = mixed_init(self, client_id, train_s, train_v, seed)
         key = "|".join(map(str, (
             id(self.pipe), _digest(x, y), seed, self.ctx.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
@@ -493,8 +340,6 @@ class FedBiP(Algorithm):
         for u in updates:
             if "synthetic" not in u.received:  # aggregate called without the engine's receive (direct use)
                 self.receive(u, round_idx)
-        from ..fedbip.protocol import synthetic_set
-
         self.synthetic = synthetic_set(updates)  # aggregate runs once, on the main process
         syn = TensorData(self.synthetic["images"], self.synthetic["labels"])
         logger.info("FedBiP: %d synthetic images from %d clients; training the classifier on them only", len(syn),
@@ -510,8 +355,6 @@ class FedBiP(Algorithm):
         return {**server_state, MODEL: self.ctx.snapshot(self.global_keys)}
 
     def save_grid(self, path=None):
-        from ..fedbip.grid import save_real_vs_synthetic_grid
-
         path = path or (self.ctx.output_dir / "synthetic_grid.png")
         clients = sorted(set(self.synthetic["clients"].tolist()))
         real = [(self.ctx.train_data(c).pixel_values, self.ctx.train_data(c).labels) for c in clients]
@@ -535,8 +378,6 @@ class FedBiP(Algorithm):
             out["classifier_train_loss"] = float(self.classifier_metrics["train_loss"])
         if not self.config.privacy_metrics:
             return out
-        from ..fedbip.privacy import membership_inference_gap, synthetic_nearest_neighbors
-
         out.update(membership_inference_gap(self, server_state, round_idx))
         if self.synthetic is not None:
             out.update(synthetic_nearest_neighbors(self.ctx, self.synthetic))
