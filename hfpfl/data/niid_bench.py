@@ -2,7 +2,7 @@
 Parameterization of Deep Learning Models for Federated Learning", section IV) that the other schemes lack; the paper
 follows the NIID-Bench implementation (Li et al., "Federated Learning on Non-IID Data Silos", ICDE 2022, its [15]).
 
-``label_quantity`` -- quantity-based label imbalance, "#M": every client holds samples of exactly M labels; "if there
+``label_quantity`` (a scheme of :mod:`hfpfl.data.partition`) -- quantity-based label imbalance, "#M": every client holds samples of exactly M labels; "if there
 are 10 clients and 10 classes, each class is only found on one client" (M = 1). NIID-Bench's assignment: client i's
 first label is i mod K, the other M - 1 are drawn at random among the rest; then each label's samples are shuffled
 and split equally among the clients that hold it. That is Flower's ``PathologicalPartitioner`` in
@@ -22,25 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from datasets import Dataset
-
 NOISE_RULES = ("paper", "niid_bench")
-
-
-def label_quantity(ds: Dataset, num_partitions: int, seed: int = 0, classes_per_client: int = 2,
-                   partition_by: str = "label", **_) -> list[Dataset]:
-    """#M: exactly ``classes_per_client`` labels per client, client i's first one i mod K (module docstring)."""
-    from .partition import _check_common, _check_nonempty, _flower, _fp
-
-    _check_common(ds, num_partitions)
-    n_classes = len(set(ds[partition_by]))
-    if not 1 <= classes_per_client <= n_classes:
-        raise ValueError(f"classes_per_client must be in 1..{n_classes}, got {classes_per_client}")
-    p = _fp().PathologicalPartitioner(num_partitions=num_partitions, partition_by=partition_by,
-                                      num_classes_per_partition=int(classes_per_client),
-                                      class_assignment_mode="first-deterministic", shuffle=True, seed=seed)
-    parts = _flower(p, ds, num_partitions)
-    return _check_nonempty(parts, "label_quantity", "use fewer clients or more classes_per_client")
 
 
 def noise_skew_stds(num_clients: int, sigma: float, rule: str = "paper") -> list[float]:

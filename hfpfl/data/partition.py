@@ -19,7 +19,6 @@ scheme                  what / keyword arguments
 ``concept_drift``       same P(x), different P(y|x) between client groups (``num_concepts`` = 2)
 ``natural_id``          Flower ``NaturalIdPartitioner`` by a column (``column`` = ``"domain"``): one client per value
 ``label_quantity``      #M of NIID-Bench / the adapters paper: ``classes_per_client`` labels, client i's first i mod K
-                        (:mod:`hfpfl.data.niid_bench`)
 ======================  ==========================================================================================
 
 Every scheme is deterministic per ``seed``; an empty client raises ``ValueError`` naming the client.
@@ -300,7 +299,20 @@ def natural_id(ds: Dataset, num_partitions: int, seed: int = 0, column: str = "d
     return _check_nonempty(parts, "natural_id", "")
 
 
-from .niid_bench import label_quantity  # noqa: E402  (after the helpers it imports from here)
+def label_quantity(ds: Dataset, num_partitions: int, seed: int = 0, classes_per_client: int = 2,
+                   partition_by: str = "label", **_) -> list[Dataset]:
+    """#M of NIID-Bench and the adapters paper (Sec. IV): exactly ``classes_per_client`` labels per client, client
+    i's first one i mod K (Flower's ``PathologicalPartitioner`` in its first-deterministic mode)."""
+    _check_common(ds, num_partitions)
+    n_classes = len(set(ds[partition_by]))
+    if not 1 <= classes_per_client <= n_classes:
+        raise ValueError(f"classes_per_client must be in 1..{n_classes}, got {classes_per_client}")
+    p = _fp().PathologicalPartitioner(num_partitions=num_partitions, partition_by=partition_by,
+                                      num_classes_per_partition=int(classes_per_client),
+                                      class_assignment_mode="first-deterministic", shuffle=True, seed=seed)
+    parts = _flower(p, ds, num_partitions)
+    return _check_nonempty(parts, "label_quantity", "use fewer clients or more classes_per_client")
+
 
 PARTITIONS: dict[str, Callable[..., list[Dataset]]] = {
     "iid": iid,
