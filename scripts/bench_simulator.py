@@ -295,7 +295,7 @@ def worker(a) -> dict:
     run = RunArguments(method="bench_fedavg", num_rounds=a.rounds, batch_size=a.batch_size, lr=0.01, momentum=0.0,
                        checkpoint_every=0, vectorize=a.vectorize, eval_every=a.eval_every,
                        channels_last=a.channels_last, vector_chunk_mb=a.vector_chunk_mb,
-                       eval_clients=a.eval_clients, progress=False, num_threads=a.threads, report_to="none",
+                       eval_clients=a.eval_clients, last_batch=a.last_batch, progress=False, num_threads=a.threads, report_to="none",
                        output_dir=a.output_dir,
                        overwrite_output_dir=True)
     n_train = [len(c.train) for c in fed.clients]
@@ -343,7 +343,7 @@ def worker(a) -> dict:
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
                 order = torch.randperm(len(d), generator=torch.Generator().manual_seed(r * 10007 + cid)).to(device)
                 pixels, labels = d.pixel_values, d.labels  # the client's floats once per round, not once per step
-                for s, e in batch_bounds(len(d), a.batch_size):  # hfpfl's batches: a tiny trailing one joins
+                for s, e in batch_bounds(len(d), a.batch_size, a.last_batch):  # hfpfl's batches
                     idx = order[s:e]
                     opt.zero_grad()
                     model(pixel_values=pixels[idx], labels=labels[idx]).loss.backward()
@@ -382,7 +382,7 @@ def command(a, n: int, impl: str, vec: str, par: str, cl: str, outdir: str) -> t
     args = ["--impl", impl, "--output_dir", outdir, "--clients", str(n), "--model", a.model, "--rounds", str(a.rounds),
             "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
             "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
-            "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1",
+            "--distinct", str(a.distinct), "--last_batch", a.last_batch, "--threads", par[1:] if par.startswith("t") else "1",
             "--device", a.device, "--channels_last", cl]
     if a.vector_chunk_mb is not None:
         args += ["--vector_chunk_mb", str(a.vector_chunk_mb)]
@@ -503,6 +503,9 @@ def main():
                    "the bench extra) on the same clients and model: auto = when it is installed")
     p.add_argument("--vectorize", nargs="+", choices=["auto", "on", "off"], default=["off", "on"],
                    help="hfpfl's --vectorize settings to measure (each its own run)")
+    p.add_argument("--last_batch", choices=["keep", "merge", "drop"], default="keep", help="each client's trailing "
+                   "partial batch, on hfpfl's side and the bare loop's (hfpfl's --last_batch; default keep: "
+                   "pfl-research's, so every side does the same work; pfl-research runs only with keep)")
     p.add_argument("--eval_every", type=int, default=1, help="hfpfl evaluates every N rounds (1: every round, "
                    "every client, as PFLlib does)")
     p.add_argument("--vector_chunk_mb", type=float, default=None, help="hfpfl's --vector_chunk_mb (stacked "
@@ -574,7 +577,7 @@ def main():
             os._exit(0)
         return
     part = "iid" if a.partition == "iid" else f"Dir({a.alpha})"
-    print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread unless tN/pN, real MNIST {part}; hfpfl evaluates every "
+    print(f"{a.model}, batch {a.batch_size} (trailing partial batch: {a.last_batch}), 1 local epoch, 1 torch thread unless tN/pN, real MNIST {part}; hfpfl evaluates every "
           f"{a.eval_every} round(s), {'all' if a.eval_clients is None else a.eval_clients} clients; "
           f"load average {os.getloadavg()[0]:.2f} at start; device {a.device}")
     gpu = a.device == "cuda"
@@ -592,7 +595,7 @@ def main():
 def _bench_clients(a, p, n: int, gpu: bool, scratch: str) -> None:
     """Every configuration of one client count: run, then print a row each (and the same-round ratios)."""
     runs = ([("bare", "off", "1")] if a.only != "hfpfl" else []) + \
-           ([("pfl", "off", "1")] if a.pfl == "on" and a.only is None else []) + \
+           ([("pfl", "off", "1")] if a.pfl == "on" and a.only is None and a.last_batch == "keep" else []) + \
            ([("hfpfl", v, par) for v in a.vectorize for par in a.parallel] if a.only != "bare" else [])
     runs = [(impl, vec, par, cl) for impl, vec, par in runs for cl in (a.channels_last if impl == "hfpfl" else ["off"])]
     jobs = []

@@ -69,11 +69,12 @@ def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: in
                 regularizer: Callable[[nn.Module], torch.Tensor] | None = None,
                 before_step: Callable[[nn.Module], None] | None = None,
                 backward: Callable[[torch.Tensor], None] | None = None,
-                scheduler=None, after_step: Callable[[int], None] | None = None) -> dict:
+                scheduler=None, after_step: Callable[[int], None] | None = None, last_batch: str = "merge") -> dict:
     """Run local steps; `epochs` passes over the data, or exactly `max_steps` steps if given.
 
     With several optimizers (a list, with one loss function each), every step runs the stages in order on the
-    same batch; ``train_loss`` is the last stage's loss. ``regularizer`` and ``before_step`` act on every stage."""
+    same batch; ``train_loss`` is the last stage's loss. ``regularizer`` and ``before_step`` act on every stage.
+    ``last_batch``: what becomes of a trailing partial batch (:func:`~hfpfl.training.batch_bounds`)."""
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     loss_fns = list(loss_fn) if isinstance(loss_fn, (list, tuple)) else [loss_fn]
     if len(optimizers) != len(loss_fns):
@@ -84,7 +85,7 @@ def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: in
     # step would wait for the device every step
     on_device = torch.device(device).type != "cpu"
     while True:
-        for batch in iterate_batches(data, batch_size, shuffle=True, generator=generator):
+        for batch in iterate_batches(data, batch_size, shuffle=True, generator=generator, last=last_batch):
             batch = {k: v.to(device) for k, v in batch.items()}
             for opt, fn in zip(optimizers, loss_fns):
                 opt.zero_grad(set_to_none=True)

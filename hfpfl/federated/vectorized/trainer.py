@@ -144,7 +144,8 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
     epochs, steps = hp.local_epochs, hp.local_steps
     datas = {c: sim.train_data(c) for c in clients}
     sizes = [len(datas[c]) for c in clients]
-    scheds = BatchSchedules(sizes, sim.seeds_for(round_idx, clients, ""), hp.batch_size, epochs or 1, steps)
+    scheds = BatchSchedules(sizes, sim.seeds_for(round_idx, clients, ""), hp.batch_size, epochs or 1, steps,
+                            sim.args.last_batch)
     stacked = stacked_data(sim, clients, "train", [datas[c] for c in clients])
     n_steps = scheds.n_steps
     loss_sums = torch.zeros(len(clients), dtype=torch.float64, device=device)  # read once, after the last step
