@@ -67,6 +67,7 @@ def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData
     inputs = to_model_inputs(raw, image_size=args.image_size, num_channels=args.num_channels).with_format(None)
     source_labels = np.asarray(inputs.with_format("numpy")["labels"])
     stratify = isinstance(inputs.features["labels"], ClassLabel)  # train_test_split stratifies class labels only
+    finished = _finish(inputs)  # clients select from it: its helper columns dropped and its format set once
     n_total = args.num_clients + args.num_new_clients
     parts = partition_dataset(raw, args.partition, n_total, seed=seed, **args.partition_kwargs())
 
@@ -82,10 +83,11 @@ def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData
         relabelled = not np.array_equal(source_labels[rows], labels)  # a relabelled partition (concept_drift)
 
         def take(pos):  # the client's examples at these positions, with the partition's labels
-            ds = inputs.select(rows[pos])
+            ds = finished.select(rows[pos])
             if relabelled:
-                ds = ds.remove_columns("labels").add_column("labels", labels[pos], feature=label_feat)
-            return _finish(ds)
+                ds = ds.remove_columns("labels").add_column("labels", labels[pos], feature=label_feat) \
+                    .with_format("torch")
+            return ds
 
         client_seed = seed * 100003 + i
         strat = isinstance(label_feat, ClassLabel) if relabelled else stratify
