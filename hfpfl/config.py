@@ -58,6 +58,11 @@ class RunArguments:
     local_epochs: int = field(default=1, metadata={"check": at_least(1), "help": "Local epochs per round."})
     local_steps: int | None = field(default=None, metadata={"check": _or_none(at_least(1)), "help": "Exact local steps per round (overrides local_epochs)."})
     batch_size: int = field(default=32, metadata={"check": at_least(1), "help": "Local training batch size."})
+    last_batch: str = field(default="merge", metadata={"check": one_of("merge", "keep", "drop"),
+        "help": "A client's trailing partial batch in local training: merge (one of fewer than min(8, batch_size) "
+                "images joins the previous batch: BatchNorm cannot learn from a handful of images, and a 2-image "
+                "step once held a Central oracle at chance) | keep (a step of its own, as PyTorch's DataLoader and "
+                "pfl-research) | drop (left out, as drop_last=True, unless it is the client's only batch)."})
     lr: float = field(default=0.05, metadata={"check": positive(), "help": "Local learning rate."})
     lr_milestones: str | None = field(default=None, metadata={
         "check": _or_none(number_list(low=1, integer=True)),

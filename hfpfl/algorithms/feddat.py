@@ -44,9 +44,9 @@ from .base import FROZEN, GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 KD_SCHEDULES = ("ramp", "round", "constant")
 
 
-def steps_per_epoch(n: int, batch_size: int) -> int:
-    """Batches of :func:`hfpfl.training.iterate_batches` (a small trailing batch joins the previous one)."""
-    return len(batch_bounds(n, batch_size))
+def steps_per_epoch(n: int, batch_size: int, last: str = "merge") -> int:
+    """Batches of :func:`hfpfl.training.iterate_batches` (``last``: the run's ``--last_batch``)."""
+    return len(batch_bounds(n, batch_size, last))
 
 
 def warmup_linear(total: int, warmup: float = 0.1):
@@ -134,7 +134,7 @@ class VQAPeft(Algorithm):
 
     def round_steps(self, client_id) -> tuple[int, int]:
         hp = self.ctx.hparams(client_id)
-        per_epoch = steps_per_epoch(len(self.ctx.train_data(client_id)), hp.batch_size)
+        per_epoch = steps_per_epoch(len(self.ctx.train_data(client_id)), hp.batch_size, self.ctx.run.last_batch)
         steps = hp.local_steps or per_epoch * hp.local_epochs
         return steps, per_epoch
 

@@ -131,7 +131,7 @@ class FedProto(Algorithm):
         was = self.model.training
         self.model.eval()
         sums, counts = {}, {}
-        for batch in iterate_batches(data, self.ctx.run.eval_batch_size, shuffle=False, merge_small_last=False):
+        for batch in iterate_batches(data, self.ctx.run.eval_batch_size, shuffle=False, last="keep"):
             batch = {k: v.to(self.ctx.device) for k, v in batch.items()}
             f = forward_with_embedding(self.model, batch)[1].double()
             for c in batch["labels"].unique().tolist():

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from datasets import Dataset
+from datasets import ClassLabel, Dataset
+from datasets.arrow_dataset import stratified_shuffle_split_generate_indices
 
 from .arguments import DataArguments
 from .federated import ClientData, FederatedData, few_shot
@@ -16,19 +17,27 @@ from .sources import load_source
 from .transforms import to_model_inputs
 
 
-def _split(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset | None]:
-    """(rest, held) with round(fraction * n) >= 1 held out, stratified by ``labels`` when possible."""
+def _split(labels: np.ndarray, fraction: float, seed: int, stratify: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Positions ``(rest, held)`` of a client's examples with round(fraction * n) >= 1 held out, stratified by
+    ``labels`` when possible: the indices ``Dataset.train_test_split(test_size=n_held, stratify_by_column="labels",
+    seed=seed)`` selects (its own generator and stratified draw; without a stratification, a class with a single
+    member or fewer held examples than classes, its seeded permutation), computed on the labels alone so that a
+    client's splits are one ``select`` each (500 clients: 1,000 Arrow splits fewer at start-up)."""
+    n = len(labels)
     if fraction <= 0:
-        return ds, None
-    n = len(ds)
+        return np.arange(n), None
     n_held = max(1, int(round(fraction * n)))
     if n - n_held < 1:
         raise ValueError(f"client with {n} samples cannot be split with fraction {fraction}: use fewer clients")
-    try:
-        dd = ds.train_test_split(test_size=n_held, stratify_by_column="labels", seed=seed)
-    except ValueError:  # a class with a single member, or fewer held samples than classes
-        dd = ds.train_test_split(test_size=n_held, seed=seed)
-    return dd["train"], dd["test"]
+    if stratify:
+        try:
+            rest, held = next(stratified_shuffle_split_generate_indices(labels, n - n_held, n_held,
+                                                                        rng=np.random.default_rng(seed)))
+            return rest, held
+        except ValueError:  # as train_test_split: the stratification is impossible, the plain split is drawn
+            pass
+    permutation = np.random.default_rng(seed).permutation(n)
+    return permutation[n_held:], permutation[:n_held]
 
 
 def _finish(ds: Dataset) -> Dataset:
@@ -56,6 +65,9 @@ def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData
     label_feat = raw.features["label"]
     # convert once; clients are index selections of the converted set (no per-client image decoding)
     inputs = to_model_inputs(raw, image_size=args.image_size, num_channels=args.num_channels).with_format(None)
+    source_labels = np.asarray(inputs.with_format("numpy")["labels"])
+    stratify = isinstance(inputs.features["labels"], ClassLabel)  # train_test_split stratifies class labels only
+    finished = _finish(inputs)  # clients select from it: its helper columns dropped and its format set once
     n_total = args.num_clients + args.num_new_clients
     parts = partition_dataset(raw, args.partition, n_total, seed=seed, **args.partition_kwargs())
 
@@ -68,22 +80,27 @@ def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData
         if args.samples_per_client is not None and len(rows) > args.samples_per_client:
             keep = np.sort(rng.permutation(len(rows))[: args.samples_per_client])
             rows, labels = rows[keep], labels[keep]
-        cd = inputs.select(rows)
-        if not np.array_equal(np.asarray(cd["labels"]), labels):  # relabelled partition (concept_drift)
-            cd = cd.remove_columns("labels").add_column("labels", labels, feature=label_feat)
+        relabelled = not np.array_equal(source_labels[rows], labels)  # a relabelled partition (concept_drift)
+
+        def take(pos):  # the client's examples at these positions, with the partition's labels
+            ds = finished.select(rows[pos])
+            if relabelled:
+                ds = ds.remove_columns("labels").add_column("labels", labels[pos], feature=label_feat) \
+                    .with_format("torch")
+            return ds
+
         client_seed = seed * 100003 + i
-        rest, test = _split(cd, args.test_fraction, client_seed)
-        if test is None:
-            test = cd.select([])
+        strat = isinstance(label_feat, ClassLabel) if relabelled else stratify
+        rest, test = _split(labels, args.test_fraction, client_seed, strat)
         val_frac = args.val_fraction / (1 - args.test_fraction) if args.val_fraction else 0.0
-        train, val = _split(rest, val_frac, client_seed + 1)
+        train, val = _split(labels[rest], val_frac, client_seed + 1, strat)
         doms = sorted(set(cols["domain"]))
         clients.append(
             ClientData(
                 client_id=i,
-                train=_finish(train),
-                test=_finish(test),
-                val=_finish(val) if val is not None else None,
+                train=take(rest[train]),
+                test=take(test if test is not None else np.arange(0)),
+                val=take(rest[val]) if val is not None else None,
                 domain=doms[0] if len(doms) == 1 else None,
             )
         )

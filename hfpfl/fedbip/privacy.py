@@ -25,7 +25,7 @@ def loss_and_entropy(model, data: TensorData, batch_size: int = 256, device="cpu
     was = model.training
     model.eval()
     losses, ents = [], []
-    for b in iterate_batches(data, batch_size, shuffle=False, merge_small_last=False):
+    for b in iterate_batches(data, batch_size, shuffle=False, last="keep"):
         logits = model(pixel_values=b["pixel_values"].to(device)).logits.float()
         logp = torch.log_softmax(logits, -1)
         losses.append(torch.nn.functional.nll_loss(logp, b["labels"].to(device), reduction="none").cpu())

@@ -109,6 +109,7 @@ class RunSettings:
     model: str = ""
     adapter: str = "none"
     lora_r: int = 4
+    last_batch: str = "merge"
 
     @classmethod
     def from_args(cls, args) -> "RunSettings":
@@ -270,7 +271,8 @@ class MethodContext:
                                   optimizers if several else optimizers[0], batch_size=hp.batch_size,
                                   epochs=epochs or 1, max_steps=steps,
                                   generator=self.generator(round_idx, client_id, tag), device=self.device,
-                                  backward=sim.accelerator.backward, **{"loss_fn": default_loss, **hooks})
+                                  backward=sim.accelerator.backward, last_batch=sim.args.last_batch,
+                                  **{"loss_fn": default_loss, **hooks})
         if optimizer_state is not None:
             metrics["optimizer_state"] = {f"{i}:{k}": v for i, opt in enumerate(optimizers)
                                           for k, v in optimizer_state_tensors(opt, names).items()}

@@ -350,6 +350,8 @@ class Simulation:
         def plain(dc):
             return {k: v for k, v in (dataclasses.asdict(dc) if dataclasses.is_dataclass(dc) else {}).items()}
         run = {k: v for k, v in plain(self.args).items() if k not in _NOT_FINGERPRINTED}
+        if run.get("last_batch") == "merge":  # the rule before the option existed: earlier checkpoints still match
+            del run["last_batch"]
         fp = {"run": run, "data": plain(self.data_args), "method": plain(self.algorithm.config),
               "num_clients": self.num_clients}
         if self.recipe_settings:  # only when given, so checkpoints written without them still match

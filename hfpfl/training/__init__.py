@@ -16,7 +16,7 @@ Batches are dicts of tensors (``pixel_values`` + ``labels`` for image classifica
 Layout: :mod:`.tensor_data` (a split as tensors, and its batches), :mod:`.loop` (:func:`train_local`),
 :mod:`.optimizers` (building one, and its state as tensors), :mod:`.metrics` (:class:`Metric`, :func:`evaluate`).
 """
-from .loop import channels_last_pays, conv_channels_last, default_loss, train_local
+from .loop import channels_last_pays, conv_channels_last, declared_loss, default_loss, train_local
 from .metrics import Metric, SoftTargetAccuracy, evaluate
 from .optimizers import load_optimizer_state, make_optimizer, optimizer_state_tensors
 from .tensor_data import (LABEL_KEYS, MIN_TRAIN_BATCH, TensorData, batch_bounds, encode_uint8, iterate_batches,
@@ -24,6 +24,6 @@ from .tensor_data import (LABEL_KEYS, MIN_TRAIN_BATCH, TensorData, batch_bounds,
 
 __all__ = [
     "LABEL_KEYS", "MIN_TRAIN_BATCH", "Metric", "SoftTargetAccuracy", "TensorData", "batch_bounds", "channels_last_pays",
-    "conv_channels_last", "default_loss", "encode_uint8", "evaluate", "iterate_batches", "load_optimizer_state",
+    "conv_channels_last", "declared_loss", "default_loss", "encode_uint8", "evaluate", "iterate_batches", "load_optimizer_state",
     "make_optimizer", "model_inputs", "optimizer_state_tensors", "train_local",
 ]

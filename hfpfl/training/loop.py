@@ -16,6 +16,27 @@ def default_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return model(**model_inputs(batch), labels=batch["labels"]).loss
 
 
+def declared_loss(model: nn.Module):
+    """The loss ``model`` declares as a function of its outputs, ``fn(logits, labels) -> the mean of the examples'
+    losses``, or None. Transformers' convention: a ``PreTrainedModel`` whose ``loss_type`` names a loss of
+    ``transformers.loss.loss_utils.LOSS_MAPPING`` computes its loss as ``self.loss_function(labels, logits,
+    self.config)``; any other ``nn.Module`` may declare ``loss_function(logits, labels)`` itself. The vectorized
+    engine computes such a loss once over every client's logits, outside ``vmap`` (one flat cross-entropy instead of
+    one per client); a model without one keeps its own ``loss`` inside ``vmap``."""
+    fn = getattr(model, "loss_function", None)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(model, "loss_type"):  # a transformers model: its loss_type picks the function
+        from transformers.loss.loss_utils import LOSS_MAPPING  # why: transformers only when the model is one
+
+        if getattr(model, "loss_type", None) not in ("ForImageClassification", "ForSequenceClassification") or \
+                model.loss_type not in LOSS_MAPPING or getattr(config, "problem_type", None) not in \
+                (None, "single_label_classification") or getattr(config, "num_labels", 0) < 2:
+            return None  # regression, multi-label and the other heads keep their own loss
+        loss = LOSS_MAPPING[model.loss_type]
+        return lambda logits, labels: loss(labels, logits, config)
+    return fn if callable(fn) else None
+
+
 def _onednn_unsafe(conv: nn.Conv2d) -> bool:
     """A 1x1 convolution with stride > 1 and fewer than 16 input channels corrupted the heap in oneDNN's
     channels_last backward here (a oneDNN bug, #6035 in its tracker): such a weight stays contiguous."""
@@ -69,11 +90,12 @@ def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: in
                 regularizer: Callable[[nn.Module], torch.Tensor] | None = None,
                 before_step: Callable[[nn.Module], None] | None = None,
                 backward: Callable[[torch.Tensor], None] | None = None,
-                scheduler=None, after_step: Callable[[int], None] | None = None) -> dict:
+                scheduler=None, after_step: Callable[[int], None] | None = None, last_batch: str = "merge") -> dict:
     """Run local steps; `epochs` passes over the data, or exactly `max_steps` steps if given.
 
     With several optimizers (a list, with one loss function each), every step runs the stages in order on the
-    same batch; ``train_loss`` is the last stage's loss. ``regularizer`` and ``before_step`` act on every stage."""
+    same batch; ``train_loss`` is the last stage's loss. ``regularizer`` and ``before_step`` act on every stage.
+    ``last_batch``: what becomes of a trailing partial batch (:func:`~hfpfl.training.batch_bounds`)."""
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     loss_fns = list(loss_fn) if isinstance(loss_fn, (list, tuple)) else [loss_fn]
     if len(optimizers) != len(loss_fns):
@@ -84,7 +106,7 @@ def train_local(model: nn.Module, data: TensorData, optimizer, *, batch_size: in
     # step would wait for the device every step
     on_device = torch.device(device).type != "cpu"
     while True:
-        for batch in iterate_batches(data, batch_size, shuffle=True, generator=generator):
+        for batch in iterate_batches(data, batch_size, shuffle=True, generator=generator, last=last_batch):
             batch = {k: v.to(device) for k, v in batch.items()}
             for opt, fn in zip(optimizers, loss_fns):
                 opt.zero_grad(set_to_none=True)

@@ -50,7 +50,7 @@ def evaluate(model: nn.Module, data: TensorData, *, batch_size: int = 256, devic
         model.eval()
     metric = metric or Metric()
     metric.reset()
-    for batch in iterate_batches(data, batch_size, shuffle=False, merge_small_last=False):
+    for batch in iterate_batches(data, batch_size, shuffle=False, last="keep"):
         batch = {k: v.to(device) for k, v in batch.items()}
         metric.update(model(**model_inputs(batch)).logits, batch)
     if was_training:

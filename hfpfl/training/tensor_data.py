@@ -162,29 +162,37 @@ def _arrow_columns(ds, columns) -> dict | None:
 MIN_TRAIN_BATCH = 8
 
 
-def batch_bounds(n: int, batch_size: int, merge_small_last: bool = True) -> list[tuple[int, int]]:
-    """(start, end) of every batch over ``n`` items. With ``merge_small_last`` a trailing batch of fewer than
-    ``min(MIN_TRAIN_BATCH, batch_size)`` items joins the previous one (training: BatchNorm cannot learn from a handful of
-    images); evaluation keeps every batch as it is. The single rule behind :func:`iterate_batches`, the vectorized
+LAST_BATCH = ("merge", "keep", "drop")
+
+
+def batch_bounds(n: int, batch_size: int, last: str = "merge") -> list[tuple[int, int]]:
+    """(start, end) of every batch over ``n`` items; ``last`` says what becomes of a trailing partial batch:
+    ``"merge"``: one of fewer than ``min(MIN_TRAIN_BATCH, batch_size)`` items joins the previous batch (training:
+    BatchNorm cannot learn from a handful of images); ``"keep"``: it is a step of its own (PyTorch's DataLoader,
+    pfl-research; evaluation); ``"drop"``: it is left out (``drop_last=True``) unless it is the client's only batch,
+    so a client smaller than a batch still trains. The single rule behind :func:`iterate_batches`, the vectorized
     engine's schedules and FedDAT's step counts."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if last not in LAST_BATCH:
+        raise ValueError(f"last must be one of {LAST_BATCH}, got {last!r}")
     starts = list(range(0, n, batch_size))
+    partial = len(starts) > 1 and n - starts[-1] < batch_size
+    if last == "drop" and partial:
+        return [(s, s + batch_size) for s in starts[:-1]]
     # a full batch never merges: with --batch_size 4 or 5 every batch keeps the size the user asked for
-    if merge_small_last and len(starts) > 1 and n - starts[-1] < min(MIN_TRAIN_BATCH, batch_size):
+    if last == "merge" and len(starts) > 1 and n - starts[-1] < min(MIN_TRAIN_BATCH, batch_size):
         starts.pop()  # the last few samples join the previous batch
     return [(s, starts[i + 1] if i + 1 < len(starts) else n) for i, s in enumerate(starts)]
 
 
 def iterate_batches(data: TensorData, batch_size: int, *, shuffle: bool, generator: torch.Generator | None = None,
-                    merge_small_last: bool = True, drop_singleton: bool | None = None) -> Iterator[dict]:
-    """Yield dict batches. A trailing batch of fewer than ``min(MIN_TRAIN_BATCH, batch_size)`` samples is merged
-    into the previous one (``merge_small_last``; ``drop_singleton`` is its old name, kept for callers that pass it)."""
-    if drop_singleton is not None:
-        merge_small_last = drop_singleton
+                    last: str = "merge") -> Iterator[dict]:
+    """Yield dict batches in a (seeded) random or the stored order; ``last``: the trailing partial batch, as
+    :func:`batch_bounds`."""
     n = len(data)
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
-    for s, e in batch_bounds(n, batch_size, merge_small_last):
+    for s, e in batch_bounds(n, batch_size, last):
         yield data.select(order[s:e])
 
 

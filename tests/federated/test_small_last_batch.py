@@ -24,7 +24,7 @@ def test_batch_bounds_by_hand():
     # 290 = 9 x 32 + 2: the 2 join the ninth batch (34 images); evaluation keeps them apart
     b = batch_bounds(290, 32)
     assert len(b) == 9 and b[-1] == (256, 290) and b[:2] == [(0, 32), (32, 64)]
-    assert batch_bounds(290, 32, merge_small_last=False)[-1] == (288, 290)
+    assert batch_bounds(290, 32, "keep")[-1] == (288, 290)
     assert batch_bounds(41, 32) == [(0, 32), (32, 41)]  # 9 >= 8: a batch of its own
     assert batch_bounds(39, 32) == [(0, 39)]  # 7 < 8: merged
     assert batch_bounds(33, 32) == [(0, 33)]  # the old singleton rule is a special case
@@ -52,8 +52,7 @@ def test_every_path_uses_the_same_rule():
         assert sum(sizes) == n  # nothing dropped
     # evaluation sees every batch as it is (and every sample once)
     data = TensorData(torch.zeros(34, 1), torch.arange(34))
-    assert [len(b["labels"]) for b in iterate_batches(data, 16, shuffle=False, merge_small_last=False)] == [16, 16, 2]
-    assert [len(b["labels"]) for b in iterate_batches(data, 16, shuffle=False, drop_singleton=False)] == [16, 16, 2]
+    assert [len(b["labels"]) for b in iterate_batches(data, 16, shuffle=False, last="keep")] == [16, 16, 2]
 
 
 def test_train_local_never_steps_on_a_handful_of_images():
@@ -131,3 +130,72 @@ def test_central_pools_exactly_the_clients_train_sets_and_learns(skewed, tmp_pat
     fit = evaluate(model, TensorData(pooled["x"], pooled["y"]), device=sim.device)["accuracy"]
     assert fit >= 0.5, fit
     assert res["final"]["global_accuracy"] is not None
+
+
+# ------------------------------------------------------------------------------ --last_batch merge | keep | drop
+def test_last_batch_rules_by_hand():
+    # 131 images in batches of 10 (a 20-client MNIST client): 13 full batches and 1 image
+    assert batch_bounds(131, 10, "merge")[-1] == (120, 131) and len(batch_bounds(131, 10, "merge")) == 13
+    assert batch_bounds(131, 10, "keep")[-2:] == [(120, 130), (130, 131)] and len(batch_bounds(131, 10, "keep")) == 14
+    assert batch_bounds(131, 10, "drop")[-1] == (120, 130) and len(batch_bounds(131, 10, "drop")) == 13
+    # 7 images in batches of 5 (500 clients x 10 images): 5 + 2
+    assert batch_bounds(7, 5, "merge") == [(0, 7)]  # 2 < min(8, 5): one step of 7
+    assert batch_bounds(7, 5, "keep") == [(0, 5), (5, 7)]
+    assert batch_bounds(7, 5, "drop") == [(0, 5)]
+    # a client smaller than one batch trains on what it has under every rule
+    for last in ("merge", "keep", "drop"):
+        assert batch_bounds(3, 5, last) == [(0, 3)]
+        assert batch_bounds(20, 5, last) == [(0, 5), (5, 10), (10, 15), (15, 20)]  # nothing partial: all alike
+    with pytest.raises(ValueError, match="last"):
+        batch_bounds(10, 3, "skip")
+
+
+@pytest.mark.parametrize("last, sizes", [("merge", [16, 18]), ("keep", [16, 16, 2]), ("drop", [16, 16])])
+def test_train_local_and_the_vectorized_schedule_follow_last_batch(last, sizes):
+    from hfpfl.federated.vectorized import batch_schedule
+
+    seen = []
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 3)
+
+        def forward(self, pixel_values, labels=None):
+            seen.append(len(pixel_values))
+            logits = self.lin(pixel_values)
+            return type("Out", (), {"logits": logits, "loss": nn.functional.cross_entropy(logits, labels)})
+
+    m = Spy()
+    data = TensorData(torch.randn(34, 2), torch.arange(34) % 3)
+    out = train_local(m, data, torch.optim.SGD(m.parameters(), lr=0.1), batch_size=16, epochs=2,
+                      generator=torch.Generator().manual_seed(0), last_batch=last)
+    assert seen == sizes * 2 and out["steps"] == 2 * len(sizes) and out["examples"] == 2 * sum(sizes)
+    sched = batch_schedule(34, 16, epochs=2, max_steps=None, generator=torch.Generator().manual_seed(0), last=last)
+    assert [len(s) for s in sched] == sizes * 2
+
+
+def test_last_batch_reaches_both_engine_paths(small_digits, tmp_path):
+    """Two clients of 23 images in batches of 5 (4 full batches and 3 images): 4 steps each under merge (the 3 join
+    the fourth batch), 5 under keep, 4 of 5 images under drop; the sequential and the vectorized round take the
+    same steps and examples."""
+    from hfpfl.algorithms.fedavg import FedAvg
+    from hfpfl.config import RunArguments
+    from hfpfl.federated.engine import Simulation
+
+    data_args, fed = small_digits
+    fed = dataclasses.replace(fed, clients=[dataclasses.replace(c, train=c.train.select(range(23)))
+                                            for c in fed.clients[:2]], new_clients=[])
+    data_args = dataclasses.replace(data_args, num_clients=2)
+    want = {"merge": (4, 23), "keep": (5, 23), "drop": (4, 20)}
+    for last, (steps, examples) in want.items():
+        got = []
+        for vec in ("off", "on"):
+            run = RunArguments(method="fedavg", model="tiny-resnet", num_rounds=1, batch_size=5, last_batch=last,
+                               vectorize=vec, progress=False, checkpoint_every=0, overwrite_output_dir=True,
+                               output_dir=str(tmp_path / f"{last}-{vec}"))
+            sim = Simulation(run, data_args, FedAvg.Config(), fed_data=fed)
+            sim.setup()
+            _, metrics = sim.run_round(1, sim.server_state)
+            got.append((metrics["optimizer_steps"], metrics["examples_seen"]))
+        assert got[0] == got[1] == (steps * 2, examples * 2), (last, got)

@@ -614,9 +614,18 @@ def test_auto_vectorizes_mid_size_models_only_where_the_chunk_shape_pays(ragged,
     monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 3)
     sim.args = dataclasses.replace(sim.args, batch_size=32)
     assert not vectorized.should_vectorize(sim, clients)  # large batches are compute-bound: sequential
+    # on an accelerator the same shapes vectorize (launch-bound steps): large batches and a ragged round too
+    monkeypatch.setattr(sim, "device", torch.device("meta"))
+    assert vectorized.should_vectorize(sim, clients) and vectorized.should_vectorize(sim, clients, "test")
+    monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 4)
+    assert vectorized.should_vectorize(sim, clients)
+    assert not vectorized.should_vectorize(sim, [0]) and not vectorized.should_vectorize(sim)  # one client: no
+    monkeypatch.setattr(sim, "device", torch.device("cpu"))
     monkeypatch.setattr(policy, "AUTO_MID_MAX_PARAMS", 10)
     sim.args = dataclasses.replace(sim.args, batch_size=10)
     assert not vectorized.should_vectorize(sim, clients)  # too large a model
+    monkeypatch.setattr(sim, "device", torch.device("meta"))
+    assert not vectorized.should_vectorize(sim, clients)  # on an accelerator too
 
 
 def test_default_chunk_is_larger_on_an_accelerator_and_the_option_wins_on_both():

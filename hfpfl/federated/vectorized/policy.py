@@ -22,6 +22,9 @@ AUTO_MID_MAX_PARAMS = 1_000_000
 AUTO_MID_MAX_BATCH = 16
 AUTO_MID_MIN_GROUP = 12
 AUTO_MID_MIN_FILL = 0.7
+# on an accelerator a step is launch-bound, not compute-bound, at these sizes: PFLlib's CNN on one H200, 20 Dir(0.1)
+# clients at batch 10: vectorized 0.57-0.58 s per round vs sequential 1.16-1.25 s; 500 clients x 10 images at batch
+# 5: 0.38-0.41 s vs 4.17 s. So there every mid-size model vectorizes whenever at least two clients train together.
 
 
 def vectorize_reason(sim) -> str | None:
@@ -66,6 +69,8 @@ def should_vectorize(sim, clients: list[int] | None = None, split: str = "train"
         return True
     if n > AUTO_MID_MAX_PARAMS or not clients or len(clients) < 2:
         return False
+    if sim.device.type != "cpu":
+        return True
     if split == "train":
         hp = sim.args
         if hp.batch_size > AUTO_MID_MAX_BATCH:

@@ -7,12 +7,12 @@ from ...training import batch_bounds
 
 
 def batch_schedule(n: int, batch_size: int, epochs: int, max_steps: int | None,
-                   generator: torch.Generator) -> list[torch.Tensor]:
+                   generator: torch.Generator, last: str = "merge") -> list[torch.Tensor]:
     """The index batches :func:`hfpfl.training.train_local` would draw, in order (same generator calls)."""
     out = []
     while True:
         order = torch.randperm(n, generator=generator)
-        for s, e in batch_bounds(n, batch_size):
+        for s, e in batch_bounds(n, batch_size, last):
             out.append(order[s:e])
             if max_steps is not None and len(out) >= max_steps:
                 return out
@@ -21,11 +21,12 @@ def batch_schedule(n: int, batch_size: int, epochs: int, max_steps: int | None,
             return out
 
 
-def schedule_spans(n: int, batch_size: int, epochs: int, max_steps: int | None) -> tuple[int, list[tuple[int, int]]]:
+def schedule_spans(n: int, batch_size: int, epochs: int, max_steps: int | None,
+                   last: str = "merge") -> tuple[int, list[tuple[int, int]]]:
     """:func:`batch_schedule` without drawing: ``(draws, spans)``, where the schedule's ``randperm(n)`` draws,
     concatenated, hold batch ``j`` at ``[start, start + size)`` for ``(start, size) = spans[j]`` (the same loop,
     so the same number of draws from the generator)."""
-    bounds = batch_bounds(n, batch_size)
+    bounds = batch_bounds(n, batch_size, last)
     spans, draws = [], 0
     while True:
         off = draws * n
@@ -45,13 +46,14 @@ class BatchSchedules:
     ``[clients, draws * n]``: a step's group of clients gets its batches with one indexing call instead of one
     slice per client."""
 
-    def __init__(self, sizes: list[int], seeds: list[int], batch_size: int, epochs: int, max_steps: int | None):
+    def __init__(self, sizes: list[int], seeds: list[int], batch_size: int, epochs: int, max_steps: int | None,
+                 last: str = "merge"):
         by_n: dict[int, tuple[int, list]] = {}
         gen = torch.Generator()  # re-seeded per client: the draws of a fresh generator seeded the same
         flats = []
         for n, seed in zip(sizes, seeds):
             if n not in by_n:
-                by_n[n] = schedule_spans(n, batch_size, epochs, max_steps)
+                by_n[n] = schedule_spans(n, batch_size, epochs, max_steps, last)
             draws = by_n[n][0]
             gen.manual_seed(seed)
             flats.append(torch.randperm(n, generator=gen) if draws == 1 else
