@@ -141,7 +141,7 @@ TARGETS: dict[str, Target] = {
                             functions=["x_register", "x_tuner_class", "xǁTunerǁ*", "xǁFedPopǁafter_*",
                                        "xǁFedExǁinit_member", "xǁFedExǁafter_member_round", "xǁSHAStagesǁcheck_budget",
                                        "xǁSHAStagesǁsha_schedule", "xǁSuccessiveHalvingǁ_run_sha",
-                                       "xǁSHAWrapperǁconfiguration_rounds", "xǁValidationScorerǁ*", "x__attach"]),
+                                       "xǁSHAWrapperǁconfiguration_rounds", "xǁValidationScorerǁ*"]),
     # the final pick and what a run writes (val loss over all clients, Loc(beta^0) fine-tuning, results, plots)
     "fedpop_results": Target(["hfpfl/tuning/results.py", "hfpfl/tuning/fedex.py"],
                              ["tests/tuning/test_fedpop_results_pins.py"],

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from datasets import concatenate_datasets
+from datasets import ClassLabel, concatenate_datasets
 
 from .build import _finish, _split
 from .federated import ClientData, FederatedData
@@ -39,8 +39,9 @@ from .transforms import DEGRADATIONS, add_input_noise, color_jitter_fixed, degra
 def _client(i, ds, domain, image_size, num_channels, test_fraction, seed, post=None):
     cd = to_model_inputs(ds, image_size, num_channels)
     cd = (post(cd) if post else cd).with_format(None)
-    train, test = _split(cd, test_fraction, seed * 100003 + i)
-    return ClientData(client_id=i, train=_finish(train), test=_finish(test), domain=domain)
+    labels = np.asarray(cd.with_format("numpy")["labels"])
+    train, test = _split(labels, test_fraction, seed * 100003 + i, isinstance(cd.features["labels"], ClassLabel))
+    return ClientData(client_id=i, train=_finish(cd.select(train)), test=_finish(cd.select(test)), domain=domain)
 
 
 def _assemble(collab, new, global_test, label_feat, image_size, num_channels, public=None) -> FederatedData:

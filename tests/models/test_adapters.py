@@ -343,8 +343,12 @@ def test_bad_inputs(tmp_path):
         get_adapter_model(tiny_resnet(), ResidualAdapterConfig(target_modules=["nonexistent"]))
     with pytest.raises(ValueError, match="not conv units"):
         get_adapter_model(tiny_resnet(), ResidualAdapterConfig(target_modules=["pooler"]))
-    with pytest.raises(ValueError, match="1x1|odd square"):
+    with pytest.raises(ValueError, match="shortcut/downsample unit"):  # refused before its 1x1 kernel is looked at
         get_adapter_model(tiny_resnet(), ParallelAdapterConfig(target_modules=["resnet.encoder.stages.1.layers.0.shortcut"]))
+    bottleneck = ResNetForImageClassification(ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[16],
+                                                           depths=[1], layer_type="bottleneck", num_labels=3))
+    with pytest.raises(ValueError, match="odd square"):  # a bottleneck's 1x1 reduction has no kernel centre to pair
+        get_adapter_model(bottleneck, ParallelAdapterConfig(target_modules=["resnet.encoder.stages.0.layers.0.layer.0"]))
     with pytest.raises(ValueError, match="dropout"):
         ResidualAdapterConfig(dropout=1.5)
     with pytest.raises(ValueError, match="init_std"):
