@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +28,10 @@ from .distributed import Ownership, barrier
 from .evaluation import Evaluator
 from .protocol import Algorithm, Update
 from .registry import get_algorithm
+from .roles import FrozenCheck, assign_roles
 from .rounds import RoundRunner
-from .state import FROZEN, GLOBAL, PRIVATE, ClientStateStore, snapshot
+from .splits import SplitCache
+from .state import FROZEN, PRIVATE, ClientStateStore, snapshot
 
 logger = logging.getLogger("hfpfl")
 
@@ -103,10 +104,9 @@ class Simulation:
         #: of it): what the run header says
         self.model_is_default = self.model is self._default_model
         self.model_state = self.model.state_dict()  # entries share storage with the model: swap by copy_
-        self.keys_by_role = self._assign_roles()
+        self.keys_by_role = assign_roles(self.model, self.model_state, self.algorithm)
         self.initial_private = snapshot(self.model_state, self.keys_by_role[PRIVATE])
-        self._frozen_buffers = self._frozen_buffer_keys()
-        self._frozen_reference = snapshot(self.model_state, self._frozen_buffers)
+        self.frozen = FrozenCheck(self.model, self.model_state, self.keys_by_role[FROZEN], self.algorithm)
         cap = getattr(run_args, "max_state_mb", 0)
         self.store = ClientStateStore(max_bytes=int(cap * 2**20) if cap else None,
                                       spill_dir=self.output_dir / "client_states" /
@@ -114,10 +114,7 @@ class Simulation:
         self.ledger = CommLedger()
         self.history: list[dict] = []
         self.round_seconds = 0.0              # how long the last round took, its evaluation included
-        # the data cache, keyed by the split object: clients that share a split (the same Dataset) share one
-        # converted copy; each entry keeps its split alive so its id cannot be reused while the entry exists
-        self._tensors: OrderedDict[int, tuple[object, TensorData]] = OrderedDict()  # least recently used first
-        self._tensor_bytes = 0
+        self.splits = SplitCache(getattr(run_args, "data_cache_mb", 0))
         self._load_memo: dict | None = None   # set while evaluating: skips re-loading unchanged tensors
         self._elapsed_before = 0.0
         self.round = 0                        # the last completed round
@@ -171,60 +168,9 @@ class Simulation:
                 num_channels=self.data.num_channels, lora_r=self.args.lora_r)
         return self._default_model
 
-    def _assign_roles(self) -> dict[str, list[str]]:
-        """Default roles: trainable params -> global, frozen params -> frozen; a buffer follows its module
-        (buffers of frozen modules, e.g. BN statistics of a frozen backbone, drift locally: private)."""
-        params = dict(self.model.named_parameters())
-        modules = dict(self.model.named_modules())
-        roles = {GLOBAL: [], PRIVATE: [], FROZEN: []}
-        for key in self.model_state:
-            if key in params:
-                default = GLOBAL if params[key].requires_grad else FROZEN
-            else:
-                module = modules.get(key.rsplit(".", 1)[0] if "." in key else "")
-                own = list(module.parameters(recurse=False)) if module is not None else []
-                if not own:
-                    default = FROZEN
-                else:
-                    default = GLOBAL if any(p.requires_grad for p in own) else PRIVATE
-            role = self.algorithm.key_role(key, default)
-            if role not in roles:
-                raise ValueError(f"{type(self.algorithm).__name__}.key_role returned {role!r} for {key!r}")
-            roles[role].append(key)
-        for key in roles[FROZEN]:
-            if key in params:
-                params[key].requires_grad_(False)
-        return roles
-
-    def _frozen_buffer_keys(self) -> list[str]:
-        """Frozen keys that training could still change (floating buffers such as BN running statistics)."""
-        params = dict(self.model.named_parameters())
-        return [k for k in self.keys_by_role[FROZEN] if k not in params and torch.is_floating_point(self.model_state[k])]
-
-    def _check_frozen(self, where: str) -> None:
-        for k in self._frozen_buffers:
-            if not torch.equal(self.model_state[k].cpu(), self._frozen_reference[k]):
-                raise ValueError(f"{where}: {k!r} has role 'frozen' but changed during training (statistics that "
-                                 f"change are state): {type(self.algorithm).__name__}.key_role must make it 'private' "
-                                 "or 'global', or keep its module in eval mode")
-
     # ------------------------------------------------------------------ data, seeds, hyperparameters
     def _tensor_data(self, ds) -> TensorData:
-        """A split's tensors, cached (images as uint8) under an LRU cap of ``--data_cache_mb``, once per split
-        object: ``TensorData.from_dataset`` depends on the split alone, so clients built on the same Dataset (10,000
-        clients over 1,000 distinct splits) read one copy instead of one each (scripts/bench_scale_memory.py)."""
-        hit = self._tensors.get(id(ds))
-        if hit is not None:
-            self._tensors.move_to_end(id(ds))
-            return hit[1]
-        t = TensorData.from_dataset(ds)
-        self._tensors[id(ds)] = (ds, t)
-        self._tensor_bytes += t.nbytes()
-        cap = getattr(self.args, "data_cache_mb", 0) * 2**20
-        while cap and self._tensor_bytes > cap and len(self._tensors) > 1:
-            _, (_, old) = self._tensors.popitem(last=False)
-            self._tensor_bytes -= old.nbytes()
-        return t
+        return self.splits.tensors(ds)
 
     def seed_torch(self, seed: int) -> None:
         """``torch.manual_seed`` for this process's device. On the CPU only the CPU generator is seeded: the

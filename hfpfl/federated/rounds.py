@@ -66,7 +66,7 @@ class RoundRunner:
     def finish_chunk(self, ups, downs: dict, round_idx: int) -> list[Update]:
         """:meth:`finish_update` for a vectorized chunk: the frozen check once (the model does not change between
         its clients), bytes down counted once per download structure, bytes up from the chunk."""
-        self.sim._check_frozen(f"round {round_idx}, clients {ups[0].client_id}-{ups[-1].client_id}")
+        self.sim.frozen.check(f"round {round_idx}, clients {ups[0].client_id}-{ups[-1].client_id}")
         down_bytes: dict = {}
         same_download = vectorized.same_download_for_all(downs)
         for i, upd in enumerate(ups):
@@ -110,7 +110,7 @@ class RoundRunner:
             upd.private = {}
         if self.sim.keys_by_role[PRIVATE] and MODEL not in upd.private:
             upd.private[MODEL] = snapshot(self.sim.model_state, self.sim.keys_by_role[PRIVATE])
-        self.sim._check_frozen(f"round {round_idx}, client {cid}")
+        self.sim.frozen.check(f"round {round_idx}, client {cid}")
         if not getattr(upd, "finite", False):  # vectorized chunks checked every client at once
             self.check_finite(upd, round_idx)
         self.sim.store.put(cid, upd.private)

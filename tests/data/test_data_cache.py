@@ -32,10 +32,10 @@ def test_clients_sharing_a_split_share_one_cached_copy(shared, tmp_path):
         sim.train_data(cid), sim.test_data(cid)
     assert sim.train_data(0) is sim.train_data(2) is sim.train_data(4)
     assert sim.train_data(1) is not sim.train_data(0)
-    assert len(sim._tensors) == 4  # 2 train + 2 test splits, not 6 clients x 2
+    assert len(sim.splits.entries) == 4  # 2 train + 2 test splits, not 6 clients x 2
     # by hand: 3x16x16 uint8 pixels (768 B) + an int64 label (8 B) per image, each split counted once
     images = sum(len(fed.clients[i].train) + len(fed.clients[i].test) for i in range(2))
-    assert sim._tensor_bytes == images * (3 * 16 * 16 + 8)
+    assert sim.splits.bytes == images * (3 * 16 * 16 + 8)
 
 
 def test_sharing_a_split_changes_no_number(shared, tmp_path):
@@ -47,7 +47,7 @@ def test_sharing_a_split_changes_no_number(shared, tmp_path):
     own = (data_args, dataclasses.replace(fed, clients=copies))
     a, b = _sim(shared, tmp_path, "a"), _sim(own, tmp_path, "b")
     ra, rb = a.run(), b.run()
-    assert len(a._tensors) < len(b._tensors)
+    assert len(a.splits.entries) < len(b.splits.entries)
     assert a.history == b.history
     assert ra["per_client_accuracy"] == rb["per_client_accuracy"] and len(ra["per_client_accuracy"]) == 6
     for cid in range(6):  # every client's personal adapter, bit for bit

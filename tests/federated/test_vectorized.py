@@ -393,8 +393,8 @@ def test_uint8_storage_is_exact_and_quarter_size(small_digits):
 
 def test_data_cache_is_capped_lru(ragged, tmp_path):
     sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "off", num_rounds=1, data_cache_mb=0.05)  # ~50 kB: 2-3 splits
-    assert sim._tensor_bytes <= 0.05 * 2**20 or len(sim._tensors) == 1
-    assert len(sim._tensors) < 8  # 4 clients x (train, test) + global test would be 9
+    assert sim.splits.bytes <= 0.05 * 2**20 or len(sim.splits.entries) == 1
+    assert len(sim.splits.entries) < 8  # 4 clients x (train, test) + global test would be 9
     again = sim.train_data(0)
     assert torch.equal(again.pixel_values, TensorData.from_dataset(sim.client(0).train).pixel_values)
 
