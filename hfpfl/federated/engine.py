@@ -44,6 +44,13 @@ _NOT_FINGERPRINTED = {"output_dir", "overwrite_output_dir", "resume_from_checkpo
 class Simulation:
     """Runs one federated experiment. ``Simulation(run_args, data_args).run()`` -> results dict.
 
+    It builds the data, the method (``self.algorithm``) and its one model, assigns each state key a role
+    (:mod:`.roles`), and orchestrates: ``setup()`` (fresh or resumed), ``step()`` per round (clients sampled, their
+    updates run by :class:`~.rounds.RoundRunner`, sequentially or vectorized as the method declares, evaluation by
+    :class:`~.evaluation.Evaluator`, the callbacks), ``finish()``. The method reads the run only through its
+    :class:`~.context.MethodContext` (``self.ctx``); client data through :class:`~.splits.SplitCache`, client
+    states through :class:`~.state.ClientStateStore`, seeds through :mod:`.seeding`.
+
     ``fed_data`` may be passed in (already built) to share it between simulations (FedPop, benchmarks).
     ``keep_uploads=True`` keeps the last round's uploads in ``last_updates`` (tests, debugging); by default uploads
     are folded into running sums as they arrive and dropped (O(model) memory for any number of clients).

@@ -60,7 +60,26 @@ class Update:
 
 
 class Algorithm:
-    """Base class = FedAvg semantics (with the FedOpt server optimizer); methods override only what differs."""
+    """Base class = FedAvg semantics (with the FedOpt server optimizer); methods override only what differs.
+
+    The interface, by moment (every member has FedAvg's default; ``docs/how-to/writing-a-method.md``):
+
+    ===================  ==============================================================================================
+    declarations         ``name``, ``Config``, ``aggregation``, ``local_update``, ``personal_model``, ``one_shot``,
+                         ``has_global_model``, ``on_non_finite``, ``uses_server_hparams``, ``uses_client_hparams``
+    the model            ``build_model``, ``key_role`` (global / private / frozen), ``metric``, ``trainable_parameters``
+    start                ``init_server_state``, ``init_private_state``
+    server -> client     ``download``, ``client_hparams``
+    on the client        ``client_update`` = ``load_client`` -> ``local_train`` with ``local_hooks`` (``regularizer``)
+    client -> server     ``receive``, then ``aggregation_weights`` + ``accumulate`` + ``reduce`` ("mean", "stream")
+                         or ``aggregate`` ("gather")
+    evaluation           ``load_global``, ``load_personal``, ``extra_metrics``
+    new clients          ``new_client_keys``, ``personalize_new_client``
+    checkpoints          ``state_dict``, ``load_state_dict`` (the method's own server-side state)
+    ===================  ==============================================================================================
+
+    Helpers a method calls, not overrides: ``model``, ``global_keys``, ``private_keys``, ``bind_hooks``,
+    ``vectorizable``; everything else of the run is reached through ``self.ctx`` (:class:`MethodContext`)."""
 
     name: ClassVar[str] = "base"
     Config: ClassVar[type] = NoConfig

@@ -95,6 +95,13 @@ def test_readme_command_runs_as_written(command, tmp_path):
         _check_help([exe, *words[1:2], "--help"] if tool == "ruff" else [exe, "--help"],
                     [w for w in words[2:] if w.startswith("-")])
         return
+    if tool == "pip":  # installing an extra: pip's options, and the extra declared in pyproject.toml
+        import tomllib
+        _check_help([sys.executable, "-m", "pip", "install", "--help"], [w for w in words[2:] if w.startswith("-")])
+        extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        named = [m.group(1) for w in words[2:] if (m := re.fullmatch(r"\.\[(.+)\]", w))]
+        assert named and all(set(n.split(",")) <= set(extras) for n in named), command
+        return
     if tool == "hfpfl":
         out = subprocess.run([sys.executable, "-m", "hfpfl.cli", *words[1:]], cwd=ROOT, env=ENV, capture_output=True,
                              text=True, timeout=300)
