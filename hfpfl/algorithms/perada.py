@@ -230,26 +230,32 @@ class PerAda(Algorithm):
 
 
 # ---------------------------------------------------------------------- corruption robustness (CIFAR-10-C style)
+def corrupted_copy(clean: TensorData, kind: str, severity: int, seed: int, num_labels: int, image_size: int,
+                   num_channels: int) -> TensorData:
+    """``clean`` model inputs corrupted: pixels back to images, :func:`hfpfl.data.degrade` (``kind``, ``severity``,
+    ``seed``), back to model inputs."""
+    from datasets import ClassLabel, Dataset, Features, Image
+    from PIL import Image as PILImage
+
+    from ..data import degrade, to_model_inputs
+
+    arr = ((clean.pixel_values * 0.5 + 0.5) * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+    mode = "RGB" if arr.shape[-1] == 3 else "L"
+    images = [PILImage.fromarray(a.numpy() if mode == "RGB" else a[..., 0].numpy(), mode=mode) for a in arr]
+    ds = Dataset.from_dict({"image": images, "label": clean.labels.tolist()},
+                           features=Features({"image": Image(), "label": ClassLabel(num_classes=num_labels)}))
+    ds = degrade(ds, kind, severity, seed=seed)
+    return TensorData.from_dataset(to_model_inputs(ds, image_size=image_size, num_channels=num_channels))
+
+
 def corrupted_test_data(sim, client_id: int, kind: str, severity: int) -> TensorData:
-    """A corrupted copy of client ``client_id``'s test split: pixels back to images, :func:`hfpfl.data.degrade`
-    (``kind``, ``severity``; seeded by the run seed and the client), back to model inputs. Cached per simulation."""
+    """A corrupted copy of client ``client_id``'s test split (:func:`corrupted_copy`, seeded by the run seed and the
+    client). Cached per simulation."""
     cache = sim.cache("corrupted_test_data")
     key = (client_id, kind, severity)
     if key not in cache:
-        from datasets import ClassLabel, Dataset, Features, Image
-
-        from ..data import degrade, to_model_inputs
-        from PIL import Image as PILImage
-
-        clean = sim.test_data(client_id)
-        arr = ((clean.pixel_values * 0.5 + 0.5) * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-        mode = "RGB" if arr.shape[-1] == 3 else "L"
-        images = [PILImage.fromarray(a.numpy() if mode == "RGB" else a[..., 0].numpy(), mode=mode) for a in arr]
-        ds = Dataset.from_dict({"image": images, "label": clean.labels.tolist()},
-                               features=Features({"image": Image(), "label": ClassLabel(num_classes=sim.data.num_labels)}))
-        ds = degrade(ds, kind, severity, seed=sim.run.seed * 1000 + client_id)
-        ds = to_model_inputs(ds, image_size=sim.data.image_size, num_channels=sim.data.num_channels)
-        cache[key] = TensorData.from_dataset(ds)
+        cache[key] = corrupted_copy(sim.test_data(client_id), kind, severity, sim.run.seed * 1000 + client_id,
+                                    sim.data.num_labels, sim.data.image_size, sim.data.num_channels)
     return cache[key]
 
 
@@ -272,3 +278,26 @@ def corrupted_personal_accuracy(algo: Algorithm, round_idx: int, server_state, s
     return {"personal_accuracy_corrupted": float(np.mean(accs)),
             "personal_accuracy_corrupted_std": float(np.std(accs)),
             "personal_accuracy_corrupted_per_client": {str(c): float(a) for c, a in rows}}
+
+
+def generalization_accuracy(sim, severity: int = 3) -> dict:
+    """PerAda's generalization protocol (Sec. 5, Table 1): every client's personal model on the *union* of all
+    clients' test sets, and on the *global* test split under every corruption of :data:`hfpfl.data.DEGRADATIONS`
+    at ``severity`` (CIFAR-10-C's role: the same corruptions for every model; seeded by the run seed), each the mean
+    over clients. ``sim`` is the finished :class:`~hfpfl.federated.engine.Simulation` (its final round and state)."""
+    from ..data import DEGRADATIONS
+
+    n = sim.num_clients
+    union = TensorData(torch.cat([sim.test_data(c).pixel_values for c in range(n)]),
+                       torch.cat([sim.test_data(c).labels for c in range(n)]))
+    glob = sim.global_test_data()
+    shape = (sim.data.num_labels, sim.data.image_size, sim.data.num_channels)
+    corrupted = [corrupted_copy(glob, kind, severity, sim.args.seed * 1000 + 999, *shape) for kind in DEGRADATIONS]
+    rows = []
+    for cid, model in sim.evaluator.personal_models(sim.ctx.owned(range(n)), sim.server_state, sim.round):
+        def acc(data):
+            return evaluate(model, data, batch_size=sim.args.eval_batch_size, device=sim.device)["accuracy"]
+        rows.append((cid, acc(union), float(np.mean([acc(d) for d in corrupted]))))
+    rows = sorted(sim.ctx.gather(rows))
+    return {"personal_accuracy_union": float(np.mean([u for _, u, _ in rows])),
+            "personal_accuracy_global_corrupted": float(np.mean([g for _, _, g in rows]))}
