@@ -55,26 +55,6 @@ def test_every_path_uses_the_same_rule():
     assert [len(b["labels"]) for b in iterate_batches(data, 16, shuffle=False, last="keep")] == [16, 16, 2]
 
 
-def test_train_local_never_steps_on_a_handful_of_images():
-    seen = []
-
-    class Spy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 3)
-
-        def forward(self, pixel_values, labels=None):
-            seen.append(len(pixel_values))
-            logits = self.lin(pixel_values)
-            return type("Out", (), {"logits": logits, "loss": nn.functional.cross_entropy(logits, labels)})
-
-    m = Spy()
-    data = TensorData(torch.randn(34, 2), torch.arange(34) % 3)
-    out = train_local(m, data, torch.optim.SGD(m.parameters(), lr=0.1), batch_size=16, epochs=2,
-                      generator=torch.Generator().manual_seed(0))
-    assert seen == [16, 18, 16, 18] and out["steps"] == 4  # the old loop stepped on [16, 16, 2] each epoch
-
-
 # ------------------------------------------------------------------------------ Central under a Dirichlet skew
 @pytest.fixture(scope="module")
 def skewed():
@@ -152,6 +132,8 @@ def test_last_batch_rules_by_hand():
 
 @pytest.mark.parametrize("last, sizes", [("merge", [16, 18]), ("keep", [16, 16, 2]), ("drop", [16, 16])])
 def test_train_local_and_the_vectorized_schedule_follow_last_batch(last, sizes):
+    """34 images in batches of 16, two epochs: merge never steps on a handful of images (the default; the old loop
+    stepped on [16, 16, 2] each epoch), keep does, drop leaves the 2 out."""
     from hfpfl.federated.vectorized import batch_schedule
 
     seen = []
