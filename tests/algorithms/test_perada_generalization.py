@@ -30,7 +30,7 @@ def _split(labels):
     return TensorData(torch.zeros(len(labels), 1, 8, 8), torch.tensor(labels))
 
 
-def test_union_and_corrupted_global_accuracy_by_hand():
+def test_union_and_corrupted_global_accuracy_by_hand(monkeypatch):
     tests = {0: _split([0, 0, 1]), 1: _split([1, 2, 2, 2])}       # union: labels 0,0,1,1,2,2,2 (7 images)
     glob = _split([0, 1, 1, 1, 2])                                   # global: 1 x 0, 3 x 1, 1 x 2
     models = {0: Always(0), 1: Always(2)}
@@ -46,7 +46,13 @@ def test_union_and_corrupted_global_accuracy_by_hand():
                                                                                                eval_batch_size=4),
         device=torch.device("cpu"), evaluator=SimpleNamespace(personal_models=personal_models),
         ctx=SimpleNamespace(owned=lambda ids: list(ids), gather=lambda rows: rows))
+    from hfpfl.algorithms import perada
+    real, made = perada.corrupted_copy, []
+    monkeypatch.setattr(perada, "corrupted_copy", lambda *a: made.append(a[1:]) or real(*a))
+    sim.args.seed = 4
     got = generalization_accuracy(sim)
+    # the global split under every corruption hfpfl has, severity 3, one seed for every model: 4 * 1000 + 999
+    assert made == [(kind, 3, 4999, 3, 8, 1) for kind in ("noise", "color", "rotation")]
     # union: client 0 (always 0) is right on 2 of 7, client 1 (always 2) on 3 of 7
     assert got["personal_accuracy_union"] == pytest.approx((2 / 7 + 3 / 7) / 2)
     # corrupted global, every corruption alike for a constant model: 1 of 5 for each client
