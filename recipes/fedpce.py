@@ -13,7 +13,8 @@ resolved config and plots go to --output_dir; fedpce also writes embeddings_pca.
 from dataclasses import dataclass
 
 from hfpfl.cli import run_recipe
-from hfpfl.options import at_least, option
+from hfpfl.data.benchmarks import GROUPS
+from hfpfl.options import Check, at_least, option
 
 # the setting of the FedPCE study (hfpfl/experiments/studies/fedpce_degradation.py): a few minutes on 2 CPU cores
 DEFAULTS = dict(dataset="mnist", degradations="noise,color,rotation", num_clients=12, num_new_clients=3,
@@ -40,28 +41,38 @@ class BenchmarkOptions:
                                   "degradation group (new_<group>_accuracy), before adaptation (new_start_accuracy) "
                                   "and, for fedpce, the embeddings' silhouette by group (embedding_silhouette): the "
                                   "columns of the paper's Table 2 and Fig. 3-4.", check=at_least(1))
+    groups: str | None = option(None, "--benchmark degradation: the client groups, comma-separated, from noise, "
+                                "color, rotation, imbalance (the paper's: noise,color,imbalance; imbalance needs an "
+                                "even number of clients per group); default: --degradations.",
+                                check=Check(lambda v: all(g.strip() in GROUPS for g in str(v).split(",")),
+                                            "comma-separated groups from " + ", ".join(GROUPS)))
+    new_client_test_size: int | None = option(None, "Each held-out client tests on this many images of the source's "
+                                              "test split through its own degradation (the paper's 20-percent fold "
+                                              "holds about 400; use >= 100); default: a quarter of its own images.",
+                                              check=at_least(1))
 
 
 RECIPE_OPTIONS = BenchmarkOptions  # this recipe's own options (docs/reference/options.md lists them)
 
 
 def benchmark_data(run, data, opts: BenchmarkOptions):
-    return build_data(data, run.seed, opts.benchmark, opts.new_client_budget, opts.held_out_domain, opts.levels)
+    return build_data(data, run.seed, opts.benchmark, opts.new_client_budget, opts.held_out_domain, opts.levels,
+                      opts.groups, opts.new_client_test_size)
 
 
-def build_data(data, seed, benchmark, budget, held_out, levels="paper"):
+def build_data(data, seed, benchmark, budget, held_out, levels="paper", groups=None, new_client_test_size=None):
     from hfpfl.data.benchmarks import degradation_benchmark, leave_one_domain_out, with_new_client_budget
     if benchmark == "lodo":
         fed = leave_one_domain_out(held_out, clients_per_domain=data.num_clients, max_per_domain=data.max_per_domain,
                                    image_size=data.image_size, num_channels=data.num_channels, seed=seed)
     else:
-        groups = [g.strip() for g in (data.degradations or "noise,color,rotation").split(",") if g.strip()]
+        groups = [g.strip() for g in (groups or data.degradations or "noise,color,rotation").split(",") if g.strip()]
         if data.num_clients % len(groups) or data.num_new_clients % len(groups):
             raise ValueError(f"--num_clients and --num_new_clients must be multiples of the {len(groups)} groups")
         fed = degradation_benchmark(data.dataset, groups, data.num_clients // len(groups),
                                     data.num_new_clients // len(groups), max_per_domain=data.max_per_domain,
                                     image_size=data.image_size, num_channels=data.num_channels, seed=seed,
-                                    levels=levels)
+                                    levels=levels, new_client_test_size=new_client_test_size)
     return with_new_client_budget(fed, budget, seed=seed)
 
 

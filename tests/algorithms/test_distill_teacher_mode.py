@@ -152,10 +152,13 @@ def test_train_teachers_dropout_is_active_and_drawn_from_the_runs_kd_seed():
     (round, -1, 'kd-teacher'): the same under any global RNG state, different under another seed."""
     from types import SimpleNamespace
 
+    asked = []
+
     def run(global_seed, kd_seed):
         model = _Dropped()
         sim = SimpleNamespace(model_state=model.state_dict(), run=SimpleNamespace(eval_batch_size=8), device="cpu",
-                              generator=lambda r, c, tag: torch.Generator().manual_seed(kd_seed))
+                              generator=lambda r, c, tag: asked.append((r, c, tag)) or
+                              torch.Generator().manual_seed(kd_seed))
         W = {"fc.weight": torch.eye(3, 2)}                 # logits = (x0', x1', 0): the dropped inputs themselves
         torch.manual_seed(global_seed)
         x = torch.ones(64, 2)
@@ -163,5 +166,6 @@ def test_train_teachers_dropout_is_active_and_drawn_from_the_runs_kd_seed():
 
     a, b, c = run(1, 0), run(2, 0), run(1, 7)
     assert torch.equal(a, b) and not torch.equal(a, c)
+    assert asked == [(1, -1, "kd-teacher")] * 3  # the server's stream of this round (client id -1), its own tag
     kept = a[:, :2]
     assert set(kept.unique().tolist()) == {0.0, 2.0}

@@ -35,6 +35,9 @@ BAD = [
     ("fedpce", ["--benchmark", "lodoo"], "--benchmark: invalid choice: 'lodoo'"),
     ("fedpce", ["--held_out_domain", "svhn"], "--held_out_domain"),
     ("fedpce", ["--levels", "strong"], "--levels: invalid choice"),
+    ("fedpce", ["--groups", "noise,blur"], "--groups must be comma-separated groups from noise, color, rotation, "
+                                           "imbalance"),
+    ("fedpce", ["--new_client_test_size", "0"], "--new_client_test_size must be >= 1"),
     ("feddat", ["--backbone", "clip"], "--backbone: invalid choice: 'clip'"),
     ("feddat", ["--vqa_split", "color"], "--vqa_split"),
     ("feddat", ["--train_per_client", "5"], "--train_per_client must be >= 20"),
@@ -370,3 +373,18 @@ def test_end_to_end_bad_value_one_line(script, argv, expected, tmp_path):
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], out.stderr[-2000:]
     assert not (tmp_path / "o").exists()
+
+
+def test_fedpce_recipe_builds_the_papers_groups_and_new_client_test_sets():
+    """--groups noise,color,imbalance and --new_client_test_size reach the benchmark: 4 clients and 2 new clients
+    per group, the new clients tested on 100 images each."""
+    from hfpfl.data import DataArguments
+
+    mod = recipe("fedpce")
+    data = DataArguments(dataset="mnist", num_clients=12, num_new_clients=6, max_per_domain=None, image_size=16,
+                         num_channels=1)
+    fed = mod.build_data(data, 0, "degradation", 5, "svhn", "paper", "noise,color,imbalance", 100)
+    assert len(fed.clients) == 12 and len(fed.new_clients) == 6
+    assert sorted({c.domain.split("-")[0] for c in fed.clients if c.domain}) == ["color", "imbalance", "noise"] or \
+        len({c.domain for c in fed.clients}) == 3
+    assert [len(c.test) for c in fed.new_clients] == [100] * 6
