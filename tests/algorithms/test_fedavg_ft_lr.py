@@ -8,7 +8,7 @@ throughout, so the validation loss (mean squared error) decides. Grid 0.01, 0.1,
 
     client 0, val = its train points ((1, 0) -> 1, (0, 2) -> 0):   1.5879, 0.3867, 0.8127  -> 0.1
     client 1, val = (1, 1) -> 0, (0, 1) -> 0:                       0.4005, 0.1893, 0.0053  -> 0.3
-    new client 2 (train DATA[2]), val = (0, 1) -> 0:                0.1924, 0.1816, 0.9304  -> 0.1
+    new client 2 (train DATA[2]), val = (1, 0) -> 0:                3.1109, 0.9371, 0.0444  -> 0.3
 """
 import pytest
 import torch
@@ -22,7 +22,7 @@ from hfpfl.federated.engine import Simulation
 from test_baseline_pins import DATA, FEDAVG1, LR, PIN, P, close, grads, state  # noqa: F401 (PIN registers the toys)
 
 GRID = "0.01,0.1,0.3"
-VAL = [DATA[0], ([[1.0, 1.0], [0.0, 1.0]], [0.0, 0.0]), ([[0.0, 1.0]], [0.0])]
+VAL = [DATA[0], ([[1.0, 1.0], [0.0, 1.0]], [0.0, 0.0]), ([[1.0, 0.0]], [0.0])]
 
 
 def _ds(xs, ys):
@@ -51,7 +51,7 @@ def _step(client, eta):
 
 def test_hand_values_of_the_docstring():
     """The validation MSEs written in the module docstring, from the toy's gradient formulas."""
-    for client, expected in ((0, (1.5879, 0.3867, 0.8127)), (1, (0.4005, 0.1893, 0.0053)), (2, (0.1924, 0.1816, 0.9304))):
+    for client, expected in ((0, (1.5879, 0.3867, 0.8127)), (1, (0.4005, 0.1893, 0.0053)), (2, (3.1109, 0.9371, 0.0444))):
         got = [_val_mse(_step(client, eta), client) for eta in (0.01, 0.1, 0.3)]
         assert got == pytest.approx(expected, abs=1e-4)
 
@@ -121,11 +121,12 @@ def test_the_choice_is_deterministic_and_leaves_the_model_as_it_found_it(tmp_pat
 
 
 def test_a_new_client_picks_its_lr_on_its_own_validation_split(tmp_path):
-    """Held-out client 2 (--new_client_epochs 1) fine-tunes from FEDAVG1 at the lr its val split picks, 0.1."""
+    """Held-out client 2 (--new_client_epochs 1) fine-tunes from FEDAVG1 at the lr its val split picks, 0.3
+    (not the run's --lr 0.1)."""
     sim = _sim(tmp_path, FineTuneConfig(finetune_lr_grid=GRID), new_clients=1, new_client_epochs=1)
     sim.step()
     model = sim.algorithm.personalize_new_client(2, sim.server_state, sim.train_data(2), 1)
-    close({k: v.detach() for k, v in model.state_dict().items()}, state(_step(2, 0.1)))
+    close({k: v.detach() for k, v in model.state_dict().items()}, state(_step(2, 0.3)))
 
 
 def test_a_grid_without_a_validation_split_is_refused_before_training(tmp_path):
