@@ -16,6 +16,10 @@ from ..options import at_least, number_list, validate
 from .base import Algorithm, register
 
 
+NO_VAL = ("--finetune_lr_grid picks each client's fine-tuning lr on its validation split, but this run has none: "
+          "pass --val_fraction (e.g. 0.1)")
+
+
 @dataclass
 class FineTuneConfig:
     finetune_epochs: int = field(default=1, metadata={
@@ -45,8 +49,7 @@ class FedAvgFT(Algorithm):
         if config.lr_grid():
             data = ctx.data
             if any(c.val is None or len(c.val) == 0 for c in list(data.clients) + list(data.new_clients or [])):
-                raise ValueError("--finetune_lr_grid picks each client's fine-tuning lr on its validation split, but "
-                                 "this run has none: pass --val_fraction (e.g. 0.1)")
+                raise ValueError(NO_VAL)
 
     def choose_lr(self, client_id: int, round_idx: int, **train_kwargs) -> float:
         """The grid lr whose fine-tune (``local_train(**train_kwargs)`` from the model as loaded now) scores best on

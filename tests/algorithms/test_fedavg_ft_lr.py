@@ -138,3 +138,18 @@ def test_a_grid_without_a_validation_split_is_refused_before_training(tmp_path):
 def test_bad_grids_are_refused(bad):
     with pytest.raises(ValueError, match="--finetune_lr_grid"):
         FineTuneConfig(finetune_lr_grid=bad)
+
+
+def test_the_command_line_refuses_a_grid_without_val_fraction_in_one_line(tmp_path, capsys):
+    """recipes/run.py main(argv): exit code 2, the one stderr line naming --finetune_lr_grid and the fix
+    --val_fraction, no --output_dir written (the method refuses it when the run is built, before training)."""
+    from hfpfl.cli import run_recipe
+
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        run_recipe(argv=["--method", "fedavg_ft", "--finetune_lr_grid", "0.01,0.1", "--output_dir", str(out)],
+                   script="recipes/run.py")
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: --finetune_lr_grid") and "--val_fraction" in lines[0]
+    assert not out.exists()
