@@ -2,7 +2,8 @@
 
 Method card: ``docs/methods/fraug.md``. Where the authors' code
 and the dissertation text disagree, the dissertation wins here:
-z ~ N(0, I) (not U[0,1)); L_cls = L_real + L_syn (plain sum, Eq. 1); lambda_c ramps up (Eq. 4 + App. A.2); the RTNet
+z ~ N(0, I) (not U[0,1)); L_cls = L_real + L_syn (plain sum, Eq. 1; ``--cls_loss weighted`` for the code's weighting,
+see :func:`cls_ratio`); lambda_c ramps up (Eq. 4 + App. A.2); the RTNet
 sees v_hat only; the server takes the unweighted 1/K mean (Alg. 1); L_gen uses the batch labels y (Eq. 5 text; the
 the authors' code uses class-balanced labels: ``--balanced_gen_labels``); FedBN-style local BatchNorm
 (affine + statistics) in the classifier, the generator's BN shared. Spec defaults adopted where the paper is silent:
@@ -71,6 +72,15 @@ class FRAugConfig:
         "help": "L_gen on class-balanced cyclic labels (authors' code) instead of the batch labels (paper)."})
     rtnet_label_conditioned: bool = field(default=False, metadata={
         "help": "RTNet input concat(v_hat, onehot(y)) (authors' code) instead of v_hat (paper)."})
+    cls_loss: str = field(default="sum", metadata={
+        "help": "Stage-1 classifier loss: 'sum' = L_real + L_syn (paper Sec. 3.3.2, Eq. 1) or 'weighted' = "
+                "(1 - rho) L_real + rho L_syn' (authors' code, users/user_FRAug.py): L_syn' the mean of the synthetic "
+                "paths (CE(h(u_hat), y) and, with --use_ema, CE(h(u_hat_c), c)), rho = min(0.5, exp(gamma' (r - R))), "
+                "gamma' = --cls_ratio_gamma.", "choices": ["sum", "weighted"]})
+    cls_ratio_gamma: float | None = field(default=None, metadata={
+        "help": "gamma' of --cls_loss weighted's rho = min(0.5, exp(gamma' (r - R))); default --syn_gamma (the "
+                "authors' code uses one gamma for both; its Digits config 0.002, PACS/OfficeHome 0.01).",
+        "check": non_negative()})
     uniform_aggregation: bool = field(default=True, metadata={
         "help": "Server mean 1/K (paper Alg. 1); false: weighted by client sizes (authors' code)."})
     keep_optimizer_state: bool = field(default=True, metadata={
@@ -100,6 +110,12 @@ def lambda_c(r: int, R: int, lambda_0: float = 0.3, ramp_fraction: float = 0.05)
     return lambda_0 * math.exp(-5.0 * (1.0 - r / r0)) if r < r0 else lambda_0
 
 
+def cls_ratio(r: int, R: int, gamma: float) -> float:
+    """rho = min(0.5, exp(gamma (r - R))): the synthetic loss's weight in the authors' code's classifier loss
+    (1 - rho) L_real + rho L_syn' (``L_ratio`` in their users/user_FRAug.py); the paper's Eq. 1 has no weight."""
+    return min(0.5, math.exp(gamma * (r - R)))
+
+
 @torch.no_grad()
 def ema_update(prototypes: torch.Tensor, u: torch.Tensor, labels: torch.Tensor, lam: float, eps: float = 1e-8) -> None:
     """Eq. 4 in place, for the classes present in the batch only (a choice the paper leaves open; docs/methods/fraug.md)."""
@@ -116,10 +132,12 @@ def balanced_labels(n: int, num_labels: int, device=None) -> torch.Tensor:
 
 class FRAugStages:
     """The three loss functions of one local step, sharing the step's noise. Usable alone (tests) or through
-    ``ctx.train``. ``noise`` is a CPU torch.Generator (determinism on any device)."""
+    ``ctx.train``. ``noise`` is a CPU torch.Generator (determinism on any device). ``rho``: the synthetic loss's
+    weight under ``--cls_loss weighted`` (:func:`cls_ratio`); unused by the paper's plain sum."""
 
-    def __init__(self, model: FRAugModel, cfg: FRAugConfig, lam_syn: float, lam_c: float, noise: torch.Generator):
-        self.m, self.cfg, self.lam_syn, self.lam_c, self.noise = model, cfg, lam_syn, lam_c, noise
+    def __init__(self, model: FRAugModel, cfg: FRAugConfig, lam_syn: float, lam_c: float, noise: torch.Generator,
+                 rho: float = 0.5):
+        self.m, self.cfg, self.lam_syn, self.lam_c, self.noise, self.rho = model, cfg, lam_syn, lam_c, noise, rho
         self.step: dict = {}
         self.log = {"loss_cls": [], "loss_real": [], "loss_syn": [], "loss_gen": [], "loss_rt": []}
 
@@ -162,7 +180,11 @@ class FRAugStages:
         loss_syn = F.cross_entropy(self.m.head(u_hat), y)  # L_syn reaches h only: its inputs carry no graph
         if self.cfg.use_ema:
             loss_syn = loss_syn + F.cross_entropy(self.m.head(uc_hat), c)
-        loss = loss_real + loss_syn
+        if self.cfg.cls_loss == "weighted":   # the authors' code: the paths' mean, weighted against L_real
+            paths = 2 if self.cfg.use_ema else 1
+            loss = (1 - self.rho) * loss_real + self.rho * (loss_syn / paths)
+        else:                                 # the paper's Eq. 1
+            loss = loss_real + loss_syn
         for k, v in (("loss_real", loss_real), ("loss_syn", loss_syn), ("loss_cls", loss)):
             self.log[k].append(float(v.detach()))
         return loss
@@ -257,9 +279,10 @@ class FRAug(Algorithm):
 
     def stages_for(self, client_id: int, round_idx: int) -> FRAugStages:
         R, cfg = self.rounds(), self.config
+        gamma = cfg.syn_gamma if cfg.cls_ratio_gamma is None else cfg.cls_ratio_gamma
         return FRAugStages(self.model, cfg, lambda_syn(round_idx, R, cfg.syn_gamma),
                            lambda_c(round_idx, R, cfg.lambda_0, cfg.ramp_fraction),
-                           self.ctx.generator(round_idx, client_id, "fraug-noise"))
+                           self.ctx.generator(round_idx, client_id, "fraug-noise"), rho=cls_ratio(round_idx, R, gamma))
 
     def client_update(self, client_id, down, private, round_idx):
         private = private or {}
@@ -272,6 +295,8 @@ class FRAug(Algorithm):
         metrics.update({k: sum(v) / len(v) for k, v in st.log.items() if v})
         metrics["train_loss"] = metrics["loss_cls"]  # the classifier's loss (comparable to the baselines')
         metrics.update(lambda_syn=st.lam_syn, lambda_c=st.lam_c)
+        if self.config.cls_loss == "weighted":
+            metrics["cls_ratio"] = st.rho
         new_private = {MODEL: self.ctx.snapshot(self.private_keys)}
         if keep:
             new_private[OPTIM] = metrics.pop("optimizer_state")
