@@ -23,8 +23,6 @@ Multi-step and later-round values use :func:`grads` (the formulas above) in the 
 import pytest
 import torch
 from datasets import Dataset
-from torch import nn
-from transformers.modeling_outputs import ImageClassifierOutput
 
 from hfpfl.algorithms import register
 from hfpfl.algorithms.central import Central, CentralConfig
@@ -46,10 +44,9 @@ from hfpfl.federated.engine import Simulation
 from hfpfl.federated.aggregation import WeightedSums, server_optimizer_step
 from hfpfl.federated.context import ServerHParams
 from hfpfl.federated.protocol import Update
-from hfpfl.training import Metric
+from toy_problem import W0, SquaredError, Toy  # noqa: E402
 
 LR = 0.1
-W0 = {"w": [1.0, -1.0], "c": 2.0, "b": 0.5}
 DATA = [([[1.0, 0.0], [0.0, 2.0]], [1.0, 0.0]),
         ([[2.0, 1.0], [1.0, 1.0], [0.0, 1.0]], [0.0, 1.0, 2.0]),
         ([[1.0, 2.0], [2.0, 0.0]], [3.0, -1.0])]
@@ -62,32 +59,6 @@ SHAPES = {"w": (1, 2), "c": (1, 1), "b": (1,)}
 
 
 # ------------------------------------------------------------------------------------------------ the toy problem
-class Toy(nn.Module):
-    """pred = c * (w . x) + b; optionally a BatchNorm1d(1) on w . x (FedBN)."""
-
-    def __init__(self, bn=False):
-        super().__init__()
-        self.body = nn.Linear(2, 1, bias=False)
-        self.bn = nn.BatchNorm1d(1) if bn else None
-        self.classifier = nn.Linear(1, 1)
-        with torch.no_grad():
-            self.body.weight.copy_(torch.tensor([W0["w"]]))
-            self.classifier.weight.fill_(W0["c"])
-            self.classifier.bias.fill_(W0["b"])
-
-    def forward(self, pixel_values, labels=None):
-        h = self.body(pixel_values)
-        pred = self.classifier(self.bn(h) if self.bn is not None else h).squeeze(-1)
-        loss = 0.5 * ((pred - labels) ** 2).mean() if labels is not None else None
-        return ImageClassifierOutput(loss=loss, logits=pred[:, None])
-
-
-class SquaredError(Metric):
-    def update(self, logits, batch):
-        self.loss_sum += float(((logits[:, 0] - batch["labels"]) ** 2).sum())
-        self.n += len(batch["labels"])
-
-
 def _toy(base, name, bn=False):
     cls = type(name, (base,), {"name": name, "build_model": lambda self: Toy(bn),
                                "metric": lambda self: SquaredError()})

@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from torch import nn
-from transformers.modeling_outputs import ImageClassifierOutput
 
 from hfpfl.algorithms import register
 from hfpfl.algorithms.fedavg import FedAvg
@@ -30,32 +28,10 @@ from hfpfl.federated.callbacks import Callback, Checkpoints, MetricsFile, defaul
 from hfpfl.federated.engine import Simulation
 from hfpfl.federated.evaluation import personal_models
 from hfpfl.federated.state import MODEL
-from hfpfl.training import Metric
+from toy_problem import SquaredError, Toy
 
 KEYS = ("body.weight", "classifier.weight", "classifier.bias")
 STEP = {0: [0.85, -0.3, 1.575, 0.6], 1: [0.7, -0.9, 1.8, 0.55]}    # (w, c, b) after one step, by hand
-
-
-class Toy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(2, 1, bias=False)
-        self.classifier = nn.Linear(1, 1)
-        with torch.no_grad():
-            self.body.weight.copy_(torch.tensor([[1.0, -1.0]]))
-            self.classifier.weight.fill_(2.0)
-            self.classifier.bias.fill_(0.5)
-
-    def forward(self, pixel_values, labels=None):
-        pred = self.classifier(self.body(pixel_values)).squeeze(-1)
-        loss = 0.5 * ((pred - labels) ** 2).mean() if labels is not None else None
-        return ImageClassifierOutput(loss=loss, logits=pred[:, None])
-
-
-class SquaredError(Metric):
-    def update(self, logits, batch):
-        self.loss_sum += float(((logits[:, 0] - batch["labels"]) ** 2).sum())
-        self.n += len(batch["labels"])
 
 
 @register
