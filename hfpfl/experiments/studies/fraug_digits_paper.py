@@ -13,7 +13,7 @@ from hfpfl.experiments import Study, controls, greater
 
 from .fraug_digits import T2, run  # the same rows and metrics hook (per-domain accuracies)
 
-ROUNDS = 30
+ROUNDS = 100
 FRAUG = ("--method", "fraug", "--gen_lr", "0.005", "--rtnet_lr", "0.005", "--schedule_rounds", "200",
          "--cls_loss", "weighted", "--cls_ratio_gamma", "0.002", "--plot_embeddings", "false")
 
