@@ -127,7 +127,8 @@ def pathological(
     _check_common(ds, num_partitions)
     n_classes = len(set(ds[partition_by]))
     if not 1 <= classes_per_client <= n_classes:
-        raise ValueError(f"classes_per_client must be in 1..{n_classes}, got {classes_per_client}")
+        raise ValueError(f"--classes_per_client must be in 1..{n_classes} (the labels of this dataset), got "
+                         f"{classes_per_client}")
     p = PathologicalPartitioner(
         num_partitions=num_partitions,
         partition_by=partition_by,
@@ -306,7 +307,8 @@ def label_quantity(ds: Dataset, num_partitions: int, seed: int = 0, classes_per_
     _check_common(ds, num_partitions)
     n_classes = len(set(ds[partition_by]))
     if not 1 <= classes_per_client <= n_classes:
-        raise ValueError(f"classes_per_client must be in 1..{n_classes}, got {classes_per_client}")
+        raise ValueError(f"--classes_per_client must be in 1..{n_classes} (the labels of this dataset), got "
+                         f"{classes_per_client}")
     p = _fp().PathologicalPartitioner(num_partitions=num_partitions, partition_by=partition_by,
                                       num_classes_per_partition=int(classes_per_client),
                                       class_assignment_mode="first-deterministic", shuffle=True, seed=seed)
