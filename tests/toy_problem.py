@@ -1,4 +1,4 @@
-"""The 4-number regression model the hand-computed engine tests share (``tests/algorithms/test_baseline_pins.py``
+"""Small models with known structure for the engine tests. The 4-number regression model the hand-computed engine tests share (``tests/algorithms/test_baseline_pins.py``
 derives its steps in its docstring): ``pred = c * (w . x) + b``, optionally with a BatchNorm1d(1) on ``w . x``
 (FedBN), loss ``1/2 mean (pred - y)^2``; start ``w = (1, -1), c = 2, b = 0.5``."""
 import torch
@@ -36,3 +36,22 @@ class SquaredError(Metric):
     def update(self, logits, batch):
         self.loss_sum += float(((logits[:, 0] - batch["labels"]) ** 2).sum())
         self.n += len(batch["labels"])
+
+
+class TinyMLP(nn.Module):
+    """No convolution (the vectorized step's summed-loss backward, not vmap(grad)), with BatchNorm1d; 3x16x16
+    images. Its loss is :meth:`task_loss` (cross-entropy), which a subclass may route through a declared loss."""
+
+    def __init__(self, num_labels=10):
+        super().__init__()
+        self.fc = nn.Linear(3 * 16 * 16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, num_labels)
+
+    def task_loss(self, logits, labels):
+        return nn.functional.cross_entropy(logits, labels)
+
+    def forward(self, pixel_values, labels=None):
+        logits = self.head(torch.relu(self.bn(self.fc(pixel_values.flatten(1)))))
+        loss = self.task_loss(logits, labels) if labels is not None else None
+        return ImageClassifierOutput(loss=loss, logits=logits)

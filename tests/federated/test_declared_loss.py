@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 from transformers import ResNetConfig, ResNetForImageClassification, ViTConfig, ViTForImageClassification
-from transformers.modeling_outputs import ImageClassifierOutput
 
 from hfpfl.algorithms import get_algorithm, register
 from hfpfl.algorithms.fedavg import FedAvg
@@ -16,6 +15,7 @@ from hfpfl.config import RunArguments
 from hfpfl.federated.engine import Simulation
 from hfpfl.federated.vectorized import trainer
 from hfpfl.training import declared_loss
+from toy_problem import TinyMLP
 
 torch.set_num_threads(1)
 
@@ -54,19 +54,12 @@ def test_no_declared_loss_where_the_head_is_not_single_label_classification():
     assert declared_loss(Own()) is not None
 
 
-class DeclaringMLP(nn.Module):
-    """A plain module (no HF config, no convolution: the summed-loss step) declaring its loss; BatchNorm1d."""
+class DeclaringMLP(TinyMLP):
+    """A plain module (no HF config, no convolution: the summed-loss step) declaring its loss, which its own
+    forward uses too; BatchNorm1d."""
 
-    def __init__(self, num_labels=10):
-        super().__init__()
-        self.fc = nn.Linear(3 * 16 * 16, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.head = nn.Linear(16, num_labels)
-
-    def forward(self, pixel_values, labels=None):
-        logits = self.head(torch.relu(self.bn(self.fc(pixel_values.flatten(1)))))
-        loss = self.loss_function(logits, labels) if labels is not None else None
-        return ImageClassifierOutput(loss=loss, logits=logits)
+    def task_loss(self, logits, labels):
+        return self.loss_function(logits, labels)
 
     def loss_function(self, logits, labels):
         calls.append(tuple(logits.shape))

@@ -22,6 +22,7 @@ from hfpfl.federated.vectorized.schedules import BatchSchedules
 from hfpfl.federated.engine import Simulation
 from hfpfl.federated.context import NonFiniteError
 from hfpfl.training import TensorData, encode_uint8, iterate_batches
+from toy_problem import TinyMLP
 
 
 class TinyNet(nn.Module):
@@ -36,21 +37,6 @@ class TinyNet(nn.Module):
     def forward(self, pixel_values, labels=None):
         x = nn.functional.max_pool2d(torch.relu(self.bn(self.conv(pixel_values))), 4)
         logits = self.head(x.flatten(1))
-        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
-        return ImageClassifierOutput(loss=loss, logits=logits)
-
-
-class TinyMLP(nn.Module):
-    """No convolution (the vectorized step's summed-loss backward, not vmap(grad)), with BatchNorm1d."""
-
-    def __init__(self, num_labels=10):
-        super().__init__()
-        self.fc = nn.Linear(3 * 16 * 16, 16)
-        self.bn = nn.BatchNorm1d(16)
-        self.head = nn.Linear(16, num_labels)
-
-    def forward(self, pixel_values, labels=None):
-        logits = self.head(torch.relu(self.bn(self.fc(pixel_values.flatten(1)))))
         loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
         return ImageClassifierOutput(loss=loss, logits=logits)
 
