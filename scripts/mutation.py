@@ -73,7 +73,7 @@ TARGETS: dict[str, Target] = {
         "tests/federated/test_vectorized.py::test_option_dependent_override_vectorizes_only_when_inactive"]),
     "fedper": Target(["hfpfl/algorithms/fedper.py"], BASELINE_TESTS),
     "ditto": Target(["hfpfl/algorithms/ditto.py"], BASELINE_TESTS),
-    "fedavg_ft": Target(["hfpfl/algorithms/fedavg_ft.py"], BASELINE_TESTS),
+    "fedavg_ft": Target(["hfpfl/algorithms/fedavg_ft.py"], BASELINE_TESTS + ["tests/algorithms/test_fedavg_ft_lr.py"]),
     "local": Target(["hfpfl/algorithms/local.py", "hfpfl/algorithms/central.py"],
                     [*BASELINE_TESTS, "tests/federated/test_server_budget.py"]),
     "feddf": Target(["hfpfl/algorithms/feddf.py", "hfpfl/algorithms/distill.py"],

@@ -153,3 +153,12 @@ def test_the_command_line_refuses_a_grid_without_val_fraction_in_one_line(tmp_pa
     assert e.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: --finetune_lr_grid") and "--val_fraction" in lines[0]
     assert not out.exists()
+
+
+def test_without_a_grid_a_new_client_fine_tunes_at_the_runs_lr(tmp_path):
+    """Grid unset: held-out client 2 (--new_client_epochs 1) takes the base protocol's fine-tune, one full-batch step
+    at --lr 0.1 from FEDAVG1 on its own train split, and needs no validation split."""
+    sim = _sim(tmp_path, FineTuneConfig(), val=False, new_clients=1, new_client_epochs=1)
+    sim.step()
+    model = sim.algorithm.personalize_new_client(2, sim.server_state, sim.train_data(2), 1)
+    close({k: v.detach() for k, v in model.state_dict().items()}, state(_step(2, LR)))
