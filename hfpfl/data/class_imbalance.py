@@ -20,7 +20,8 @@ def imbalance_alphas(num_clients: int) -> list[float]:
     """Each client's alpha: M = num_clients / 2 values logspace(0.1, 10), client j gets value j // 2."""
     if num_clients < 2 or num_clients % 2:
         raise ValueError(f"the class-imbalance group pairs its clients (FedPCE section 4.2): it needs an even number "
-                         f"of clients, got {num_clients}; make clients_per_group + new_per_group even")
+                         f"of clients, got {num_clients}; make each group's clients even (recipes: (--num_clients + "
+                         f"--num_new_clients) / the number of --groups)")
     m = num_clients // 2
     alphas = np.logspace(-1.0, 1.0, m) if m > 1 else np.array([0.1])
     return [float(alphas[j // 2]) for j in range(num_clients)]
