@@ -46,7 +46,10 @@ def provenance() -> dict:
     """Where and with what a row was computed: commit (and whether the tree had changes), date, machine."""
     import torch
     commit = _git("rev-parse", "HEAD")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    # the study pages and stored rows are the runner's own output: a resumed study whose rows.jsonl is tracked and
+    # growing was computed by clean code all the same
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                      ":(top,exclude)docs/results")) if commit else None
     return {"commit": commit, "dirty": dirty,
             "date": _now(),
             "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
