@@ -92,7 +92,8 @@ TARGETS: dict[str, Target] = {
     "fedpop": Target(["hfpfl/tuning/*.py"], ["tests/tuning/test_fedpop*.py"]),
     # FedPop and FedEx wrapped in SHA (the dissertation's appendix algorithm): the part of the fedpop target they add
     "fedpop_sha": Target(["hfpfl/tuning/sha.py", "hfpfl/tuning/baselines.py"],
-                         ["tests/tuning/test_fedpop_pins.py", "tests/tuning/test_fedpop_hparams.py"],
+                         ["tests/tuning/test_fedpop_pins.py", "tests/tuning/test_fedpop_hparams.py",
+                          "tests/tuning/test_fedpop_score_pins.py"],
                          functions=["xǁSHAStagesǁ_eliminate", "xǁSHAWrapperǁ_run_sha_wrapped", "x_fedpop_sha", "x_fedex_sha"],
                          k="sha"),
     # the fedpop target's parts, each against the fast tests that pin it (the whole target takes hours on 2 cores);
@@ -110,7 +111,7 @@ TARGETS: dict[str, Target] = {
                                "test_unknown_method_hparams_are_refused_with_did_you_mean")]),
     # population steps: Eq. 3-5 (annealing, quantile sets, the power-law score), FedPop-L and FedPop-G
     "fedpop_evo": Target(["hfpfl/tuning/fedpop.py"],
-                         ["tests/tuning/test_fedpop_core_pins.py", *fedpop_nodes(
+                         ["tests/tuning/test_fedpop_core_pins.py", "tests/tuning/test_fedpop_score_pins.py", *fedpop_nodes(
                              "test_fedpop.py", "test_cos_anneal_endpoints_and_stop", "test_eq5_power_law_score",
                              "test_fedpop_l_replaces_only_the_worst_slots_with_perturbed_best"), *fedpop_nodes(
                              "test_fedpop_pins.py", "test_fedpop_l_on_known_scores_replaces_the_worst_third_by_the_best_"
@@ -135,7 +136,8 @@ TARGETS: dict[str, Target] = {
     # SHA's schedule and stages, the validation scorer
     "fedpop_driver": Target(["hfpfl/tuning/base.py", "hfpfl/tuning/fedpop.py", "hfpfl/tuning/fedex.py",
                              "hfpfl/tuning/sha.py", "hfpfl/tuning/scoring.py"],
-                            ["tests/tuning/test_fedpop_driver_pins.py", *fedpop_nodes(
+                            ["tests/tuning/test_fedpop_driver_pins.py", "tests/tuning/test_fedpop_score_pins.py",
+                             *fedpop_nodes(
                                 "test_fedpop.py", "test_sha_schedule_27_9_3_within_budget"), *fedpop_nodes(
                                 "test_fedpop_pins.py", "test_sha_keeps_exactly_the_best_third_by_its_stage_scores")],
                             functions=["x_register", "x_tuner_class", "xǁTunerǁ*", "xǁFedPopǁafter_*",

@@ -9,6 +9,9 @@ from ..options import at_least, in_range, option
 #: wrappers (Table 2, "Tuning Wrapper"): RS trains N_c configurations side by side; SHA starts sha_start and
 #: eliminates; fedpop_sha / fedex_sha are FedPop / FedEx inside the SHA wrapper (appendix, "FedPop wrapped with SHA").
 TUNERS = ("fedpop", "rs", "sha", "fedex", "fedpop_sha", "fedex_sha")
+#: how a member's list of per-round scores becomes one score (appendix, "Ablation Study on Score Computation",
+#: Table 5): the power-law decay of Eq. 5 (the paper's choice), the plain average, or the last score
+SCORES = ("power_law", "avg", "last")
 
 
 @dataclass
@@ -30,6 +33,9 @@ class TunerArguments:
                          check=in_range(0, 1))
     p_re0: float = option(0.1, "Initial resampling probability p_re^0.", check=in_range(0, 1))
     gamma_g: float = option(0.9, "Power-law decay of the FedPop-G score (Eq. 5).", check=in_range(0, 1, low_open=True))
+    score: str = option("power_law", "How a member's per-round scores are combined to rank it (FedPop-G, SHA's "
+                        "elimination): power_law (Eq. 5, decay gamma_g), avg (their mean) or last (the last round's); "
+                        "appendix Table 5.", choices=list(SCORES))
     local_window_frac: float = option(0.2, "FedPop-L runs for ceil(frac * T_g) rounds (>= 1) after a configuration is "
                                       "(re)initialised (appendix); 0 = every round (Algorithm 1).", check=in_range(0, 1))
     delta: float = option(0.2, "Delta-box half-width as a fraction of each range.", check=in_range(0, 1))

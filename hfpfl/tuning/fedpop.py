@@ -7,6 +7,7 @@ Where the paper is silent or ambiguous, the choice made is said in each place:
 * FedPop-L runs only in the first r_0 = 0.2 T_g rounds of a new/perturbed configuration (appendix l.1936, "early
   stopping of FedPop-L"), eps annealed over that window; at toy scale 0.2 T_g < 1, so the window is at least 1 round
   (our deviation; ``local_window_frac=0`` runs FedPop-L every round as Algorithm 1, eps annealed over R_c).
+* FedPop-G (and SHA's elimination) rank by Eq. 5 unless ``--score avg|last`` (appendix Table 5's ablation).
 * eps_G = cos_anneal(eps_0, r, R_c), p_re = cos_anneal(p_re_0, r, R_c) (appendix Eq. 3-4).
 * Wrapped in SHA (``fedpop_sha``, ``fedex_sha``; appendix, "FedPop wrapped with SHA"): R_c in Eq. 4 and T_g is a
   survivor's rounds over all stages; FedPop-G skips a stage's last round, where SHA eliminates
@@ -45,11 +46,16 @@ def eq5_weights(t: int, gamma: float) -> np.ndarray:
     return w / w.sum()
 
 
-def eq5_score(hist, t: int, gamma: float) -> float:
-    """Eq. 5: power-law weighted mean of the last T_g per-round scores (fewer if fewer exist)."""
+def eq5_score(hist, t: int, gamma: float, how: str = "power_law") -> float:
+    """Eq. 5: power-law weighted mean of the last T_g per-round scores (fewer if fewer exist); ``how="avg"``: their
+    plain mean, ``how="last"``: the last one (appendix Table 5's alternatives)."""
     last = list(hist)[-t:]
     if not last:
         return float("inf")
+    if how == "last":
+        return float(last[-1])
+    if how == "avg":
+        return float(np.mean(np.asarray(last, dtype=float)))
     return float(np.dot(eq5_weights(len(last), gamma), np.asarray(last, dtype=float)))
 
 
@@ -116,7 +122,7 @@ class FedPop(Tuner):
         """Algorithm 1 / Eq. 5: the worst ceil(N/rho) members take a top member's whole state (exploit) and an
         Evo-perturbed copy of its (alpha, beta^0) (explore)."""
         alive = [m for m in self.members if m.alive]
-        S = [eq5_score(m.hist, self.T_g, self.t.gamma_g) for m in alive]
+        S = [eq5_score(m.hist, self.T_g, self.t.gamma_g, self.t.score) for m in alive]
         bottom, top = quantile_sets(S, self.t.rho)
         eps, p_re = cos_anneal(self.t.eps0, r, self.horizon), cos_anneal(self.t.p_re0, r, self.horizon)
         events = []

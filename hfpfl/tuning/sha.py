@@ -81,7 +81,7 @@ class SuccessiveHalving(SHAStages):
                 m.hist = []
                 for _ in range(per):
                     self.member_round(m)
-            self._eliminate(s, alive, [eq5_score(m.hist, per, self.t.gamma_g) for m in alive], per)
+            self._eliminate(s, alive, [eq5_score(m.hist, per, self.t.gamma_g, self.t.score) for m in alive], per)
 
 
 class SHAWrapper(SHAStages):
@@ -118,7 +118,8 @@ class SHAWrapper(SHAStages):
                     m.stage_hist.append(m.hist[-1])
                 if r < end:
                     self.after_population_round(r)
-            self._eliminate(s, alive, [eq5_score(m.stage_hist, per, self.t.gamma_g) for m in alive], per)
+            self._eliminate(s, alive, [eq5_score(m.stage_hist, per, self.t.gamma_g, self.t.score)
+                                    for m in alive], per)
 
 
 @register

@@ -219,6 +219,23 @@ def test_each_tuner_name_builds_its_registered_class():
         tuner_class("grid")
 
 
+def test_register_files_the_class_under_its_name_and_only_a_listed_tuner_is_built():
+    """register() stores the class itself under its ``name`` (and returns it, as a decorator must); a class
+    registered under a name that is not one of TUNERS (the --tuner choices) is still refused by tuner_class: a
+    tuner answers to --tuner only when it is both listed and registered."""
+    from hfpfl.tuning import REGISTRY
+
+    class Stray(Tuner):
+        name = "stray"
+
+    try:
+        assert tb.register(Stray) is Stray and REGISTRY["stray"] is Stray
+        with pytest.raises(ValueError, match=r"^--tuner 'stray' is not one of"):
+            tuner_class("stray")
+    finally:
+        REGISTRY.pop("stray", None)
+
+
 def test_apply_method_hparams_sets_the_members_config():
     t = bare(space={**SPACE, "method": {"mu": {"type": "choice", "values": [0.5, 0.25]}}})
     cfg = get_algorithm("fedprox").Config()
