@@ -10,7 +10,6 @@ FedBN run's (same seed, same batches, momentum kept across rounds by both). Any 
 the classifier fails this: a stage-2 gradient reaching theta, the stage-2 forward updating BN running statistics in
 train mode, the noise draws shifting the batch order, a different parameter set or order in the classifier's
 optimizer, BatchNorms travelling, momentum not carried the same way."""
-import pytest
 import torch
 
 from hfpfl.algorithms.base import MODEL
