@@ -442,3 +442,21 @@ def test_fedbabu_lr_grid_needs_a_validation_split_and_excludes_a_fixed_lr(tmp_pa
         FedBABUConfig(finetune_lr=0.1, finetune_lr_grid="0.1,1")
     with pytest.raises(ValueError, match="--finetune_lr_grid"):
         FedBABUConfig(finetune_lr_grid="0.1,-1")
+
+
+def test_fedbabu_lr_grid_trials_are_the_final_fine_tune_at_each_lr(tmp_path):
+    """--finetune_part head, tau = 2: every trial of the grid and the final fine-tune train the same parameters (the
+    head alone), for tau epochs, on the fine-tuning's own stream ("finetune"); only the lr differs (0.1, 1, 3, then
+    the pick). A trial that trained the whole model, or one local epoch, would score another model than it keeps."""
+    sim = _babu_sim(tmp_path, FedBABUConfig(finetune_epochs=2, finetune_part="head", finetune_lr_grid="0.1,1,3"))
+    algo, calls = sim.algorithm, []
+    real = algo.local_train
+
+    def spy(cid, r, hp=None, params=None, epochs=None, tag="", **kw):
+        calls.append((cid, r, hp.lr, sorted(id(p) for p in params), epochs, tag))
+        return real(cid, r, hp=hp, params=params, epochs=epochs, tag=tag, **kw)
+    algo.local_train = spy
+    algo.load_personal(0, algo.init_server_state(), algo.init_private_state(0), 1)
+    head = sorted(id(p) for p in (algo.model.classifier.weight, algo.model.classifier.bias))
+    assert [c[2] for c in calls[:3]] == [0.1, 1.0, 3.0] and len(calls) == 4
+    assert all(c[:2] == (0, 1) and c[3] == head and c[4] == 2 and c[5] == "finetune" for c in calls)
