@@ -45,7 +45,7 @@ VARIANTS = (
     run("fedavg_ft_val", ("--method", "fedavg_ft", *VAL), "FedAvg+FT (pFedAvg), lr from validation",
         "87.03 ± 0.2"),
     run("fraug_sum", tuple(a for a in FRAUG if a not in ("--cls_loss", "weighted", "--cls_ratio_gamma", "0.002")),
-        "FRAug, Eq. 1's plain sum (diagnostic)", "89.59 ± 0.4"),
+        "FRAug, Eq. 1's plain sum (the dissertation's loss)", "89.59 ± 0.4"),
 )
 
 STUDY = Study(
@@ -74,6 +74,11 @@ STUDY = Study(
         greater("fedproto", "fedbn", paper=f"87.50 vs 87.11 ({T2})"),
         greater("fedbabu", "fedavg", paper=f"86.52 vs 85.62 ({T2})"),
         greater("fraug_sum", "fedbn", paper=f"89.59 vs 87.11 ({T2}); FRAug with Eq. 1's plain sum"),
+        greater("fraug_sum", "fedproto", paper=f"89.59 vs 87.50 ({T2}); FRAug with Eq. 1's plain sum"),
+        greater("fraug_sum", "fedbabu", paper=f"89.59 vs 86.52 ({T2}); FRAug with Eq. 1's plain sum"),
+        greater("fraug_sum", "fedavg_ft_val", paper=f"89.59 vs 87.03 ({T2}, pFedAvg); FRAug with Eq. 1's plain sum"),
+        greater("fraug_sum", "fraug", paper="(diagnostic) the dissertation's Eq. 1 vs the authors' code's weighting "
+                                            "(L_real at weight 0.5) at the same lrs"),
         greater("fraug", "untrained", paper="(control) federated training beats the initial model"),
         greater("fraug", "majority", paper="(control) above the label-majority rate"),
     ),
