@@ -196,3 +196,23 @@ def test_grid_trials_are_the_final_fine_tune_at_each_lr(tmp_path):
         assert (cid, r, kw.get("epochs"), kw.get("tag")) == (2, 1, 2, "new-client")
         assert kw.get("data") is data and kw.get("params") is not None
         assert sorted(id(p) for p in kw["params"]) == keys
+
+
+def test_a_grid_is_refused_when_only_a_new_client_lacks_a_validation_split(tmp_path):
+    """The members have their val splits, the held-out client 2 has none: refused before training (it would pick its
+    lr on a split it does not have)."""
+    clients = [ClientData(i, _ds(*DATA[i]), _ds(*DATA[i]), _ds(*VAL[i]) if i < 2 else None) for i in range(3)]
+    fed = FederatedData(clients[:2], clients[2:], _ds(*DATA[0]), None, 1, ["y"], 1, 1)
+    run = dict(method="pin_fedavg_ft", num_rounds=1, batch_size=8, lr=LR, momentum=0.0, progress=False,
+               checkpoint_every=0, overwrite_output_dir=True, output_dir=str(tmp_path / "ft"), new_client_epochs=1)
+    with pytest.raises(ValueError, match="--finetune_lr_grid .*--val_fraction"):
+        Simulation(RunArguments(**run), None, FineTuneConfig(finetune_lr_grid=GRID), fed_data=fed)
+
+
+def test_a_new_client_with_zero_epochs_keeps_the_global_model_under_a_grid(tmp_path):
+    """--new_client_epochs 0 with a grid: no choice, no fine-tune -- the held-out client's model is FEDAVG1 itself
+    (the engine's loop reads epochs=0 as one epoch, so the method must not call it)."""
+    sim = _sim(tmp_path, FineTuneConfig(finetune_lr_grid=GRID), new_clients=1, new_client_epochs=0)
+    sim.step()
+    model = sim.algorithm.personalize_new_client(2, sim.server_state, sim.train_data(2), 1)
+    close({k: v.detach() for k, v in model.state_dict().items()}, state(P(FEDAVG1)))
