@@ -20,6 +20,42 @@ NO_VAL = ("--finetune_lr_grid picks each client's fine-tuning lr on its validati
           "pass --val_fraction (e.g. 0.1)")
 
 
+def parse_grid(text: str | None) -> list[float]:
+    """``"0.001, 0.01"`` -> [0.001, 0.01]; None or empty -> []."""
+    return [float(t) for t in text.split(",") if t.strip()] if text else []
+
+
+def require_val_splits(data) -> None:
+    """Refuse a fine-tuning lr grid before training when a client (or a held-out new client) has no val split."""
+    if any(c.val is None or len(c.val) == 0 for c in list(data.clients) + list(data.new_clients or [])):
+        raise ValueError(NO_VAL)
+
+
+def choose_finetune_lr(algorithm: Algorithm, client_id: int, round_idx: int, grid: list[float],
+                       **train_kwargs) -> float:
+    """The grid lr whose fine-tune (``algorithm.local_train(**train_kwargs)`` from the model as loaded now) scores best
+    on the client's validation split: the highest accuracy, then the lower loss, then the earlier grid entry. The model
+    and torch's RNG are put back as found, so the fine-tune that follows is the chosen candidate's exactly. The test
+    split is never read."""
+    model, hp = algorithm.model, algorithm.ctx.hparams(client_id)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    val = algorithm.ctx.val_data(client_id)
+    best = None
+    for i, lr in enumerate(grid):
+        algorithm.local_train(client_id, round_idx, hp=hp.replace(lr=lr), **train_kwargs)
+        res = algorithm.ctx.evaluate(model, val)
+        key = (-res["accuracy"], res["loss"], i)
+        if best is None or key < best[0]:
+            best = (key, lr)
+        model.load_state_dict(start)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return best[1]
+
+
 @dataclass
 class FineTuneConfig:
     finetune_epochs: int = field(default=1, metadata={
@@ -35,7 +71,7 @@ class FineTuneConfig:
         validate(self)
 
     def lr_grid(self) -> list[float]:
-        return [float(t) for t in self.finetune_lr_grid.split(",") if t.strip()] if self.finetune_lr_grid else []
+        return parse_grid(self.finetune_lr_grid)
 
 
 @register
@@ -47,31 +83,11 @@ class FedAvgFT(Algorithm):
     def __init__(self, ctx, config):
         super().__init__(ctx, config)
         if config.lr_grid():
-            data = ctx.data
-            if any(c.val is None or len(c.val) == 0 for c in list(data.clients) + list(data.new_clients or [])):
-                raise ValueError(NO_VAL)
+            require_val_splits(ctx.data)
 
     def choose_lr(self, client_id: int, round_idx: int, **train_kwargs) -> float:
-        """The grid lr whose fine-tune (``local_train(**train_kwargs)`` from the model as loaded now) scores best on
-        the client's validation split. The model and torch's RNG are put back as found, so the fine-tune that follows
-        is the chosen candidate's exactly."""
-        model, hp = self.model, self.ctx.hparams(client_id)
-        start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        val = self.ctx.val_data(client_id)
-        best = None
-        for i, lr in enumerate(self.config.lr_grid()):
-            self.local_train(client_id, round_idx, hp=hp.replace(lr=lr), **train_kwargs)
-            res = self.ctx.evaluate(model, val)
-            key = (-res["accuracy"], res["loss"], i)
-            if best is None or key < best[0]:
-                best = (key, lr)
-            model.load_state_dict(start)
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-        return best[1]
+        """The grid lr whose fine-tune scores best on the client's validation split (:func:`choose_finetune_lr`)."""
+        return choose_finetune_lr(self, client_id, round_idx, self.config.lr_grid(), **train_kwargs)
 
     def _finetune(self, client_id: int, round_idx: int, **train_kwargs) -> None:
         if self.config.lr_grid():

@@ -162,3 +162,57 @@ def test_without_a_grid_a_new_client_fine_tunes_at_the_runs_lr(tmp_path):
     sim.step()
     model = sim.algorithm.personalize_new_client(2, sim.server_state, sim.train_data(2), 1)
     close({k: v.detach() for k, v in model.state_dict().items()}, state(_step(2, LR)))
+
+
+def _spy(algo):
+    calls, real = [], algo.local_train
+
+    def spy(cid, r, hp=None, **kw):
+        calls.append((cid, r, hp.lr if hp is not None else None, kw))
+        return real(cid, r, hp=hp, **kw)
+    algo.local_train = spy
+    return calls
+
+
+def test_grid_trials_are_the_final_fine_tune_at_each_lr(tmp_path):
+    """--finetune_epochs 2: every grid trial and the kept fine-tune run 2 epochs on the fine-tuning's own stream
+    ("finetune"); only the lr differs (0.01, 0.1, 0.3, then the pick). A held-out client (--new_client_epochs 2)
+    likewise: every trial and the kept fine-tune train the new-client keys, 2 epochs, on the data it was handed, on the
+    "new-client" stream. A trial that differed from the kept fine-tune would score a model the client never keeps."""
+    sim = _sim(tmp_path, FineTuneConfig(finetune_lr_grid=GRID, finetune_epochs=2), new_clients=1,
+               new_client_epochs=2)
+    sim.step()
+    algo = sim.algorithm
+    calls = _spy(algo)
+    algo.load_personal(1, sim.server_state, sim.store.get(1), 1)
+    assert [c[2] for c in calls[:3]] == [0.01, 0.1, 0.3] and len(calls) == 4
+    assert all(c[:2] == (1, 1) and c[3].get("epochs") == 2 and c[3].get("tag") == "finetune" for c in calls)
+    calls.clear()
+    data = sim.train_data(2)
+    algo.personalize_new_client(2, sim.server_state, data, 1)
+    keys = sorted(id(p) for p in algo.trainable_parameters(algo.new_client_keys()))
+    assert [c[2] for c in calls[:3]] == [0.01, 0.1, 0.3] and len(calls) == 4
+    for cid, r, _, kw in calls:
+        assert (cid, r, kw.get("epochs"), kw.get("tag")) == (2, 1, 2, "new-client")
+        assert kw.get("data") is data and kw.get("params") is not None
+        assert sorted(id(p) for p in kw["params"]) == keys
+
+
+def test_a_grid_is_refused_when_only_a_new_client_lacks_a_validation_split(tmp_path):
+    """The members have their val splits, the held-out client 2 has none: refused before training (it would pick its
+    lr on a split it does not have)."""
+    clients = [ClientData(i, _ds(*DATA[i]), _ds(*DATA[i]), _ds(*VAL[i]) if i < 2 else None) for i in range(3)]
+    fed = FederatedData(clients[:2], clients[2:], _ds(*DATA[0]), None, 1, ["y"], 1, 1)
+    run = dict(method="pin_fedavg_ft", num_rounds=1, batch_size=8, lr=LR, momentum=0.0, progress=False,
+               checkpoint_every=0, overwrite_output_dir=True, output_dir=str(tmp_path / "ft"), new_client_epochs=1)
+    with pytest.raises(ValueError, match="--finetune_lr_grid .*--val_fraction"):
+        Simulation(RunArguments(**run), None, FineTuneConfig(finetune_lr_grid=GRID), fed_data=fed)
+
+
+def test_a_new_client_with_zero_epochs_keeps_the_global_model_under_a_grid(tmp_path):
+    """--new_client_epochs 0 with a grid: no choice, no fine-tune -- the held-out client's model is FEDAVG1 itself
+    (the engine's loop reads epochs=0 as one epoch, so the method must not call it)."""
+    sim = _sim(tmp_path, FineTuneConfig(finetune_lr_grid=GRID), new_clients=1, new_client_epochs=0)
+    sim.step()
+    model = sim.algorithm.personalize_new_client(2, sim.server_state, sim.train_data(2), 1)
+    close({k: v.detach() for k, v in model.state_dict().items()}, state(P(FEDAVG1)))

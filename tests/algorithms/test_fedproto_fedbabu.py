@@ -383,3 +383,80 @@ def test_fedproto_resume_after_round_one_equals_straight_run(run_sim):
                          **kw)
     for key in ("final", "per_client_accuracy", "new_client_accuracy", "communication"):
         assert resumed[key] == straight[key], key
+
+
+# ------------------------------------------------------------------------------------------------ FedBABU lr grid
+def _babu_sim(tmp_path, cfg, val=True):
+    """Two clients holding x = (1, 0), (0, 1) with labels 0, 2 (one full batch), FedBABU on TinyNet, run lr 0.7; the
+    clients' validation splits: client 0 the same two points, client 1 those plus (1, 1) labelled 1."""
+    from datasets import Dataset
+
+    from hfpfl.config import RunArguments
+    from hfpfl.data.federated import ClientData, FederatedData
+    from hfpfl.federated.engine import Simulation
+
+    def ds(xs, ys):
+        return Dataset.from_dict({"pixel_values": xs, "labels": ys}).with_format("torch")
+
+    train = ([[1.0, 0.0], [0.0, 1.0]], [0, 2])
+    vals = [train, ([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], [0, 2, 1])]
+    clients = [ClientData(i, ds(*train), ds(*train), ds(*vals[i]) if val else None) for i in range(2)]
+    fed = FederatedData(clients, [], ds(*train), None, 3, ["a", "b", "c"], 1, 1)
+    run = dict(method="tiny_fedbabu", num_rounds=1, batch_size=8, lr=0.7, momentum=0.0, progress=False,
+               checkpoint_every=0, overwrite_output_dir=True, output_dir=str(tmp_path / "babu"))
+    return Simulation(RunArguments(**run), None, cfg, fed_data=fed)
+
+
+def _val_loss_by_hand(params, xs, ys):
+    W, V, b = params
+    z = (torch.tensor(xs, dtype=torch.float64) @ W.T) @ V.T + b
+    return float(-torch.log_softmax(z, 1)[torch.arange(len(ys)), torch.tensor(ys)].mean())
+
+
+def test_fedbabu_lr_grid_picks_each_clients_lr_on_its_validation_split(tmp_path):
+    """Grid 0.1, 1, 3; one fine-tuning epoch = one full-batch SGD step from (W0, V0, B0) (:func:`_one_sgd_step`). Every
+    candidate classifies all validation points as before (client 0: 2/2, client 1: 2/3), so the validation CE
+    decides. By hand: client 0's val CE 0.6862, 0.3891, 0.2105 -> lr 3; client 1's 1.3848, 1.9927, 4.1050 -> lr 0.1.
+    The personal model is one step at that lr -- not at the run's lr 0.7, not at one lr for both clients."""
+    xs, ys = [[1.0, 0.0], [0.0, 1.0]], [0, 2]
+    hand = {0: (0.6862, 0.3891, 0.2105), 1: (1.3848, 1.9927, 4.1050)}
+    vals = {0: (xs, ys), 1: ([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], [0, 2, 1])}
+    for cid, expected in hand.items():
+        got = [_val_loss_by_hand(_one_sgd_step(xs, ys, lr), *vals[cid]) for lr in (0.1, 1.0, 3.0)]
+        assert got == pytest.approx(expected, abs=1e-4)
+    sim = _babu_sim(tmp_path, FedBABUConfig(finetune_epochs=1, finetune_lr_grid="0.1,1,3"))
+    algo = sim.algorithm
+    server = algo.init_server_state()   # (W0: taken once, before any fine-tune moves the model)
+    for cid, lr in ((0, 3.0), (1, 0.1)):
+        model = algo.load_personal(cid, server, algo.init_private_state(cid), 1)
+        W, V, b = _one_sgd_step(xs, ys, lr=lr)
+        assert torch.allclose(model.body.weight.double(), W, atol=1e-6)
+        assert torch.allclose(model.classifier.weight.double(), V, atol=1e-6)
+        assert torch.allclose(model.classifier.bias.double(), b, atol=1e-6)
+
+
+def test_fedbabu_lr_grid_needs_a_validation_split_and_excludes_a_fixed_lr(tmp_path):
+    with pytest.raises(ValueError, match="--finetune_lr_grid .*--val_fraction"):
+        _babu_sim(tmp_path, FedBABUConfig(finetune_lr_grid="0.1,1"), val=False)
+    with pytest.raises(ValueError, match="--finetune_lr and --finetune_lr_grid"):
+        FedBABUConfig(finetune_lr=0.1, finetune_lr_grid="0.1,1")
+    with pytest.raises(ValueError, match="--finetune_lr_grid"):
+        FedBABUConfig(finetune_lr_grid="0.1,-1")
+
+
+def test_fedbabu_lr_grid_trials_are_the_final_fine_tune_at_each_lr(tmp_path):
+    """--finetune_part head, tau = 2: every trial of the grid and the final fine-tune train the same parameters (the
+    head alone), for tau epochs, on the fine-tuning's own stream ("finetune"); only the lr differs (0.1, 1, 3, then
+    the pick). A trial that trained the whole model, or one local epoch, would score another model than it keeps."""
+    sim = _babu_sim(tmp_path, FedBABUConfig(finetune_epochs=2, finetune_part="head", finetune_lr_grid="0.1,1,3"))
+    algo, calls = sim.algorithm, []
+    real = algo.local_train
+
+    def spy(cid, r, hp=None, params=None, epochs=None, tag="", **kw):
+        calls.append((cid, r, hp.lr, sorted(id(p) for p in params), epochs, tag))
+        return real(cid, r, hp=hp, params=params, epochs=epochs, tag=tag, **kw)
+    algo.local_train = spy
+    algo.load_personal(0, algo.init_server_state(), algo.init_private_state(0), 1)
+    head = sorted(id(p) for p in (algo.model.classifier.weight, algo.model.classifier.bias))
+    assert [c[2] for c in calls[:3]] == [0.1, 1.0, 3.0] and len(calls) == 4
+    assert all(c[:2] == (0, 1) and c[3] == head and c[4] == 2 and c[5] == "finetune" for c in calls)
