@@ -24,21 +24,21 @@ def _px(ds):
 
 
 def test_domain_validation_split_by_hand(recipe):
-    """Domain a's shared test split: labels 0 x4, 1 x8 -> validation round(0.25 * 4) = 1 image of class 0 and
-    round(0.25 * 8) = 2 of class 1, the other 9 the test split; domain b (labels 2 x 2: round(0.5) = 0 by Python's
+    """Domain a's shared test split: labels 0 x4, 1 x7 -> validation round(0.25 * 4) = 1 image of class 0 and
+    round(0.25 * 7) = round(1.75) = 2 of class 1, the other 8 the test split; domain b (labels 2 x 2: round(0.5) = 0 by Python's
     rounding) keeps its 2 test images and an empty validation split. The cut is shared by every client of a domain
     (participants and new clients alike), the two parts are disjoint and together the whole split, the global test
     split is the domains' test parts, and the training splits are untouched."""
-    test_a, test_b = _ds([0, 0, 0, 0] + [1] * 8), _ds([2, 2], base=100)
+    test_a, test_b = _ds([0, 0, 0, 0] + [1] * 7), _ds([2, 2], base=100)
     clients = [ClientData(0, _ds([0, 1]), test_a, domain="a"), ClientData(1, _ds([1]), test_b, domain="b")]
     new = [ClientData(2, _ds([0]), test_a, domain="a")]
     fed = FederatedData(clients=clients, new_clients=new, global_test=test_a, public=None, num_labels=3,
                         label_names=["x", "y", "z"], image_size=1, num_channels=1)
     out = recipe.with_domain_validation(fed, 0.25, seed=0)
     a, b, n = out.clients[0], out.clients[1], out.new_clients[0]
-    assert sorted(a.val["labels"]) == [0, 1, 1] and sorted(a.test["labels"]) == [0] * 3 + [1] * 6
+    assert sorted(a.val["labels"]) == [0, 1, 1] and sorted(a.test["labels"]) == [0] * 3 + [1] * 5
     ids = sorted(_px(a.val) + _px(a.test))
-    assert ids == [float(i) for i in range(12)]
+    assert ids == [float(i) for i in range(11)]
     assert len(b.val) == 0 and sorted(_px(b.test)) == [100.0, 101.0]
     assert n.val is a.val and n.test is a.test
     assert all(c.train is o.train for c, o in zip(out.clients + out.new_clients, clients + new))
