@@ -5,15 +5,18 @@ learns only its coefficients (Algorithm 2), every basis frozen.
 Training (B2.4, ``training="improved"``): per round, psi <- 0; step 2: psi trained with the bases frozen; step 3:
 alpha sharpened to softmax(psi / tau) (tau = 0.1) and frozen; step 4: the bases trained with that alpha; upload the
 bases; the server takes their uniform (1/M) mean. ``training="naive"`` (B2.3, Eq. 7, the collapse diagnostic):
-psi and the bases trained jointly at temperature 1. Warm start (B2.5): the first ``warm_fraction`` of the rounds
+psi and the bases trained jointly at temperature 1, psi at the same ``lr_coef`` as the improved training's step 2. Warm start (B2.5): the first ``warm_fraction`` of the rounds
 are FedAvg on the major basis alone (the network is v'); at the end of the warm start the server sets v' to the
 FedAvg mean and v_1..v_K to the k-means centroids of that round's local models (the gather path: the server needs
 every local model once). Diagnostics each evaluation (B3.3): mean pairwise cosine similarity of the non-major
 bases, of their displacements from the warm-start centroids, and the mean entropy of the clients' alphas.
 
-Deviations: the paper's experiments also fine-tune the whole classifier for new clients ("combinations and the
-whole classifier"); Algorithm 2 (and the issue) learn only the coefficients, which is what ``new_client_mode="coef"``
-(default) does; "head" adds the major basis' classifier, "full" tunes everything (the full fine-tuning reference).
+New clients: Algorithm 2 learns only the coefficients (``new_client_mode="coef"``, default); the paper's
+experiments (Sec. 6) learn "the combinations and the whole classifier" (``"head"``); "full" tunes everything (a
+reference, no baseline of the paper); "major_ft" / "major_lp" tune the major basis alone as the network (FedAvg+FT /
++LP on the same ResNet when ``warm_fraction=1``). The paper's protocol (20 epochs per grid lr, Last / Best chosen on
+validation): :meth:`FedBasis.new_client_curve` and :func:`best_and_last`, run by ``recipes/fedbasis.py
+--paper_new_clients``.
 """
 from __future__ import annotations
 
