@@ -548,8 +548,11 @@ def test_new_client_curve_major_basis_alone_by_hand(run_sim, mode):
         else:
             assert torch.equal(end[k], down[k]), k
     assert all(torch.equal(end[f"coef.{g}"], torch.zeros(2)) for g in GROUPS)
-    sim.algorithm.load_client({MODEL: down}, None)
+    psi = {f"coef.{g}": torch.tensor([1.0 + i, -2.0]) for i, g in enumerate(GROUPS)}
+    sim.algorithm.load_client({MODEL: down}, {MODEL: psi})
     assert sim.model.major_only is False
+    st = sim.model.state_dict()
+    assert all(torch.equal(st[k], v) for k, v in psi.items())    # a participant's own coefficients are loaded
 
 
 def test_new_client_curve_scores_after_every_epoch(run_sim):
@@ -590,3 +593,11 @@ def test_best_and_last_ties_and_the_start():
     start_high = [[(.99, .9), (.5, .2), (.4, .1)]]
     out = fb.best_and_last(start_high)
     assert (out["best"], out["best_epoch"], out["last"], out["start"]) == (.2, 1, .1, .9)
+    assert out["per_lr"] == [{"last": .1, "best": .2}]                # each lr's own Best skips epoch 0 too
+
+
+def test_lr_grid_parses_the_paper_grid():
+    """The default grid is the paper's {0.005, 0.01, 0.05} (Table 2 caption), in order; spaces and a trailing comma
+    are tolerated."""
+    assert fb.FedBasisConfig().lr_grid() == [0.005, 0.01, 0.05]
+    assert fb.FedBasisConfig(new_client_lr_grid=" 0.1, 0.02,").lr_grid() == [0.1, 0.02]
