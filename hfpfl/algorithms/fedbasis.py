@@ -5,15 +5,18 @@ learns only its coefficients (Algorithm 2), every basis frozen.
 Training (B2.4, ``training="improved"``): per round, psi <- 0; step 2: psi trained with the bases frozen; step 3:
 alpha sharpened to softmax(psi / tau) (tau = 0.1) and frozen; step 4: the bases trained with that alpha; upload the
 bases; the server takes their uniform (1/M) mean. ``training="naive"`` (B2.3, Eq. 7, the collapse diagnostic):
-psi and the bases trained jointly at temperature 1. Warm start (B2.5): the first ``warm_fraction`` of the rounds
+psi and the bases trained jointly at temperature 1, psi at the same ``lr_coef`` as the improved training's step 2. Warm start (B2.5): the first ``warm_fraction`` of the rounds
 are FedAvg on the major basis alone (the network is v'); at the end of the warm start the server sets v' to the
 FedAvg mean and v_1..v_K to the k-means centroids of that round's local models (the gather path: the server needs
 every local model once). Diagnostics each evaluation (B3.3): mean pairwise cosine similarity of the non-major
 bases, of their displacements from the warm-start centroids, and the mean entropy of the clients' alphas.
 
-Deviations: the paper's experiments also fine-tune the whole classifier for new clients ("combinations and the
-whole classifier"); Algorithm 2 (and the issue) learn only the coefficients, which is what ``new_client_mode="coef"``
-(default) does; "head" adds the major basis' classifier, "full" tunes everything (the full fine-tuning reference).
+New clients: Algorithm 2 learns only the coefficients (``new_client_mode="coef"``, default); the paper's
+experiments (Sec. 6) learn "the combinations and the whole classifier" (``"head"``); "full" tunes everything (a
+reference, no baseline of the paper); "major_ft" / "major_lp" tune the major basis alone as the network (FedAvg+FT /
++LP on the same ResNet when ``warm_fraction=1``). The paper's protocol (20 epochs per grid lr, Last / Best chosen on
+validation): :meth:`FedBasis.new_client_curve` and :func:`best_and_last`, run by ``recipes/fedbasis.py
+--paper_new_clients``.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 from ..models.basis import BasisCombinedModel, resnet_groups
 from ..models.cond_norm_resnet import CondNormResNetConfig, CondNormResNetForImageClassification
 from ..options import at_least, in_range, number_list, one_of, positive, validate
+from ..training.tensor_data import batch_bounds
 from .base import GLOBAL, MODEL, PRIVATE, Algorithm, Update, register
 
 ANCHOR = "anchor"
@@ -54,9 +58,17 @@ class FedBasisConfig:
     new_client_steps: int = field(default=50, metadata={
         "help": "Coefficient steps for a held-out new client (0 = no adaptation).", "check": at_least(0)})
     new_client_mode: str = field(default="coef", metadata={
-        "help": "What a new client tunes: coef (Algorithm 2: coefficients only), head (coefficients + the major "
-                "basis' classifier, the paper's experiments) or full (everything: the full fine-tuning reference).",
-        "check": one_of("coef", "head", "full")})
+        "help": "What a new client tunes: coef (Algorithm 2: coefficients only), head (coefficients + the whole "
+                "classifier, through the major basis' classifier: the paper's experiments, Sec. 6), full "
+                "(everything: a reference, no baseline of the paper); major_ft / major_lp: the network is the "
+                "major basis alone, all of it / its classifier tuned (FedAvg+FT / FedAvg+LP on the same ResNet "
+                "with --warm_fraction 1, every round then FedAvg on it).",
+        "check": one_of("coef", "head", "full", "major_ft", "major_lp")})
+    new_client_lr_grid: str = field(default="0.005,0.01,0.05", metadata={
+        "help": "Learning rates of the paper's new-client protocol (Sec. 6, Table 2: {0.005, 0.01, 0.05}): a new "
+                "client trains --new_client_epochs epochs at each and keeps the one its validation split scores "
+                "best (recipes/fedbasis.py --paper_new_clients).",
+        "check": number_list(low=0, low_open=True)})
     lr_full: float = field(default=0.01, metadata={"help": "Learning rate of the bases when new_client_mode=full.",
                                                    "check": positive()})
     #: the options that set the step size of what this method trains, and which way makes a step smaller (named
@@ -69,6 +81,9 @@ class FedBasisConfig:
             raise ValueError(f"--widths and --depths must give the same number of ResNet stages, got "
                              f"{len(_ints(self.widths))} widths ({self.widths}) and {len(_ints(self.depths))} depths "
                              f"({self.depths}); give one --depths entry per --widths entry")
+
+    def lr_grid(self) -> list[float]:
+        return [float(t) for t in self.new_client_lr_grid.split(",") if t.strip()]
 
 
 def _ints(s):
@@ -115,16 +130,18 @@ class FedBasis(Algorithm):
     def _params(self, prefix):
         return [p for n, p in self.model.named_parameters() if n.startswith(prefix)]
 
-    def _train(self, cid, r, params, tag, epochs, lr=None):
+    def _train(self, cid, r, groups, tag, epochs):
+        """Train the parameters of ``groups`` (``[(params, lr or None = the client's lr), ...]``), one optimizer
+        parameter group each, everything else frozen."""
         named = dict(self.model.named_parameters())
-        chosen = {id(p) for p in params}
+        chosen = {id(p) for params, _ in groups for p in params}
         was = {n: p.requires_grad for n, p in named.items()}
         for p in named.values():
             p.requires_grad_(id(p) in chosen)
         try:
             hp = self.ctx.hparams(cid)
-            return self.ctx.train(cid, r, params=[{"params": params, "lr": lr or hp.lr}], hp=hp, epochs=epochs,
-                                  steps=hp.local_steps, tag=tag)
+            return self.ctx.train(cid, r, params=[{"params": params, "lr": lr or hp.lr} for params, lr in groups],
+                                  hp=hp, epochs=epochs, steps=hp.local_steps, tag=tag)
         finally:
             for n, p in named.items():
                 p.requires_grad_(was[n])
@@ -141,22 +158,23 @@ class FedBasis(Algorithm):
             m.fixed_alpha = None
             m.major_only = True
             try:
-                met = self._train(client_id, round_idx, self._params("bases.0."), "warm", c.basis_epochs)
+                met = self._train(client_id, round_idx, [(self._params("bases.0."), None)], "warm", c.basis_epochs)
             finally:
                 m.major_only = False
             return Update(client_id, {MODEL: self.ctx.snapshot(self._keys("bases.0."))}, n,
                           {MODEL: self.ctx.snapshot(self.private_keys)}, met)
         coef, bases = list(m.coef.values()), self._params("bases.")
         if c.training == "naive":
+            # the same coefficient lr as the improved training's step 2 (the paper states one local lr for all of
+            # FedBasis, Sec. 6), so the two trainings differ in their schedule alone
             m.temperature = 1.0
-            named = dict(m.named_parameters())
-            met = self._train(client_id, round_idx, list(named.values()), "joint", c.basis_epochs)
+            met = self._train(client_id, round_idx, [(coef, c.lr_coef), (bases, None)], "joint", c.basis_epochs)
         else:
             m.temperature = 1.0
-            met_a = self._train(client_id, round_idx, coef, "alpha", c.alpha_epochs, lr=c.lr_coef)
+            met_a = self._train(client_id, round_idx, [(coef, c.lr_coef)], "alpha", c.alpha_epochs)
             m.fixed_alpha = {g: torch.softmax(m.coef[g].detach() / c.temperature, 0) for g in m.group_names}
             try:
-                met = self._train(client_id, round_idx, bases, "bases", c.basis_epochs)
+                met = self._train(client_id, round_idx, [(bases, None)], "bases", c.basis_epochs)
             finally:
                 m.fixed_alpha = None
             met = {**met, "alpha_train_loss": met_a["train_loss"]}
@@ -222,17 +240,77 @@ class FedBasis(Algorithm):
         return out
 
     # ------------------------------------------------------------------ new clients (Algorithm 2)
+    def load_client(self, down, private):
+        self.model.major_only = False            # a participant's network is always the combination
+        super().load_client(down, private)
+
     def new_client_keys(self):
+        mode = self.config.new_client_mode
+        if mode == "major_ft":
+            return [k for k in self.global_keys if k.startswith("bases.0.")]
+        if mode == "major_lp":
+            return [k for k in self.global_keys if k.startswith("bases.0.classifier")]
         keys = [k for k in self.private_keys]
-        if self.config.new_client_mode == "head":
+        if mode == "head":
             keys += [k for k in self.global_keys if k.startswith("bases.0.classifier")]
-        elif self.config.new_client_mode == "full":
+        elif mode == "full":
             keys += list(self.global_keys)
         return keys
 
-    def personalize_new_client(self, client_id, server_state, data, round_idx):
+    def new_client_groups(self, lr: float) -> list[dict]:
+        """Optimizer parameter groups of a new client trained at the single lr of the paper's protocol (Sec. 6:
+        one lr per method from the grid). head: the classifier is 1/2 v'_fc + 1/2 sum_k alpha_k v_k,fc, so it is
+        tuned through v'_fc at 4 lr: a step 4 lr * dL/dv'_fc = 4 lr * 1/2 G moves the combined classifier by
+        lr * G, as tuning "the whole classifier" directly at lr does; the coefficients train at lr. Every other mode
+        trains what it tunes at lr (major_ft / major_lp: the network is v' alone)."""
+        named = dict(self.model.named_parameters())
+        keys = self.new_client_keys()
+        if self.config.new_client_mode == "head":
+            return [{"params": [named[k] for k in keys if k.startswith("coef.")], "lr": lr},
+                    {"params": [named[k] for k in keys if not k.startswith("coef.")], "lr": 4 * lr}]
+        return [{"params": [named[k] for k in keys], "lr": lr}]
+
+    def new_client_start(self, server_state) -> torch.nn.Module:
+        """A new client's network before it trains: the server's bases, psi = 0 (uniform alpha); the major basis
+        alone in the major_* modes."""
         self.ctx.load({k: server_state[MODEL][k] for k in self.global_keys})
         self.ctx.load({k: torch.zeros_like(v) for k, v in self.ctx.initial_private.items()})
+        self.model.major_only = self.config.new_client_mode in ("major_ft", "major_lp")
+        return self.model
+
+    def new_client_curve(self, client_id, server_state, data, round_idx, lr, epochs, score) -> list:
+        """The paper's new-client protocol at one grid lr (Sec. 6, Table 2): from :meth:`new_client_start`,
+        ``epochs`` epochs of SGD on ``data`` (the client's optimizer settings, lr replaced; one optimizer for the
+        whole run, so momentum carries across epochs) on :meth:`new_client_groups`; ``score(model)`` after epoch
+        0 (the start), 1, ..., ``epochs``: the list of its results. Every other parameter is frozen and restored."""
+        model = self.new_client_start(server_state)
+        curve = [score(model)]
+        if epochs <= 0:
+            return curve
+        hp = self.ctx.hparams(client_id).replace(lr=lr)
+        per_epoch = len(batch_bounds(len(data), hp.batch_size, self.ctx.run.last_batch))
+
+        def after_step(step):
+            if step % per_epoch == 0:
+                curve.append(score(model))
+                model.train()
+
+        named = dict(model.named_parameters())
+        groups = self.new_client_groups(lr)
+        chosen = {id(p) for g in groups for p in g["params"]}
+        was = {n: p.requires_grad for n, p in named.items()}
+        for p in named.values():
+            p.requires_grad_(id(p) in chosen)
+        try:
+            self.ctx.train(client_id, round_idx, params=groups, hp=hp, epochs=epochs, data=data,
+                           tag="new-client", after_step=after_step)
+        finally:
+            for n, p in named.items():
+                p.requires_grad_(was[n])
+        return curve
+
+    def personalize_new_client(self, client_id, server_state, data, round_idx):
+        self.new_client_start(server_state)
         if self.config.new_client_steps <= 0:
             return self.model
         named = dict(self.model.named_parameters())
@@ -252,6 +330,23 @@ class FedBasis(Algorithm):
             for n, p in named.items():
                 p.requires_grad_(was[n])
         return self.model
+
+
+def best_and_last(curves: list[list[tuple[float, float]]]) -> dict:
+    """The paper's Last and Best (Sec. 6, Table 2: "the Last epoch and the Best by validation") from one client's
+    curves: ``curves[i][e] = (validation score, test score)`` at grid lr i after epoch e (e = 0: the start). The lr
+    is chosen on validation, never on test: Last = the test score at the last epoch of the lr whose last-epoch
+    validation score is highest; Best = the test score at the (lr, epoch >= 1) of highest validation score. Ties:
+    the earlier grid entry, then the earlier epoch. Also each lr's own Last and Best (Tables 4-5)."""
+    last_i = max(range(len(curves)), key=lambda i: (curves[i][-1][0], -i))
+    cands = [(v, -i, -e, t) for i, c in enumerate(curves) for e, (v, t) in enumerate(c) if e >= 1]
+    best = max(cands)
+    per_lr = []
+    for c in curves:
+        e = max(range(1, len(c)), key=lambda j: (c[j][0], -j))
+        per_lr.append({"last": c[-1][1], "best": c[e][1]})
+    return {"last": curves[last_i][-1][1], "best": best[3], "last_lr_index": last_i, "best_lr_index": -best[1],
+            "best_epoch": -best[2], "start": curves[0][0][1], "per_lr": per_lr}
 
 
 def _mean_cos(vecs):

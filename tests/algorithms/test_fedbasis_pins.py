@@ -18,6 +18,7 @@ from torch.func import functional_call
 from hfpfl.algorithms import fedbasis as fb
 from hfpfl.algorithms.base import GLOBAL, MODEL, PRIVATE, Update
 from hfpfl.models.cond_norm_resnet import CondNormResNetForImageClassification
+from hfpfl.training.tensor_data import TensorData
 
 GROUPS = ["fc", "layer1", "layer2", "layer3", "layer4"]
 
@@ -131,18 +132,28 @@ def test_improved_round_coordinate_descent_and_sharpening_by_hand(run_sim):
 
 
 def test_naive_round_is_one_joint_step_at_temperature_one_by_hand(run_sim):
-    """Sec. 4.2 Eq. 7 (the collapse baseline): psi <- 0, then ONE joint SGD step on psi and every basis at the
-    client's lr 0.05 (not lr_coef), alpha = softmax(psi) unsharpened: psi_g = -/+ 0.05 * 1/8 <G_g, v_1 - v_2>,
+    """Sec. 4.2 Eq. 7 (the collapse baseline): psi <- 0, then ONE joint SGD step, alpha = softmax(psi) unsharpened,
+    with two optimizer groups: psi at lr_coef 0.5 (the improved training's coefficient lr: the two trainings differ
+    in their schedule alone) and every basis at the client's lr 0.05: psi_g = -/+ 0.5 * 1/8 <G_g, v_1 - v_2>,
     v' -= 0.05 * 1/2 G, v_k -= 0.05 * 1/4 G (alpha = 1/2 each), G at theta = 1/2 v' + 1/4 (v_1 + v_2)."""
     sim = _sim(run_sim, training="naive")
     down = _toy_bases(sim)
     v0, v1, v2 = (_basis(down, b) for b in range(3))
     seen = capture_training_batches(sim.model)
+    groups, orig = [], sim.ctx.train
+    names = {id(p): n for n, p in sim.model.named_parameters()}
+
+    def spy(*a, **kw):
+        groups.extend((g["lr"], {names[id(p)] for p in g["params"]}) for g in kw["params"])
+        return orig(*a, **kw)
+
+    sim.ctx.train = spy
     private = {MODEL: {f"coef.{g}": torch.tensor([3.0, -3.0]) for g in GROUPS}}
     upd = sim.algorithm.client_update(0, {MODEL: down}, private, 2)
     assert len(seen) == 1
+    assert groups == [(0.5, {f"coef.{g}" for g in GROUPS}), (0.05, set(down))]
     loss, G = _grad_theta(_template(sim), _combine(v0, v1, v2, {grp: (0.5, 0.5) for grp in GROUPS}), *seen[0])
-    psi = _psi_step(G, v1, v2, lr=0.05)
+    psi = _psi_step(G, v1, v2, lr=0.5)
     for grp in GROUPS:
         _close(upd.private[MODEL][f"coef.{grp}"], torch.tensor(psi[grp]), f"psi {grp}")
     for n in v0:
@@ -429,3 +440,164 @@ def test_build_model_from_the_run_and_config():
     assert (c.num_channels, c.hidden_sizes, c.depths, c.num_labels) == (1, [4, 4, 8, 8], [1, 2, 1, 1], 7)
     assert c.conditional is False and m.major is True and len(m.bases) == 4 and m.num_bases == 3
     assert m(torch.zeros(2, 1, 16, 16)).logits.shape == (2, 7)
+
+
+# ---------------------------------------------------------------------------------- the paper's new-client protocol
+def _protocol_sim(run_sim, mode, batch_size=4):
+    sim = _sim(run_sim, new_client_mode=mode)
+    cid = sim.num_clients
+    sim._client_hp_overrides = {cid: {"batch_size": batch_size}}
+    down = _toy_bases(sim)
+    state = {**sim.algorithm.init_server_state(), MODEL: down}
+    with torch.no_grad():
+        for p in sim.model.coef.values():
+            p.fill_(7.0)                                   # whatever psi the model held: a new client starts at 0
+    return sim, cid, down, state
+
+
+def _first(data, n):
+    """The first n rows of a client's split, as a split of its own."""
+    return TensorData.of(**{k: v[:n] for k, v in data.columns.items()})
+
+
+def _snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode,groups", [
+    ("head", [(0.02, "coef"), (0.08, "bases.0.classifier")]),
+    ("coef", [(0.02, "coef")]),
+    ("major_ft", [(0.02, "bases.0.")]),
+    ("major_lp", [(0.02, "bases.0.classifier")]),
+])
+def test_new_client_groups_by_mode(run_sim, mode, groups):
+    """The paper's protocol trains at one grid lr (Sec. 6). head ("the combinations and the whole classifier"): the
+    coefficients at lr 0.02 and v''s classifier at 4 * 0.02 = 0.08 (theta_fc = 1/2 v'_fc + ..., so that lr moves the
+    combined classifier as tuning it directly at 0.02 does); coef: the coefficients; major_ft: all of v';
+    major_lp: v''s classifier; each group exactly the parameters named, nothing else."""
+    sim = _sim(run_sim, new_client_mode=mode)
+    names = {id(p): n for n, p in sim.model.named_parameters()}
+    got = [(g["lr"], {names[id(p)] for p in g["params"]}) for g in sim.algorithm.new_client_groups(0.02)]
+    every = set(names.values())
+    assert got == [(lr, {n for n in every if n.startswith(prefix)}) for lr, prefix in groups]
+
+
+def test_new_client_curve_head_one_epoch_by_hand(run_sim):
+    """Sec. 6 protocol, mode head, lr 0.02, momentum 0, 4 images at batch 4 (one step per epoch), 1 epoch: the
+    start is scored first (psi = 0 whatever the model held, the server's bases), then after the epoch: psi_g =
+    -/+ 0.02 * 1/8 <G_g, v_1 - v_2> and v'_classifier -= 0.08 * 1/2 G (the combined classifier moves by
+    0.02 * G through v'), every other basis parameter bitwise unchanged; the curve is the score's results in
+    order; trainability and train mode are restored."""
+    sim, cid, down, state = _protocol_sim(run_sim, "head")
+    v0, v1, v2 = (_basis(down, b) for b in range(3))
+    data = _first(sim.train_data(cid), 4)
+    seen = capture_training_batches(sim.model)
+    states = []
+
+    def score(model):
+        states.append(_snapshot(model))
+        model.eval()                                       # a scorer may switch modes: training must not care
+        return len(states)
+
+    curve = sim.algorithm.new_client_curve(cid, state, data, 2, 0.02, 1, score)
+    assert curve == [1, 2] and len(seen) == 1 and len(seen[0][1]) == 4
+    start, end = states
+    assert all(torch.equal(start[k], down[k]) for k in down)
+    assert all(torch.equal(start[f"coef.{g}"], torch.zeros(2)) for g in GROUPS)
+    _, G = _grad_theta(_template(sim), _combine(v0, v1, v2, {grp: (0.5, 0.5) for grp in GROUPS}), *seen[0])
+    psi = _psi_step(G, v1, v2, lr=0.02)
+    for grp in GROUPS:
+        _close(end[f"coef.{grp}"], torch.tensor(psi[grp]), f"psi {grp}")
+    for k in down:
+        n = k.split(".", 2)[2].replace("__", ".")
+        if k.startswith("bases.0.classifier"):
+            _close(end[k], v0[n] - 0.08 * 0.5 * G[n], k)
+        else:
+            assert torch.equal(end[k], down[k]), k
+    assert all(p.requires_grad for p in sim.model.parameters()) and sim.model.training
+
+
+@pytest.mark.parametrize("mode", ["major_ft", "major_lp"])
+def test_new_client_curve_major_basis_alone_by_hand(run_sim, mode):
+    """FedAvg+FT / +LP on the bases' ResNet: the network is v' alone (no 1/2 mixing) from the start's score on;
+    one epoch (one step, lr 0.02): major_ft: v' -= 0.02 grad L(v'), major_lp: only v''s classifier moves; v_1,
+    v_2 and psi (0) unchanged. A participant's network afterwards is the combination again."""
+    sim, cid, down, state = _protocol_sim(run_sim, mode)
+    v0 = _basis(down, 0)
+    data = _first(sim.train_data(cid), 4)
+    seen = capture_training_batches(sim.model)
+    x = data.columns["pixel_values"][:2]
+    outs = []
+
+    def score(model):
+        with torch.no_grad():
+            outs.append((model(x).logits.clone(), _snapshot(model)))
+        return None
+
+    sim.algorithm.new_client_curve(cid, state, data, 2, 0.02, 1, score)
+    t = _template(sim).eval()
+    with torch.no_grad():
+        _close(outs[0][0], functional_call(t, v0, (x,)).logits, "the start is v' alone")
+    _, G = _grad_theta(_template(sim), v0, *seen[0])
+    end = outs[1][1]
+    for k in down:
+        n = k.split(".", 2)[2].replace("__", ".")
+        moves = k.startswith("bases.0.") and (mode == "major_ft" or n.startswith("classifier."))
+        if moves:
+            _close(end[k], v0[n] - 0.02 * G[n], k)
+        else:
+            assert torch.equal(end[k], down[k]), k
+    assert all(torch.equal(end[f"coef.{g}"], torch.zeros(2)) for g in GROUPS)
+    psi = {f"coef.{g}": torch.tensor([1.0 + i, -2.0]) for i, g in enumerate(GROUPS)}
+    sim.algorithm.load_client({MODEL: down}, {MODEL: psi})
+    assert sim.model.major_only is False
+    st = sim.model.state_dict()
+    assert all(torch.equal(st[k], v) for k, v in psi.items())    # a participant's own coefficients are loaded
+
+
+def test_new_client_curve_scores_after_every_epoch(run_sim):
+    """10 images at batch 4 with --last_batch merge: batches of 4 and 6, two steps per epoch; 3 epochs: 6 steps,
+    the score read after steps 0 (the start), 2, 4, 6 -- one per epoch end, never mid-epoch; epochs 0: only the
+    start, no training."""
+    sim, cid, down, state = _protocol_sim(run_sim, "head")
+    data = _first(sim.train_data(cid), 10)
+    seen = capture_training_batches(sim.model)
+    curve = sim.algorithm.new_client_curve(cid, state, data, 2, 0.02, 3, lambda m: len(seen))
+    assert curve == [0, 2, 4, 6] and [len(b[1]) for b in seen] == [4, 6] * 3
+    seen.clear()
+    assert sim.algorithm.new_client_curve(cid, state, data, 2, 0.02, 0, lambda m: len(seen)) == [0] and seen == []
+
+
+def test_best_and_last_by_hand():
+    """Sec. 6 / Table 2: Last = the test score at the last epoch of the lr whose LAST-epoch validation score is
+    highest; Best = the test score at the (lr, epoch >= 1) of highest validation score; test never chooses.
+    Two lrs, epochs 0..2, (val, test):
+      lr0: (.5, .40) (.6, .50) (.7, .55)   lr1: (.5, .40) (.9, .80) (.65, .60)
+    Last: lr0 (.7 > .65) -> .55; Best: lr1 epoch 1 (.9) -> .80; start .40; per lr: lr0 last .55 best .55 (epoch 2),
+    lr1 last .60 best .80."""
+    curves = [[(.5, .40), (.6, .50), (.7, .55)], [(.5, .40), (.9, .80), (.65, .60)]]
+    out = fb.best_and_last(curves)
+    assert (out["last"], out["best"], out["start"]) == (.55, .80, .40)
+    assert (out["last_lr_index"], out["best_lr_index"], out["best_epoch"]) == (0, 1, 1)
+    assert out["per_lr"] == [{"last": .55, "best": .55}, {"last": .60, "best": .80}]
+
+
+def test_best_and_last_ties_and_the_start():
+    """Ties go to the earlier grid entry, then the earlier epoch; epoch 0 (before training) is never Best, however
+    high its validation score; a higher TEST score never wins a tie (lr1's .9 / .7 lose to lr0's .4 / .3)."""
+    tied = [[(.1, 0.0), (.8, .3), (.8, .4)], [(.1, 0.0), (.8, .9), (.8, .7)]]
+    out = fb.best_and_last(tied)
+    assert (out["last"], out["best"], out["last_lr_index"], out["best_lr_index"], out["best_epoch"]) == \
+        (.4, .3, 0, 0, 1)
+    assert out["per_lr"] == [{"last": .4, "best": .3}, {"last": .7, "best": .9}]
+    start_high = [[(.99, .9), (.5, .2), (.4, .1)]]
+    out = fb.best_and_last(start_high)
+    assert (out["best"], out["best_epoch"], out["last"], out["start"]) == (.2, 1, .1, .9)
+    assert out["per_lr"] == [{"last": .1, "best": .2}]                # each lr's own Best skips epoch 0 too
+
+
+def test_lr_grid_parses_the_paper_grid():
+    """The default grid is the paper's {0.005, 0.01, 0.05} (Table 2 caption), in order; spaces and a trailing comma
+    are tolerated."""
+    assert fb.FedBasisConfig().lr_grid() == [0.005, 0.01, 0.05]
+    assert fb.FedBasisConfig(new_client_lr_grid=" 0.1, 0.02,").lr_grid() == [0.1, 0.02]

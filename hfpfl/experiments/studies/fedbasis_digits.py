@@ -14,8 +14,9 @@ trains hfpfl's tiny-resnet (the engine's default model, not the bases' ResNet) w
 client fine-tunes the whole model for 5 epochs (about the same number of steps as FedBasis' 30). Accuracy is PFLBED's
 label-re-weighted accuracy on the domain's shared test set (the paper's 'personalized test accuracy'); the unweighted
 one is shown beside it. Not run: the paper's other baselines (FedRep, FedBN, pFedHN, Per-FedAvg, kNN-Per, each
-+LP/+FT), the learning-rate selection on a validation split and the Best/Last epochs; the chance row (10 labels: 0.1);
-the naive training uses the base lr for the coefficients (0.01, improved: 0.1)."""
++LP/+FT), the learning-rate selection on a validation split and the Best/Last epochs; the chance row (10 labels: 0.1).
+Both trainings train the coefficients at lr 0.1 (the naive rows were re-run with that; before, the naive training's
+coefficients trained at the bases' lr 0.01). The paper's new-client protocol: the fedbasis_new_clients study."""
 from hfpfl.experiments import Study, Variant, greater
 
 from . import _recipe_controls  # noqa: F401 - registers the recipe_* controls
