@@ -1,4 +1,4 @@
-"""FedBiP's membership-inference analysis (Table 4) at laptop scale: FedBiP-L vs FedAvg, with Local-only and Central.
+"""FedBiP's membership-inference analysis (Table 4) at laptop scale: FedBiP-L vs FedAvg, with Central.
 
 FedBiP (dissertation ch. 5, Sec. 5.5, Table 4), following Yeom et al. 2018 and Salem et al. 2018: the difference
 between the final model's average loss (and average prediction entropy) on members (the clients' training images) and
@@ -9,10 +9,11 @@ client scored with the model its method gives it), on the setting of fedbip_digi
 each: USPS, MNIST-M, SYN; {shots} train images per class per client drawn by the run seed; the split fixed at data
 seed 0, whose public part the frozen tiny LDM was pretrained on). The paper reports gaps, not an attack's accuracy, so
 the gaps are what is compared. FedBiP's classifier never sees a member image (it trains on images synthesised from
-the uploaded noised latents), FedAvg's, Local-only's and Central's train on them. Every classifier is the same
-random-init tiny ResNet trained exactly {steps} steps (FedAvg and Local-only: {rounds} rounds of {local} local
-steps). Control for the metric: the same classifier before training (it never saw a member, so its gap is the
-floor the test-split size sets). Cut to fit: one dataset (the paper: three), FedBiP-L only (the paper's "FedBiP")."""
+the uploaded noised latents), FedAvg's and Central's train on them. Every classifier is the same
+random-init tiny ResNet trained exactly {steps} steps (FedAvg: {rounds} rounds of {local} local steps per
+client). Control for the metric: the same classifier before training (it never saw a member, so its gap is the
+floor the test-split size sets). Cut to fit (a box shared by several studies): one dataset (the paper: three), FedBiP-L only (the paper's
+"FedBiP"), no Local-only row."""
 import dataclasses
 
 from hfpfl.experiments import Study, Variant, controls, greater
@@ -57,8 +58,6 @@ FEDBIP_L = Variant("fedbip_l", (*FEDBIP, "--multiplier", "10"), label="FedBiP-L 
 FEDAVG = Variant("fedavg", ("--method", "fedavg", "--num_rounds", str(ROUNDS), "--local_steps", str(LOCAL)),
                  label="FedAvg (multi-round, real data)",
                  paper="loss 0.5976 / 0.5860 / 0.4459; entropy 0.1311 / 0.0897 / 0.1635", metrics_hook=HOOK)
-LOCAL_ONLY = Variant("local", ("--method", "local", "--num_rounds", str(ROUNDS), "--local_steps", str(LOCAL)),
-                     label="Local-only (real data)", metrics_hook=HOOK)
 CENTRAL = Variant("central", ("--method", "central", "--steps", str(STEPS), "--num_rounds", "1"),
                   label="Central (pooled real data; oracle)", metrics_hook=HOOK)
 UNTRAINED = Variant("untrained", FEDAVG.argv, kind="untrained_mia", label="the classifier before training")
@@ -79,7 +78,7 @@ STUDY = Study(
              "member_loss": "mean loss on members (train images)",
              "nonmember_loss": "mean loss on non-members (test images)",
              "personal_accuracy": "mean per-client accuracy"},
-    variants=(FEDBIP_L, FEDAVG, LOCAL_ONLY, CENTRAL, UNTRAINED, controls.chance(), controls.majority()),
+    variants=(FEDBIP_L, FEDAVG, CENTRAL, UNTRAINED, controls.chance(), controls.majority()),
     matched_by="steps",
     claims=(
         greater("fedavg", "fedbip_l", metric="mia_loss_gap",
