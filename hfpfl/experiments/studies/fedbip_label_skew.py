@@ -14,7 +14,7 @@ per-client accuracy on each client's own (skewed) test split is shown beside. A 
 client has no same-class partner for Eq. 3: FedBiP falls back to i' = i there (--singleton_classes self), in every
 split. FedBiP-L: concepts {concept_epochs} epochs, 20 PNDM steps at guidance 3, 10x the clients' images. Every
 classifier is the same random-init tiny ResNet trained exactly {steps} steps (FedAvg: {rounds} rounds of {local}
-local steps per client; Central: on the pooled real train images, which every split shares). Controls: chance, the
+local steps per client; Central: on the pooled real train images of the split's clients). Controls: chance, the
 label majority of each split, the classifier before training. Cut to fit: one domain (the paper: two datasets),
 FedBiP-L only (the paper: S / M / L), no one-shot baselines."""
 from hfpfl.experiments import Study, Variant, controls, greater
