@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from .spec import Claim
+
 HELD, NOT_HELD, NOT_MEASURED, REFUSED = "held", "not held", "not measured", "refused"
 
 #: slack on the boundary of a margin / within claim: 0.685 + 0.015 is 0.7000000000000001 in floats
@@ -88,3 +90,16 @@ def _fmt_budget(b) -> str:
 def evaluate_all(study, summary: dict) -> list[dict]:
     return [evaluate(c, summary, primary=study.primary, seeds=study.seeds, matched_by=study.matched_by)
             for c in study.claims]
+
+
+def rises(names, *, paper: str = "", metric: str | None = None, budgets_differ_because: str | None = None) -> tuple:
+    """A sweep's claim "the metric rises with x": ``names`` are the sweep's rows in the order of the swept value
+    (smallest first); one ``greater`` claim per consecutive pair (``names[i + 1] > names[i]``), each with its own
+    verdict, so where the rise stops (saturates) is the first step that does not hold. ``paper`` is shown on every
+    step with the step named."""
+    names = list(names)
+    if len(names) < 2:
+        raise ValueError(f"rises needs at least two rows in sweep order, got {names}")
+    return tuple(Claim("greater", hi, lo, metric=metric, budgets_differ_because=budgets_differ_because,
+                       paper=f"{paper} (step {lo} -> {hi})" if paper else f"step {lo} -> {hi}")
+                 for lo, hi in zip(names, names[1:]))
