@@ -9,7 +9,8 @@ client's own answer pool A^k, the paper's "Problem Statement" and "Implementatio
                             of the received A_s re-copied every round; per batch: (1) A_s step on
                             CE(z_s) + alpha KD(z_s <- z_DAT), (2) A_c step on CE(z_DAT) + beta KD(z_DAT <- z_s);
                             inference with A_s. ``--mutual false``: the "w/o MKD" ablation (beta = 0, only DAT -> A_s).
-                            ``--teacher local|frozen``: Table 4's "w/o Â_s" / "w/o A_c" teachers.
+                            ``--teacher local|frozen``: Table 4's "w/o Â_s" / "w/o A_c" teachers
+                            (w/o A_c: the teacher Â_s is frozen, so there is no L^DAT step; A_c is unused).
 ``vqa_adapter``             Adapter: one adapter per block (= A_s), FedAvg (Eq. 2-3, 1/K as the authors' code), head private.
 ``vqa_adapter_local``       Adapter-L: the same adapter trained locally only (nothing travels).
 ``vqa_peft``                ``--peft lora|prompt|bias|full|head``: LoRA / prompt / bias / full fine-tuning / clf-L with
@@ -280,7 +281,8 @@ class FedDAT(VQAAdapter):
 
         def loss_s(m, batch):                              # L^s = CE(z_s) + alpha KD(z_s <- z_DAT): trains A_s (+head)
             x, y = model_inputs(batch), batch["answer"]
-            a = self.kd_weight(client_id, round_idx, state["step"])
+            a = state["weight"] = self.kd_weight(client_id, round_idx, state["step"])    # beta = alpha this step
+            state["step"] += 1
             with torch.no_grad():
                 m.mode = cfg.teacher
                 z_t = m(**x).logits
@@ -293,8 +295,7 @@ class FedDAT(VQAAdapter):
 
         def loss_dat(m, batch):                            # L^DAT = CE(z_DAT) + beta KD(z_DAT <- z_s): trains A_c
             x, y = model_inputs(batch), batch["answer"]
-            b = self.kd_weight(client_id, round_idx, state["step"]) if cfg.mutual else 0.0
-            state["step"] += 1
+            b = state["weight"] if cfg.mutual else 0.0
             m.mode = cfg.teacher
             for p in still:
                 p.requires_grad_(False)
@@ -308,7 +309,10 @@ class FedDAT(VQAAdapter):
             state["kd_dat"] += float(kd.detach())
             return half * (F.cross_entropy(z_t, y) + b * kd)
 
-        metrics = self.run_local(client_id, round_idx, [shared + head, local + dat_head], [loss_s, loss_dat])
+        params, losses = [shared + head], [loss_s]
+        if cfg.teacher != "frozen":     # "w/o A_c": the teacher is Â_s alone, frozen: L^DAT has nothing to train
+            params, losses = params + [local + dat_head], losses + [loss_dat]
+        metrics = self.run_local(client_id, round_idx, params, losses)
         n = max(1, metrics["steps"])
         metrics.update(kd_s=state["kd_s"] / n, kd_dat=state["kd_dat"] / n,
                        kd_weight=self.kd_weight(client_id, round_idx, state["step"] - 1))

@@ -203,16 +203,24 @@ def test_kd_weight_ramp_enters_the_loss_by_hand(sim_for, vqa_fed):
 @pytest.mark.parametrize("mutual, teacher", [(False, "dat"), (True, "frozen"), (True, "local")])
 def test_ablations_change_exactly_their_term(sim_for, vqa_fed, mutual, teacher):
     """Table 4's ablations by hand: ``--mutual false`` (w/o MKD) drops the A_s -> DAT term (L^DAT = 1/2 CE);
-    ``--teacher frozen|local`` (w/o A_c, w/o Â_s) make Â_s or A_c alone the teacher path of both losses."""
+    ``--teacher frozen|local`` (w/o A_c, w/o Â_s) make Â_s or A_c alone the teacher path of both losses (w/o A_c:
+    only L^s, since the teacher Â_s is frozen and there is nothing for L^DAT to train)."""
     sim = sim_for("feddat", kd_schedule="constant", mutual=mutual, teacher=teacher)
     m, seen = _client_losses(sim)
-    loss_s, loss_dat = seen["fns"]
+    named = dict(m.named_parameters())
+    firsts = {id(named[k]) for k in named if ".shared." in k or k.startswith("backbone.classifier.")}
+    assert {id(p) for p in seen["params"][0]} == firsts
+    if teacher == "frozen":
+        assert len(seen["fns"]) == len(seen["params"]) == 1
+    loss_s, loss_dat = (seen["fns"] + [None])[:2]
     b = {k: v.to(sim.device) for k, v in batch_of(vqa_fed, 1).items()}
     x, y = {k: v for k, v in b.items() if k != "answer"}, b["answer"]
     z_t, z_s = _logits_seeded(m, x, [teacher, "shared"], seed=7)
     torch.manual_seed(7)
     assert float(loss_s(m, b)) == pytest.approx(float(0.5 * (F.cross_entropy(z_s, y) + _hand_kd(z_s, z_t))),
                                                 rel=1e-5)
+    if loss_dat is None:
+        return
     (z_t2,) = _logits_seeded(m, x, [teacher], seed=8)
     expected = 0.5 * (F.cross_entropy(z_t2, y) + (_hand_kd(z_t2, z_s) if mutual else 0.0))
     torch.manual_seed(8)
