@@ -313,7 +313,7 @@ def _tiny_blip(image_size: int, vocab_size: int, **overrides) -> BlipForQuestion
         patch_size=8 if image_size % 8 == 0 else 4,
         attention_dropout=0.0,
         # BlipVisionConfig's default 1e-10 (real BLIP is always loaded from a checkpoint) leaves a tower built from
-        # a config with ~0 weights: its output is one constant vector whatever the image, and stays so in training
+        # a config with ~0 weights: its output is one constant vector whatever the image until training revives it
         initializer_range=0.02,
     )
     vision.update(overrides.pop("vision_config", {}))

@@ -237,8 +237,8 @@ def test_the_shared_adapter_changes_predictions(vqa_fed, model):
 
 def test_blip_image_embeddings_depend_on_the_image():
     """A tiny BLIP built from a config: the vision tower's output differs between images (BlipVisionConfig's own
-    initializer_range, 1e-10, gave ~0 weights and one constant output, std 2e-7 across images, that no training
-    or vision adapter could make image-dependent), and a vision-tower adapter changes it image by image."""
+    initializer_range, 1e-10, gave ~0 weights and one constant output, std 2e-7 across images, so a random-init
+    BLIP, or one at the start of its pretraining, could not tell images apart)."""
     from hfpfl.models.builders import build_vqa_model
 
     torch.manual_seed(0)
