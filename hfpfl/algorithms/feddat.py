@@ -1,14 +1,16 @@
 """FedDAT (Chen et al., AAAI 2024; dissertation ch. 3): federated dual-adapter teacher, and its PEFT baselines.
 
 Method card: ``docs/methods/feddat.md``. Methods (all on :class:`hfpfl.models.vqa.VQAModel`, a frozen pretrained
-ViLT or BLIP; the ViLT head is per client and private in every method, as the paper's Algorithm 1):
+ViLT or BLIP; the ViLT head is per client and private in every method, as the paper's Algorithm 1, and scores the
+client's own answer pool A^k, the paper's "Problem Statement" and "Implementation Details"):
 
 ==========================  =========================================================================================
 ``feddat``                  A_s (global: the only thing that travels, 1/K mean), A_c + head private, Â_s = frozen copy
                             of the received A_s re-copied every round; per batch: (1) A_s step on
                             CE(z_s) + alpha KD(z_s <- z_DAT), (2) A_c step on CE(z_DAT) + beta KD(z_DAT <- z_s);
                             inference with A_s. ``--mutual false``: the "w/o MKD" ablation (beta = 0, only DAT -> A_s).
-                            ``--teacher local|frozen``: Table 4's "w/o Â_s" / "w/o A_c" teachers.
+                            ``--teacher local|frozen``: Table 4's "w/o Â_s" / "w/o A_c" teachers
+                            (w/o A_c: the teacher Â_s is frozen, so there is no L^DAT step; A_c is unused).
 ``vqa_adapter``             Adapter: one adapter per block (= A_s), FedAvg (Eq. 2-3, 1/K as the authors' code), head private.
 ``vqa_adapter_local``       Adapter-L: the same adapter trained locally only (nothing travels).
 ``vqa_peft``                ``--peft lora|prompt|bias|full|head``: LoRA / prompt / bias / full fine-tuning / clf-L with
@@ -21,9 +23,16 @@ Choices where the paper is silent (the authors' code decides, and it is said her
 * alpha = beta = exp(-5 (1 - t/T0)) (the paper's App. B.2), t = the client's cumulative local steps, T0 = R x steps per
   round; ``--kd_schedule round`` restarts t every round, ``constant`` is the authors' code's fixed 1 with the global 1/2.
 * Update order as the authors' code: A_s first (teacher = DAT before the update), then A_c (teacher = the z_s of step 1).
-* Two AdamW optimizers (A_s + head, A_c + head), betas (0.9, 0.98), weight decay 0.01, each with warm-up 10% + linear
+* Two AdamW optimizers (A_s + head, then A_c), betas (0.9, 0.98), weight decay 0.01, each with warm-up 10% + linear
   decay to 0 over exactly one round's local steps, restarted every round (the paper). The baselines use the same
   optimizer and schedule, passed to the engine's loop as ``ctx.train(optimizer=..., schedule=...)``.
+* The client head is trained by L^s only: one head step per batch, as in Adapter (``--head_loss shared``). Algorithm 1
+  optimises "A_s via L^s" and "DAT via L^DAT", where DAT is Â_s + A_c (Eq. 4, Fig. 2a) and the head belongs to the
+  deployed model f(x; theta, A_s, head); the paper never trains the head with L^DAT. ``--head_loss both`` is the
+  authors' code (the head always has requires_grad, so both steps move it: two head steps per batch).
+* Each client's head scores its own answer pool A^k, the answers of its training split (``--answer_pool client``):
+  the paper's C^k-way classification ("Problem Statement") with client-specific heads for ViLT and answer lists for
+  ALBEF ("Implementation Details"); ``--answer_pool all`` scores every answer of the benchmark.
 * Server mean 1/K (Alg. 1); ``--weighting samples`` for N_k.
 * CE on the single answer (easy-vqa has one answer per question).
 """
@@ -69,6 +78,10 @@ class VQAPeftConfig:
     head_init: str = field(default="random", metadata={
         "help": "ViLT client head: random (Algorithm 1's init_head) | pretrained (the foundation model's pool head).",
         "check": one_of("random", "pretrained")})
+    answer_pool: str = field(default="client", metadata={
+        "help": "The answers a client's head scores: client (the answers of its own training split, A^k: the paper's "
+                "client-specific heads and answer lists) | all (every answer of the benchmark).",
+        "check": one_of("client", "all")})
     warmup: float = field(default=0.1, metadata={
         "help": "LR warm-up fraction of each round's local steps.",
         "check": in_range(0, 1)._replace(allowed="a fraction in [0, 1] of each round's local steps (e.g. 0.1)")})
@@ -123,6 +136,18 @@ class VQAPeft(Algorithm):
             return server_state                             # local-only: nothing to aggregate
         return super().reduce(server_state, sums, round_idx)
 
+    def client_answer_pool(self, client_id) -> torch.Tensor | None:
+        """A^k as a bool mask over the benchmark's answers: the answers of the client's training split (``None``:
+        ``--answer_pool all``)."""
+        if self.config.answer_pool == "all":
+            return None
+        pool = torch.zeros(len(self.ctx.data.label_names), dtype=torch.bool)
+        pool[self.ctx.train_data(client_id).columns["answer"].long()] = True
+        return pool
+
+    def load_client_pool(self, client_id) -> None:
+        self.model.set_answer_pool(self.client_answer_pool(client_id))
+
     # ----------------------------------------------------------------- local training
     def set_mode(self, mode: str) -> None:
         self.model.mode = mode if self.model.peft == "adapter" else "none"
@@ -153,6 +178,7 @@ class VQAPeft(Algorithm):
 
     def client_update(self, client_id, down, private, round_idx):
         self.load_client(down, private)
+        self.load_client_pool(client_id)
         self.set_mode("shared")
         metrics = self.run_local(client_id, round_idx, [self.trainable_parameters()], [lambda m, b: m(**b).loss])
         return Update(client_id, upload={MODEL: self.ctx.snapshot(self.global_keys)},
@@ -161,6 +187,7 @@ class VQAPeft(Algorithm):
 
     def load_personal(self, client_id, server_state, private, round_idx):
         model = super().load_personal(client_id, server_state, private, round_idx)
+        self.load_client_pool(client_id)
         self.set_mode("shared")                             # inference path: A_s (+ the client head)
         return model
 
@@ -198,6 +225,10 @@ class FedDATConfig(VQAPeftConfig):
     teacher: str = field(default="dat", metadata={
         "help": "Teacher path: dat (1/2 Â_s + 1/2 A_c) | local ('w/o Â_s': A_c only) | frozen ('w/o A_c': Â_s only).",
         "check": one_of("dat", "local", "frozen")})
+    head_loss: str = field(default="shared", metadata={
+        "help": "Which loss trains the client head: shared (L^s only: one head step per batch, as in Adapter; the "
+                "head belongs to the deployed model with A_s) | both (L^s and L^DAT, the authors' code: two head "
+                "steps per batch).", "check": one_of("shared", "both")})
     eval_variants: bool = field(default=True, metadata={
         "help": "At the last round also score the DAT and A_c inference paths (Table 4) besides A_s."})
 
@@ -235,6 +266,7 @@ class FedDAT(VQAAdapter):
 
     def client_update(self, client_id, down, private, round_idx):
         self.load_client(down, private)                    # A_s <- global, A_c + head <- this client's
+        self.load_client_pool(client_id)
         model = self.model
         model.copy_shared_to_frozen()                      # Â_s <- the received A_s, every round
         head = [p for k, p in model.named_parameters() if k.startswith("backbone.classifier.")]
@@ -242,10 +274,15 @@ class FedDAT(VQAAdapter):
         local = [p for k, p in model.named_parameters() if ".local." in k]
         cfg, state = self.config, {"step": 0, "kd_s": 0.0, "kd_dat": 0.0}
         half = 0.5 if cfg.kd_schedule == "constant" else 1.0
+        # the head steps with A_s only (Alg. 1: L^DAT optimises DAT = Â_s + A_c; see the module doc), so L^DAT's
+        # forward leaves it out of the graph; ``--head_loss both`` (the authors' code) steps it in both stages
+        dat_head = head if cfg.head_loss == "both" else []
+        still = [] if cfg.head_loss == "both" else head
 
         def loss_s(m, batch):                              # L^s = CE(z_s) + alpha KD(z_s <- z_DAT): trains A_s (+head)
             x, y = model_inputs(batch), batch["answer"]
-            a = self.kd_weight(client_id, round_idx, state["step"])
+            a = state["weight"] = self.kd_weight(client_id, round_idx, state["step"])    # beta = alpha this step
+            state["step"] += 1
             with torch.no_grad():
                 m.mode = cfg.teacher
                 z_t = m(**x).logits
@@ -256,18 +293,26 @@ class FedDAT(VQAAdapter):
             state["kd_s"] += float(kd.detach())
             return half * (F.cross_entropy(z_s, y) + a * kd)
 
-        def loss_dat(m, batch):                            # L^DAT = CE(z_DAT) + beta KD(z_DAT <- z_s): trains A_c (+head)
+        def loss_dat(m, batch):                            # L^DAT = CE(z_DAT) + beta KD(z_DAT <- z_s): trains A_c
             x, y = model_inputs(batch), batch["answer"]
-            b = self.kd_weight(client_id, round_idx, state["step"]) if cfg.mutual else 0.0
-            state["step"] += 1
+            b = state["weight"] if cfg.mutual else 0.0
             m.mode = cfg.teacher
-            z_t = m(**x).logits
+            for p in still:
+                p.requires_grad_(False)
+            try:
+                z_t = m(**x).logits
+            finally:
+                for p in still:
+                    p.requires_grad_(True)
             m.mode = "shared"
             kd = kd_loss(z_t, state.pop("z_s"), cfg.temperature)
             state["kd_dat"] += float(kd.detach())
             return half * (F.cross_entropy(z_t, y) + b * kd)
 
-        metrics = self.run_local(client_id, round_idx, [shared + head, local + head], [loss_s, loss_dat])
+        params, losses = [shared + head], [loss_s]
+        if cfg.teacher != "frozen":     # "w/o A_c": the teacher is Â_s alone, frozen: L^DAT has nothing to train
+            params, losses = params + [local + dat_head], losses + [loss_dat]
+        metrics = self.run_local(client_id, round_idx, params, losses)
         n = max(1, metrics["steps"])
         metrics.update(kd_s=state["kd_s"] / n, kd_dat=state["kd_dat"] / n,
                        kd_weight=self.kd_weight(client_id, round_idx, state["step"] - 1))

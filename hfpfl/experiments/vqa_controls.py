@@ -1,11 +1,12 @@
 """The VQA controls of a FedDAT table (``recipes/feddat.py`` data), as registered control kinds.
 
-* ``vqa_chance``: a uniform guess over each client's own answers (the answers of its training split), scored as the
-  expected accuracy 1 / |answers| per client -- the head covers all 13 answers, so 1 / 13 would understate it;
+* ``vqa_chance``: a uniform guess over each client's own answers (the answers of its training split: the pool its
+  head scores, ``--answer_pool client``), scored as the expected accuracy 1 / |answers| per client;
 * ``vqa_majority``: each client's most frequent training answer, scored on its test questions
   (:func:`hfpfl.experiments.controls.majority_scores`);
-* ``vqa_untrained``: the stand-in with its own head and fresh adapters, scored by the engine before any round (the
-  variant's flags and seed: the same data and initial weights as the trained rows);
+* ``vqa_untrained``: the variant's model before any round (the stand-in, fresh adapters, the client head as the
+  variant initialises it), scored by the engine (the variant's flags and seed: the same data and initial weights as
+  the trained rows);
 * ``question_only``: the variant trained and tested with every image blanked (``--image_ablation blank``);
 * ``shuffled_image``: the variant trained and tested with images permuted across each client split's questions
   (``--image_ablation shuffle``).

@@ -312,6 +312,9 @@ def _tiny_blip(image_size: int, vocab_size: int, **overrides) -> BlipForQuestion
         image_size=image_size,
         patch_size=8 if image_size % 8 == 0 else 4,
         attention_dropout=0.0,
+        # BlipVisionConfig's default 1e-10 (real BLIP is always loaded from a checkpoint) leaves a tower built from
+        # a config with ~0 weights: its output is one constant vector whatever the image until training revives it
+        initializer_range=0.02,
     )
     vision.update(overrides.pop("vision_config", {}))
     config = BlipConfig(text_config=text, vision_config=vision, projection_dim=32, **overrides)

@@ -50,6 +50,9 @@ from ..training import Metric
 PEFT_KINDS = ("adapter", "lora", "prompt", "bias", "full", "head")
 MODES = ("shared", "dat", "local", "frozen", "none")
 REDUCTION = 16
+#: the logit of an answer outside the client's pool: softmax gives it exactly 0 in float32 (also after KD's 1/T),
+#: finite so that KL and CE stay finite, and within float16/bfloat16 range
+OUT_OF_POOL = -1e4
 
 
 def adapter_param_count(num_layers: int, d: int, r: int) -> int:
@@ -162,6 +165,7 @@ class VQAModel(nn.Module):
             torch.random.set_rng_state(gen_state)
         self.adapters = nn.ModuleList()
         self.prompt = None
+        self.answer_pool = None                   # bool over the answers: a client's own pool (set_answer_pool)
         if peft == "adapter":
             for site, d in _adapter_sites(backbone):
                 slot = DualAdapter(d, max(1, d // reduction), adapter_init)
@@ -202,6 +206,14 @@ class VQAModel(nn.Module):
         for slot in self.adapters:
             slot.copy_shared_to_frozen()
 
+    def set_answer_pool(self, pool) -> None:
+        """Score only the answers where ``pool`` (bool, one per answer) is true, or every answer (``None``): a
+        client's C^k-way classification over its own answer pool A^k (FedDAT, "Problem Statement"; the paper's
+        client-specific heads / answer lists, "Implementation Details"). The logits of the other answers are
+        ``OUT_OF_POOL``: their probability is 0 in the CE, the KD and the argmax, and the head rows of those answers
+        get no gradient, so the head acts as a C^k-way head."""
+        self.answer_pool = None if pool is None else torch.as_tensor(pool, dtype=torch.bool)
+
     def shared_keys(self) -> list[str]:
         return [k for k in self.state_dict() if k.startswith("adapters.") and ".shared." in k]
 
@@ -233,6 +245,8 @@ class VQAModel(nn.Module):
             bos = torch.full((len(input_ids), 1), self.bos_id, dtype=torch.long, device=input_ids.device)
             out = bb.text_decoder(input_ids=bos, encoder_hidden_states=q, encoder_attention_mask=attention_mask)
             logits = out.logits[:, 0, self.answer_ids]
+        if self.answer_pool is not None:
+            logits = logits.masked_fill(~self.answer_pool.to(logits.device), OUT_OF_POOL)
         loss = nn.functional.cross_entropy(logits, answer) if answer is not None else None
         return SequenceClassifierOutput(loss=loss, logits=logits)
 

@@ -18,19 +18,22 @@ sim_for, vqa_fed = test_feddat.sim_for, test_feddat.vqa_fed   # the FedDAT tests
 
 
 # ------------------------------------------------------------------------------------------------ the two losses
-def test_client_loss_gradients_are_those_of_the_hand_loss(sim_for, vqa_fed):
+@pytest.mark.parametrize("head_loss", ["shared", "both"])
+def test_client_loss_gradients_are_those_of_the_hand_loss(sim_for, vqa_fed, head_loss):
     """The gradients FedDAT's two losses give every trainable tensor equal those of the hand-written losses
     (constant schedule: L^s = 1/2 (CE(z_s, y) + T^2 KL(p_DAT || p_s)) with the DAT teacher detached;
     L^DAT = 1/2 (CE(z_DAT, y) + T^2 KL(p_s || p_DAT)) with z_s from step 1 detached), T = 3, differentiated by
-    autograd through the same forward passes: A_s + head get exactly L^s's gradient, A_c + head exactly L^DAT's,
-    A_c nothing from L^s, A_s nothing from L^DAT."""
-    sim = sim_for("feddat", kd_schedule="constant")
+    autograd through the same forward passes: A_s + head get exactly L^s's gradient, A_c exactly L^DAT's, A_c
+    nothing from L^s, A_s nothing from L^DAT; the head nothing from L^DAT (``--head_loss shared``: Alg. 1 trains
+    DAT = Â_s + A_c with L^DAT) or exactly L^DAT's gradient (``both``, the authors' code)."""
+    sim = sim_for("feddat", kd_schedule="constant", head_loss=head_loss)
     m, seen = _client_losses(sim)
     loss_s, loss_dat = seen["fns"]
     named = dict(m.named_parameters())
     trainable = [k for k, p in named.items() if p.requires_grad]
     shared = [k for k in trainable if ".shared." in k]
     local = [k for k in trainable if ".local." in k]
+    head = [k for k in trainable if k.startswith("backbone.classifier.")]
     b = {k: v.to(sim.device) for k, v in batch_of(vqa_fed, 1).items()}
     x, y = {k: v for k, v in b.items() if k != "answer"}, b["answer"]
 
@@ -45,7 +48,7 @@ def test_client_loss_gradients_are_those_of_the_hand_loss(sim_for, vqa_fed):
     m.mode = "shared"
     z_s = m(**x).logits
     p_t = torch.softmax(z_dat / 3, -1)
-    hand_s = 0.5 * (F.cross_entropy(z_s, y) + 9 * (p_t * (p_t.log() - torch.log_softmax(z_s / 3, -1))).sum(-1).mean())
+    hand_s = 0.5 * (F.cross_entropy(z_s, y) + 9 * (torch.xlogy(p_t, p_t) - p_t * torch.log_softmax(z_s / 3, -1)).sum(-1).mean())
     want_s = grads(hand_s)
     torch.manual_seed(21)
     got_s = grads(loss_s(m, b))
@@ -55,11 +58,15 @@ def test_client_loss_gradients_are_those_of_the_hand_loss(sim_for, vqa_fed):
     m.mode = "shared"
     p_s = torch.softmax(z_s.detach() / 3, -1)
     hand_dat = 0.5 * (F.cross_entropy(z_dat2, y)
-                      + 9 * (p_s * (p_s.log() - torch.log_softmax(z_dat2 / 3, -1))).sum(-1).mean())
+                      + 9 * (torch.xlogy(p_s, p_s) - p_s * torch.log_softmax(z_dat2 / 3, -1)).sum(-1).mean())
     want_dat = grads(hand_dat)
+    if head_loss == "shared":
+        want_dat.update({k: torch.zeros_like(named[k]) for k in head})
     torch.manual_seed(22)
     got_dat = grads(loss_dat(m, b))
-    for got, want, on, off in ((got_s, want_s, shared, local), (got_dat, want_dat, local, shared)):
+    assert head and all(named[k].requires_grad for k in head)          # the head trains again at the next L^s
+    dat_on, dat_off = (local, shared + head) if head_loss == "shared" else (local + head, shared)
+    for got, want, on, off in ((got_s, want_s, shared + head, local), (got_dat, want_dat, dat_on, dat_off)):
         for k in trainable:
             assert torch.allclose(got[k], want[k], atol=1e-7, rtol=1e-5), k
         assert all(float(got[k].abs().sum()) == 0.0 for k in off)

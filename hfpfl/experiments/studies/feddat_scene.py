@@ -1,5 +1,5 @@
-"""FedDAT, FedDAT w/o mutual KD, Adapter and Adapter-L on the easy-vqa 'scene' split, with the VQA controls
-(the description, claims and controls: :mod:`hfpfl.experiments.studies._feddat`)."""
+"""FedDAT, its Table 4 ablations and every PEFT baseline on the easy-vqa 'scene' split, with the VQA controls
+(the description, rows, claims and controls: :mod:`hfpfl.experiments.studies._feddat`)."""
 from hfpfl.experiments.studies._feddat import DESCRIPTION, feddat_study
 
 ROUNDS, TRAIN, TEST = 6, 200, 150
