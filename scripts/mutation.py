@@ -188,6 +188,11 @@ TARGETS: dict[str, Target] = {
                                      "xǁFedBiPǁsynthesize", "xǁFedBiPǁreceive", "xǁFedBiPǁsave_grid",
                                      "xǁFedBiPǁload_personal", "xǁFedBiPǁpersonalize_new_client",
                                      "xǁFedBiPǁextra_metrics"]),
+    # the one-shot baselines of FedBiP's Tables 1-2: DENSE and FedD3 (no LDM), FGL and FedDEO (FedBiP's pipeline)
+    "oneshot_baselines": Target(["hfpfl/algorithms/dense.py", "hfpfl/algorithms/fedd3.py"],
+                                ["tests/algorithms/test_oneshot_baselines_pins.py"]),
+    "oneshot_baselines_ldm": Target(["hfpfl/fedbip/baselines/fgl.py", "hfpfl/fedbip/baselines/feddeo.py"],
+                                    ["tests/fedbip/test_fedbip_baselines.py"]),
     "server": Target(["hfpfl/federated/aggregation.py", "hfpfl/federated/protocol.py"],
                      ["tests/federated/test_protocol.py", "tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py",
                       "tests/algorithms/test_server_pins.py",

@@ -53,5 +53,5 @@ class FedDEO(FedBiP):
     Config = FedDEOConfig
 
     def words(self, client_id):
-        _, classes = super().words(client_id)
+        _, classes = FedBiP.words(self, client_id)
         return self.config.context_word, classes  # the [S] slot holds the generic word on every client
