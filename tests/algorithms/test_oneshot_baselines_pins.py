@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hfpfl.algorithms import dense, fedd3
-from hfpfl.algorithms.dense import DENSE, BNStatistics, Ensemble, generator_loss, kl_per_sample
+from hfpfl.algorithms.dense import BNStatistics, Ensemble, generator_loss, kl_per_sample
 from hfpfl.algorithms.fedd3 import FedD3, distill, init_support, kip_loss, rbf_kernel
 
 
