@@ -84,6 +84,8 @@ def test_read_captions_by_hand():
     S, V = read_captions(table, caps, labels, torch.tensor([1]), torch.tensor([2]), num_classes=3)
     assert torch.equal(S, torch.tensor([[6.0, 7.0]]))
     assert torch.equal(V, torch.tensor([[[10.0, 11.0]], [[0.0, 0.0]], [[8.0, 9.0]]]))
+    one_S, one_V = read_captions(table, caps[:1], labels[:1], torch.tensor([1]), torch.tensor([2]), num_classes=3)
+    assert torch.equal(one_S, S) and torch.equal(one_V[2], V[2])   # a client with a single caption
     with pytest.raises(ValueError, match="domain words"):
         read_captions(table, torch.tensor([[0, 3, 4], [0, 1, 4]]), torch.tensor([0, 0]), torch.tensor([1]),
                       torch.tensor([2]), 3)
