@@ -84,8 +84,8 @@ def init_support(x: torch.Tensor, y: torch.Tensor, per_class: int, generator: to
     return torch.cat(xs).clone(), torch.cat(ys)
 
 
-def distill(x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int = 1, steps: int = 200,
-            lr: float = 0.01, reg: float = 1e-6, gamma: float = 1.0, generator: torch.Generator | None = None):
+def distill(x: torch.Tensor, y: torch.Tensor, num_classes: int, per_class: int, steps: int, lr: float, reg: float,
+            gamma: float, generator: torch.Generator | None):
     """KIP on one client's images: returns (distilled images, their labels, loss per step)."""
     x_s, y_s = init_support(x, y, per_class, generator)
     x_s = x_s.float().requires_grad_(True)

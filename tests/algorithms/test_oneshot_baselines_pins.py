@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hfpfl.algorithms import dense, fedd3
-from hfpfl.algorithms.dense import BNStatistics, Ensemble, generator_loss, kl_per_sample
+from hfpfl.algorithms.dense import DENSE, BNStatistics, Ensemble, generator_loss, kl_per_sample
 from hfpfl.algorithms.fedd3 import FedD3, distill, init_support, kip_loss, rbf_kernel
 
 
@@ -119,6 +119,8 @@ def test_rbf_kernel_by_hand():
     assert torch.allclose(k, torch.tensor([[1.0, math.exp(-4)], [math.exp(-1), math.exp(-1)]]), atol=1e-7)
     # D = 2 inputs, gamma 0.5: exp(-||(1, 1)||^2 / (0.5 * 2)) = exp(-2)
     assert rbf_kernel(torch.zeros(1, 2), torch.ones(1, 2), 0.5).item() == pytest.approx(math.exp(-2), abs=1e-7)
+    # gamma 2, D = 2: exp(-2 / 4)
+    assert rbf_kernel(torch.zeros(1, 2), torch.ones(1, 2), 2.0).item() == pytest.approx(math.exp(-0.5), abs=1e-7)
 
 
 @pytest.mark.parametrize("reg", [0.0, 0.5])
@@ -130,45 +132,61 @@ def test_kip_loss_by_hand(reg):
     loss = kip_loss(torch.tensor([[0.0], [1.0]]), torch.eye(2), torch.tensor([[0.5]]), torch.tensor([[1.0, 0.0]]),
                     reg=reg)
     assert loss.item() == pytest.approx(0.25 * ((1 - p) ** 2 + p ** 2), abs=1e-6)
+    # gamma 2 (D = 1): a = e^-1/2, K_ts = e^-1/8 (1, 1)
+    p = math.exp(-0.125) / (1 + reg + math.exp(-0.5))
+    loss = kip_loss(torch.tensor([[0.0], [1.0]]), torch.eye(2), torch.tensor([[0.5]]), torch.tensor([[1.0, 0.0]]),
+                    reg=reg, gamma=2.0)
+    assert loss.item() == pytest.approx(0.25 * ((1 - p) ** 2 + p ** 2), abs=1e-6)
 
 
 def test_one_kip_step_moves_each_pixel_by_lr_against_the_hand_gradient():
-    """One image per class as the client's data: the support starts at exactly those images (KIP's init); Adam's
-    first step moves each pixel by lr * sign(dL/dx) of the KIP loss written out here (RBF, reg 0), then clips to
-    [-1, 1]: the pixel at 0.999 pushed up stays at 1."""
-    x = torch.tensor([[[[0.2, -0.4]]], [[[0.999, 0.1]]], [[[0.3, -0.2]]]])   # 3 images, 1 channel, 1 x 2 pixels
+    """Client images: two of class 0, one of class 1, 3 classes in the task; the support starts at one real image
+    per class (class 0's drawn by the client's generator, without replacement). Adam's first step moves each pixel
+    by lr * sign(dL/dx) of the KIP loss written out here (RBF with gamma 2, reg 0.1, one-hot labels over 3 classes),
+    then clips to [-1, 1]."""
+    x = torch.tensor([[[[0.2, -0.4]]], [[[0.9, 0.1]]], [[[0.3, -0.2]]]])   # 1 channel, 1 x 2 pixels
     y = torch.tensor([0, 1, 0])
-    # classes 0 and 1 on this client; class 0 has two images, so the init is a random one of them: use a single
-    # image per class for the hand step
-    x1, y1 = x[:2], y[:2]
-    xs, ys, losses = distill(x1, y1, num_classes=2, per_class=1, steps=1, lr=0.01, reg=0.0, gamma=1.0,
-                             generator=torch.Generator().manual_seed(0))
+    xs, ys, losses = distill(x, y, 3, 1, 1, 0.01, 0.1, 2.0, torch.Generator().manual_seed(0))
+    first0 = [0, 2][int(torch.randperm(2, generator=torch.Generator().manual_seed(0))[0])]
+    init = torch.stack([x[first0], x[1]])
     assert torch.equal(ys, torch.tensor([0, 1]))
-    # the hand loss: support = the two images, target = the same two images
-    s = x1.clone().flatten(1).requires_grad_(True)
-    t = x1.flatten(1)
-    ks = torch.exp(-((s[:, None] - s[None]) ** 2).sum(-1) / 2)
-    kt = torch.exp(-((t[:, None] - s[None]) ** 2).sum(-1) / 2)
-    pred = kt @ torch.linalg.inv(ks) @ torch.eye(2)
-    hand = 0.5 * ((torch.eye(2) - pred) ** 2).mean()
+    s = init.flatten(1).clone().requires_grad_(True)
+    t = x.flatten(1)
+    ks = torch.exp(-((s[:, None] - s[None]) ** 2).sum(-1) / 4)
+    kt = torch.exp(-((t[:, None] - s[None]) ** 2).sum(-1) / 4)
+    lam = 0.1 * torch.trace(ks) / 2
+    eye3 = torch.eye(3)
+    pred = kt @ torch.linalg.inv(ks + lam * torch.eye(2)) @ eye3[[0, 1]]
+    hand = 0.5 * ((eye3[[0, 1, 0]] - pred) ** 2).mean()
     hand.backward()
-    assert losses[0] == pytest.approx(hand.item(), abs=1e-6)
-    g = s.grad.view_as(x1)
-    expected = (x1 - 0.01 * torch.sign(g)).clamp(-1, 1)
-    moved = g.abs() > 1e-6
-    assert torch.allclose(xs[moved], expected[moved], atol=1e-6)
-    assert xs.max() <= 1.0
+    assert losses == [pytest.approx(hand.item(), abs=1e-6)]
+    g = s.grad.view_as(init)
+    assert bool((g.abs() > 1e-6).all())
+    assert torch.allclose(xs, (init - 0.01 * torch.sign(g)).clamp(-1, 1), atol=1e-6)
+
+
+def test_kip_pixels_stay_in_the_model_input_range():
+    """Large steps push pixels past +-1; every step clips them back, so some sit exactly at the bounds."""
+    x = torch.tensor([[[[0.9, -0.9]]], [[[-0.8, 0.8]]], [[[0.5, 0.4]]]])
+    xs, _, _ = distill(x, torch.tensor([0, 1, 0]), 2, 1, 3, 5.0, 0.1, 1.0, torch.Generator().manual_seed(1))
+    assert float(xs.max()) <= 1.0 and float(xs.min()) >= -1.0
+    assert bool(((xs == 1.0) | (xs == -1.0)).any())
 
 
 def test_init_support_takes_per_class_real_images_in_class_order():
     x = torch.arange(5.0).view(5, 1, 1, 1)
     y = torch.tensor([2, 0, 2, 0, 2])
     xs, ys = init_support(x, y, 2, torch.Generator().manual_seed(0))
-    assert ys.tolist() == [0, 0, 2, 2]
-    assert sorted(xs[:2].flatten().tolist()) == [1.0, 3.0]   # both class-0 images, without replacement
-    assert set(xs[2:].flatten().tolist()) <= {0.0, 2.0, 4.0} and len(set(xs[2:].flatten().tolist())) == 2
-    xs, ys = init_support(x, y, 3, torch.Generator().manual_seed(0))   # class 0 has 2 < 3: with replacement
-    assert ys.tolist() == [0, 0, 0, 2, 2, 2] and set(xs[:3].flatten().tolist()) <= {1.0, 3.0}
+    assert ys.tolist() == [0, 0, 2, 2] and ys.dtype == torch.long
+    g = torch.Generator().manual_seed(0)   # class 0 (images 1, 3): a permutation; class 2 (0, 2, 4): its first two
+    p0, p2 = torch.randperm(2, generator=g), torch.randperm(3, generator=g)[:2]
+    assert xs.flatten().tolist() == [float([1, 3][i]) for i in p0] + [float([0, 2, 4][i]) for i in p2]
+    xs, ys = init_support(x, y, 3, torch.Generator().manual_seed(5))   # class 0 has 2 < 3: with replacement
+    g = torch.Generator().manual_seed(5)
+    r0 = torch.randint(0, 2, (3,), generator=g)
+    p2 = torch.randperm(3, generator=g)
+    assert ys.tolist() == [0, 0, 0, 2, 2, 2]
+    assert xs.flatten().tolist() == [float([1, 3][i]) for i in r0] + [float([0, 2, 4][i]) for i in p2]
 
 
 def test_fedd3_client_uploads_only_the_distilled_set_and_the_server_trains_on_its_union(monkeypatch):
@@ -177,9 +195,9 @@ def test_fedd3_client_uploads_only_the_distilled_set_and_the_server_trains_on_it
     seen = {}
 
     def fake_distill(x, y, num_classes, per_class, steps, lr, reg, gamma, generator):
-        seen.update(num_classes=num_classes, per_class=per_class, steps=steps, lr=lr, reg=reg, gamma=gamma,
+        seen.update(x=x, y=y, num_classes=num_classes, per_class=per_class, steps=steps, lr=lr, reg=reg, gamma=gamma,
                     seed=generator.initial_seed())
-        return torch.full((4, 1, 1, 1), float(len(seen))), torch.tensor([0, 0, 1, 1]), [2.0, 1.0]
+        return torch.full((4, 1, 1, 1), 7.0), torch.tensor([0, 0, 1, 1]), [2.0, 1.5, 1.0][:steps]
 
     monkeypatch.setattr(fedd3, "distill", fake_distill)
 
@@ -187,13 +205,18 @@ def test_fedd3_client_uploads_only_the_distilled_set_and_the_server_trains_on_it
         pixel_values = torch.zeros(4, 1, 1, 1)
         labels = torch.tensor([0, 1, 0, 1])
 
-    ctx = SimpleNamespace(train_data=lambda c: Data([0] * 4), data=SimpleNamespace(num_labels=3),
-                          generator=lambda r, c, tag: torch.Generator().manual_seed(100 * r + c + len(tag)))
+    data = {2: Data([0] * 4)}
+    ctx = SimpleNamespace(train_data=lambda c: data[c], data=SimpleNamespace(num_labels=3),
+                          generator=lambda r, c, tag: torch.Generator().manual_seed(100 * r + c + {"fedd3-kip": 50}[tag]))
     me = SimpleNamespace(config=cfg, ctx=ctx)
     up = FedD3.client_update(me, 2, {}, None, 0)
-    assert seen == dict(num_classes=3, per_class=2, steps=3, lr=0.05, reg=0.1, gamma=2.0, seed=2 + len("fedd3-kip"))
+    assert seen.pop("x") is Data.pixel_values and seen.pop("y") is Data.labels
+    assert seen == dict(num_classes=3, per_class=2, steps=3, lr=0.05, reg=0.1, gamma=2.0, seed=52)
     assert set(up.upload) == {"distilled"} and set(up.upload["distilled"]) == {"pixel_values", "labels"}
-    assert up.num_samples == 4 and up.metrics == {"kip_loss_first": 2.0, "kip_loss_last": 1.0}
+    assert torch.equal(up.upload["distilled"]["pixel_values"], torch.full((4, 1, 1, 1), 7.0))
+    assert up.client_id == 2 and up.num_samples == 4 and up.metrics == {"kip_loss_first": 2.0, "kip_loss_last": 1.0}
+    me.config = fedd3.FedD3Config(kip_steps=0)
+    assert FedD3.client_update(me, 2, {}, None, 0).metrics == {}   # no step, no loss to report
 
     calls = {}
     ups = [SimpleNamespace(client_id=1, upload={"distilled": {"pixel_values": torch.ones(2, 1, 1, 1),
@@ -206,11 +229,137 @@ def test_fedd3_client_uploads_only_the_distilled_set_and_the_server_trains_on_it
         return {"steps": kw["steps"]}
 
     me = SimpleNamespace(config=cfg, ctx=SimpleNamespace(load=lambda v: calls.setdefault("loaded", v),
-                                                         snapshot=lambda keys: {"w": torch.tensor(1.0)}),
+                                                         snapshot=lambda keys: {"w": torch.tensor(1.0 * len(keys))}),
                          global_keys=["w"], local_train=local_train)
     out = FedD3.aggregate(me, {"model": {"w": torch.tensor(0.0)}}, ups, 4)
     assert calls["cid"] == -1 and calls["r"] == 4 and calls["steps"] == 7 and calls["tag"] == "fedd3-classifier"
     assert calls["data"].labels.tolist() == [0, 1, 2]   # the union in client order
     assert calls["data"].pixel_values.flatten().tolist() == [0.0, 1.0, 1.0]
     assert me.server_training == {"steps": 7} and out["model"]["w"].item() == 1.0
+    assert calls["loaded"] == {"w": torch.tensor(0.0)}
     assert FedD3.aggregate(me, {"model": {}}, [], 0) == {"model": {}}
+
+
+# ------------------------------------------------------------------------------------------------ wiring, on stand-ins
+class TinyNet(nn.Module):
+    """A student / teacher: 1x1 conv -> BatchNorm -> mean pool -> linear, 3 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, pixel_values):
+        return SimpleNamespace(logits=self.fc(self.bn(self.conv(pixel_values)).mean(dim=(2, 3))))
+
+
+SEEDS = {"dense-noise": 11, "dense-generator": 12, "dense-local": 13}
+BATCH = {"z": torch.randn(4, 5, generator=torch.Generator().manual_seed(3)), "labels": torch.tensor([0, 1, 2, 1])}
+
+
+def _dense_self(calls, cfg):
+    torch.manual_seed(0)
+    model = TinyNet()
+    hp = SimpleNamespace(batch_size=4, optimizer="sgd", lr=0.3, momentum=0.7, weight_decay=0.0)
+
+    def local_train(cid, r, **kw):
+        calls.append(dict(cid=cid, r=r, **kw))
+        if "loss_fn" in kw:   # both stages on one batch, while the server's ensemble and its hooks are live
+            calls[-1]["losses"] = [fn(model, BATCH).item() for fn in kw["loss_fn"]]
+        return {"steps": kw.get("steps"), "examples": 8, "train_loss": 0.5}
+
+    ctx = SimpleNamespace(device=torch.device("cpu"), run_hparams=hp,
+                          data=SimpleNamespace(image_size=4, num_channels=3, num_labels=3),
+                          load=lambda v: calls.append({"loaded": v}),
+                          snapshot=lambda keys: calls.append({"snapshot": keys}) or {"w": torch.tensor(2.0)},
+                          seed_for=lambda r, c, tag: 1000 * r + 100 * (c + 1) + SEEDS[tag],
+                          generator=lambda r, c, tag: torch.Generator().manual_seed(1000 * r + 100 * (c + 1)
+                                                                                     + SEEDS[tag]),
+                          train_data=lambda c: [0] * 6)
+    me = SimpleNamespace(config=cfg, ctx=ctx, model=model, global_keys=["w"], local_train=local_train,
+                         trainable_parameters=lambda: list(model.parameters()))
+    me.noise_codes = lambda r: DENSE.noise_codes(me, r)
+    return me
+
+
+def test_dense_server_wiring_noise_optimizers_losses_and_budget():
+    """aggregate: the server's seeded noise codes (steps x batch rows of z_dim, labels 0..C-1 from the "dense-noise"
+    generator), the generator (width, seeded by "dense-generator") with Adam(generator_lr, betas (0.5, 0.999)), the
+    student with the run's optimizer, the generator step = DENSE's loss with the config's weights on the ensemble of
+    the uploads, the student step = the KL at T on the generator's batch; classifier_steps steps; the budget is the
+    student's."""
+    from hfpfl.algorithms.dense import DENSEConfig, logits_of
+
+    calls = []
+    cfg = DENSEConfig(classifier_steps=3, generator_lr=0.02, z_dim=5, generator_width=2, oh_weight=0.5,
+                      bn_weight=0.25, adv_weight=2.0, temperature=3.0)
+    me = _dense_self(calls, cfg)
+    teacher_states = [{k: v * (i + 1) for k, v in me.model.state_dict().items() if k.endswith("weight")}
+                      for i in range(2)]
+    ups = [SimpleNamespace(client_id=1, upload={"model": teacher_states[1]}),
+           SimpleNamespace(client_id=0, upload={"model": teacher_states[0]})]
+    import copy
+
+    before = copy.deepcopy(me.model)   # the student as the generator step saw it (running statistics included)
+    out = DENSE.aggregate(me, {"model": {"w": torch.tensor(1.0)}}, ups, 2)
+    assert out == {"model": {"w": torch.tensor(2.0)}}
+    assert calls[0] == {"loaded": {"w": torch.tensor(1.0)}}
+    kw = calls[1]
+    assert kw["cid"] == -1 and kw["r"] == 2 and kw["steps"] == 3 and kw["tag"] == "dense-distill"
+    g = torch.Generator().manual_seed(2000 + SEEDS["dense-noise"])
+    z = torch.randn(12, 5, generator=g)
+    y = torch.randint(0, 3, (12,), generator=g)
+    assert torch.equal(kw["data"].columns["z"], z) and torch.equal(kw["data"].columns["labels"], y)
+    gen = me.generator
+    assert gen.l1.out_features == 2 * 2 * 1 and gen.conv[-2].out_channels == 3   # width 2, 4 px = 1 x 1 seed map
+    torch.manual_seed(2000 + SEEDS["dense-generator"])   # the generator's initial weights: the server's seed
+    fresh = dense.Generator(5, 4, 3, 2)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), gen.parameters()))
+    gen_params, student_params = kw["params"]
+    assert gen_params == list(gen.parameters()) and student_params == list(me.model.parameters())
+    g_opt, s_opt = kw["optimizer"](gen_params, me.ctx.run_hparams), kw["optimizer"](student_params,
+                                                                                     me.ctx.run_hparams)
+    assert isinstance(g_opt, torch.optim.Adam) and g_opt.defaults["lr"] == 0.02
+    assert g_opt.defaults["betas"] == (0.5, 0.999)
+    assert isinstance(s_opt, torch.optim.SGD) and s_opt.defaults["lr"] == 0.3 and s_opt.defaults["momentum"] == 0.7
+    assert me.server_training == {"steps": 3, "examples": 8, "train_loss": 0.5}
+    # the two loss functions on a batch, against their definitions on the same teachers
+    loss, s_loss = kw["losses"]
+    batch = BATCH
+    teachers = []
+    for st in teacher_states:
+        t = copy_model(before, st)
+        teachers.append(t)
+    x = gen(batch["z"])
+    t_logits = torch.stack([logits_of(t, x) for t in teachers]).mean(0)
+    hooks_bn = []
+    for t in teachers:
+        for m in t.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                xin = t.conv(x)
+                hooks_bn.append(torch.norm(m.running_var - xin.var((0, 2, 3), unbiased=False), 2)
+                                + torch.norm(m.running_mean - xin.mean((0, 2, 3)), 2))
+    s_logits = logits_of(before.eval(), x)
+    expected, _ = generator_loss(t_logits, s_logits, batch["labels"], hooks_bn, 0.5, 0.25, 2.0)
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    assert s_loss == pytest.approx(kl_per_sample(logits_of(me.model, x.detach()), t_logits.detach(),
+                                                        3.0).mean().item(), rel=1e-5)
+
+
+def copy_model(template, state):
+    import copy
+
+    m = copy.deepcopy(template)
+    m.load_state_dict({**template.state_dict(), **state})
+    return m.eval()
+
+
+def test_dense_client_trains_with_the_engine_and_uploads_its_model():
+    calls = []
+    me = _dense_self(calls, dense.DENSEConfig())
+    up = DENSE.client_update(me, 2, {"model": {"w": torch.tensor(0.0)}}, None, 5)
+    assert calls[0] == {"loaded": {"w": torch.tensor(0.0)}}
+    assert calls[1] == {"cid": 2, "r": 5, "tag": "dense-local"}
+    assert up.client_id == 2 and up.upload == {"model": {"w": torch.tensor(2.0)}} and up.num_samples == 6
+    assert up.metrics == {"steps": None, "examples": 8, "train_loss": 0.5}
