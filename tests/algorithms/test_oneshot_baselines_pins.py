@@ -98,7 +98,7 @@ def test_dense_generator_has_the_classifier_image_shape_in_tanh_range():
         dense.Generator(8, 14, 3, 4)
 
 
-def test_dense_run_uploads_only_the_local_model_and_distils_the_declared_steps(run_sim):
+def test_zz_dense_engine_run_uploads_only_the_local_model_and_distils_the_declared_steps(run_sim):
     """The engine runs one round; each client uploads exactly its trained model (part "model"), nothing else; the
     server's student takes classifier_steps steps (the run's budget), each after a generator step; the global model
     changed from the initial weights."""
