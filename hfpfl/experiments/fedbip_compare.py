@@ -111,8 +111,8 @@ def _one_shot_rows() -> dict:
 FEDBIP_ROWS = _fedbip_rows()
 ONE_SHOT_ROWS = _one_shot_rows()
 #: the strongest one-shot baseline of the study fedbip_digits (its mean personal accuracy, docs/results/fedbip_digits.md;
-#: never this run's test accuracy), the one the default table shows: FGL (0.669 at seed 0, against FedDEO 0.533,
-#: DENSE 0.262 and FedD3 0.236). With captions built from the client's words FGL's synthetic set is the prompt-only
+#: never this run's test accuracy), the one the default table shows: FGL (0.696 +- 0.033 over seeds 0-2, against
+#: FedDEO 0.552, FedD3 0.206 and DENSE 0.201). With captions built from the client's words FGL's synthetic set is the prompt-only
 #: row's, so its numbers repeat that row's (docs/methods/fgl.md); the paper's strongest by the mean of its three
 #: averages is FedDEO.
 BEST_ONE_SHOT = "fgl"
