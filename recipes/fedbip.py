@@ -1,7 +1,7 @@
 """FedBiP (one-shot FL with a personalized latent diffusion model; dissertation ch. 5; docs/methods/fedbip.md).
 
-    python recipes/fedbip.py                       # prompt only, FedBiP-L, FedAvg, Central + controls, one table
-    python recipes/fedbip.py --all_variants        # every row of Tables 1 and 3 (the ablations, FedBiP-S/M/L, ...)
+    python recipes/fedbip.py                       # prompt only, FedBiP-L, FGL, FedAvg, Central + controls, one table
+    python recipes/fedbip.py --all_variants        # every row of Tables 1 and 3 (ablations, FedBiP-S/M/L, one-shot baselines)
     python recipes/fedbip.py --seeds 0,1,2         # mean +- sample std over seeds, claims held / not held
     python recipes/fedbip.py --num_processes 1     # in one process: the same numbers
     accelerate launch recipes/fedbip.py            # in the processes accelerate starts (one on a CPU by default)

@@ -190,6 +190,16 @@ TARGETS: dict[str, Target] = {
                                      "xǁFedBiPǁsynthesize", "xǁFedBiPǁreceive", "xǁFedBiPǁsave_grid",
                                      "xǁFedBiPǁload_personal", "xǁFedBiPǁpersonalize_new_client",
                                      "xǁFedBiPǁextra_metrics"]),
+    # the one-shot baselines of FedBiP's Tables 1-2: DENSE and FedD3 (no LDM), FGL and FedDEO (FedBiP's pipeline)
+    "oneshot_kd": Target(["hfpfl/algorithms/dense.py", "hfpfl/algorithms/fedd3.py"],
+                         ["tests/algorithms/test_oneshot_baselines_pins.py"],
+                         k="not zz_dense_engine"),  # the stand-in pins; DENSE's engine run takes minutes per mutant
+    # FGL's captions (written on the client, read on the server) and FedDEO's words, against the fast pins (the
+    # methods' engine runs, minutes per mutant on 2 cores, pin client_update / synthesize / word_concepts)
+    "oneshot_ldm": Target(["hfpfl/fedbip/baselines/fgl.py", "hfpfl/fedbip/baselines/feddeo.py"],
+                          ["tests/fedbip/test_fedbip_baselines.py"],
+                          functions=["x_word_ids", "x_write_captions", "x_read_captions", "xǁFedDEOǁwords"],
+                          k="captions_are or read_captions or feddeo_words"),
     "server": Target(["hfpfl/federated/aggregation.py", "hfpfl/federated/protocol.py"],
                      ["tests/federated/test_protocol.py", "tests/algorithms/test_baselines*.py", "tests/algorithms/test_baseline_pins.py",
                       "tests/algorithms/test_server_pins.py",

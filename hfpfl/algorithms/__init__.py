@@ -15,6 +15,8 @@ from . import feddf, fednova, perada  # noqa: F401  (registration)
 from . import central  # noqa: F401  (registration)
 from ..fedbip import method as _fedbip  # noqa: F401  (registration: FedBiP is its own package, hfpfl.fedbip)
 from . import fedbabu, fedproto  # noqa: F401  (registration)
+from . import dense, fedd3  # noqa: F401  (registration: one-shot baselines of FedBiP's Tables 1-2)
+from ..fedbip import baselines as _fedbip_baselines  # noqa: F401  (registration: FGL, FedDEO)
 from .fedavg import FedAvg
 
 # registered name -> module, for the methods imported on first use

@@ -249,7 +249,8 @@ class FedBiP(Algorithm):
         key = "|".join(map(str, (
             id(self.pipe), _digest(x, y), seed, self.ctx.data.num_labels, cfg.n_s, cfg.n_v, cfg.prompt_template,
             cfg.concept_epochs, cfg.concept_steps, cfg.concept_batch_size, self.concept_lr, cfg.concept_init,
-            cfg.concept_space, domain, classes, train_s, train_v)))
+            cfg.concept_space, domain, classes, train_s, train_v,
+            None if init_s is None else _digest(init_s, init_v))))  # the fixed half's words (S only / V only)
         if cfg.reuse_concepts and key in _CONCEPTS:
             S, V = _CONCEPTS[key]
             return S.clone(), V.clone()

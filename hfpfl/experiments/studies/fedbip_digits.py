@@ -18,8 +18,13 @@ table's control for a one-shot method: a classifier on the data the clients hold
 images, FedAvg's over {rounds} rounds of {local} local steps on each client; so the rows are matched by optimizer
 steps per trained model. judge: the share of synthetic images the LDM's public-image judge reads as their label;
 style: the share of each client's synthetic images a domain classifier (public splits) assigns to the client's
-domain. Cut from the paper's tables to fit the time: the one-shot baselines (FedD3, DENSE, FedDEO, FGL), DomainNet,
-PACS, OfficeHome and the label-shift Table 2."""
+domain. The one-shot baselines of Table 1 run on the same engine, data and classifier budget: FGL (captions built
+from the client's domain and class words, no captioning model), FedDEO (per-class descriptions trained {concept_epochs}
+epochs with the frozen LDM), both synthesising FedBiP-L's 10x with its sampler; DENSE (each client trains {steps}
+local steps, the server trains a generator against the ensemble with the one-hot, BN-statistics and adversarial
+terms, one generator step per student step, generator width 32 instead of DENSE's 64 to fit the time); FedD3 (KIP
+with an RBF kernel, 1 image per class per client). Cut from the paper's tables to fit the time: FGL's 3500 images per
+class and domain (here 10x, FedBiP-L's amount), DomainNet, PACS, OfficeHome and the label-shift Table 2."""
 from hfpfl.experiments import Study, Variant, controls, greater
 
 SHOTS, CONCEPT_EPOCHS, STEPS, ROUNDS = 5, 20, 500, 20
@@ -61,6 +66,21 @@ FEDAVG = Variant("fedavg", ("--method", "fedavg", "--num_rounds", str(ROUNDS), "
                  label="FedAvg (multi-round, real data)", paper="61.49 / 59.63 / 60.00")
 LOCAL_ONLY = Variant("local", ("--method", "local", "--num_rounds", str(ROUNDS), "--local_steps", str(LOCAL)),
                      label="Local-only (real data)")
+# the one-shot baselines of Table 1 (docs/methods/fgl.md, feddeo.md, dense.md, fedd3.md), each classifier trained
+# the same STEPS; FGL and FedDEO synthesise FedBiP-L's 10x with its LDM, sampler and guidance (the paper: 3500 images
+# per class and domain for FGL, FedBiP-L's amount for FedDEO)
+LDM_FLAGS = ("--num_inference_steps", "20", "--guidance_scale", "3.0", "--classifier_steps", str(STEPS),
+             "--num_rounds", "1", "--multiplier", "10")
+FGL = Variant("fgl", ("--method", "fgl", *LDM_FLAGS, "--prompt_template", "a [S] photo of the digit [V]"),
+              label="FGL (client captions, 10x)", paper="61.69 / 60.82 / 51.63", metrics_hook=HOOK)
+FEDDEO = Variant("feddeo", ("--method", "feddeo", *LDM_FLAGS, "--concept_epochs", str(CONCEPT_EPOCHS)),
+                 label="FedDEO (per-class descriptions, 10x)", paper="62.52 / 59.78 / 56.96", metrics_hook=HOOK)
+DENSE = Variant("dense", ("--method", "dense", "--num_rounds", "1", "--local_steps", str(STEPS),
+                          "--classifier_steps", str(STEPS), "--generator_width", "32"),
+                label="DENSE (client models, data-free distillation)", paper="58.26 / 53.46 / 58.55")
+FEDD3 = Variant("fedd3", ("--method", "fedd3", "--num_rounds", "1", "--classifier_steps", str(STEPS)),
+                label="FedD3 (KIP-distilled, 1 image per class)", paper="56.26 / 51.34 / 56.52")
+ONE_SHOT_BASELINES = (FGL, FEDDEO, DENSE, FEDD3)
 CENTRAL = Variant("central", ("--method", "central", "--steps", str(STEPS), "--num_rounds", "1"),
                   label="Central (pooled real data; oracle)", paper="73.42 / 67.32 / 64.38")
 
@@ -96,7 +116,8 @@ STUDY = Study(
              "synthetic_fidelity_judge": "synthetic images read as their label (LDM's public judge)",
              "synthetic_style": "synthetic images in their client's domain (style judge)"},
     variants=(PROMPT, V_ONLY, S_ONLY, CONCEPT, INSTANCE, NO_PERTURB, FEDBIP_S, FEDBIP_M, FEDBIP_L, L_WORDS, PROMPT_2,
-              V_ONLY_2, S_ONLY_2, INSTANCE_2, NO_PERTURB_2, FEDAVG, LOCAL_ONLY, CENTRAL, controls.chance(),
+              V_ONLY_2, S_ONLY_2, INSTANCE_2, NO_PERTURB_2, *ONE_SHOT_BASELINES, FEDAVG, LOCAL_ONLY, CENTRAL,
+              controls.chance(),
               controls.majority(),
               controls.untrained(FEDAVG, label="the classifier before training")),
     matched_by="steps",
@@ -106,11 +127,13 @@ STUDY = Study(
                                               f"({T1})"),
         greater("fedbip_l", "fedbip_m", paper=f"FedBiP-L 67.82 / 62.67 / 61.52 > FedBiP-M ({T1})"),
         greater("fedbip_l", "fedavg", paper=f"FedBiP-L above the multi-round FedAvg 61.49 / 59.63 / 60.00 ({T1})"),
+        *(greater("fedbip_l", v.name, paper=f"FedBiP-L 67.82 / 62.67 / 61.52 > {v.label.split(' (')[0]} {v.paper} "
+                                              f"({T1})") for v in ONE_SHOT_BASELINES),
         greater("central", "fedbip_l", paper=f"the oracle Central 73.42 / 67.32 / 64.38 above FedBiP-L ({T1})"),
         greater("fedbip_l", "untrained", paper="(control) the synthetic set teaches the classifier something"),
         greater("fedbip_l", "majority", paper="(control) above each client's majority label"),
     ),
     # by the mean of the paper's three dataset averages
-    paper_ordering=("central", "fedbip_l", "no_perturb", "instance_only", "fedavg", "fedbip_m", "s_only", "v_only",
-                    "prompt_only", "fedbip_s"),
+    paper_ordering=("central", "fedbip_l", "no_perturb", "instance_only", "fedavg", "fedbip_m", "s_only", "feddeo",
+                    "v_only", "fgl", "prompt_only", "dense", "fedbip_s", "fedd3"),
 )
