@@ -89,3 +89,16 @@ def test_caption_pool_images_are_pool_images_no_client_holds():
     for template in range(len(V.CAPTION_TEMPLATES)):
         words = V.caption(shape, colour, template).split()
         assert shape in words and colour in words
+
+
+def test_caption_pool_draws_its_images_and_captions_from_those_pool_images():
+    """caption_pool's first pass is the pool images in the plain style (pixel for pixel the images of
+    caption_pool_ids), and caption k names the attributes of image k; the second pass repeats them jittered."""
+    ids = V.caption_pool_ids()
+    images, captions, attrs = V.caption_pool(32, seed=0, captions_per_image=2)
+    assert len(images) == len(captions) == len(attrs) == 2 * len(ids)
+    assert np.array_equal(images[:len(ids)], V.easy_vqa_images(32)[ids])
+    truth = V.image_attributes()
+    assert attrs == [truth[i] for i in ids] * 2
+    for c, (s, col) in zip(captions, attrs):
+        assert s in c.split() and col in c.split()
