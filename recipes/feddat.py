@@ -8,12 +8,14 @@ first use, ~1-3 min on one CPU core).
     python recipes/feddat.py --method vqa_adapter_local               # Adapter-L (local only)
     python recipes/feddat.py --method feddat --mutual false           # ablation: w/o mutual KD
     python recipes/feddat.py --method vqa_peft --peft lora            # or prompt | bias | full | head (clf-L)
+    python recipes/feddat.py --method vqa_central --num_rounds 1      # benchmark check: central fine-tuning
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/feddat.py ...
     python recipes/feddat.py --help
 
 The benchmark's own options (--backbone vilt|blip: the stand-in whose tiny checkpoint is the default --model;
---vqa_split function|scene|domain; --train_per_client / --test_per_client; --image_ablation none|blank|shuffle: the
-question-only and shuffled-image controls) are listed by --help with the run and
+--vqa_split function|scene|domain; --train_per_client / --test_per_client; --answer_balance question|none: each
+question string's answers uniform, the default, so that answers need the image; --image_ablation none|blank|shuffle:
+the question-only and shuffled-image controls) are listed by --help with the run and
 method options; they go in a --config file and config.yaml like any other.
 Defaults (a few minutes on 2 cores): 8 rounds, 1 local epoch, batch 32, AdamW lr 1e-3, weight decay 0.01, warm-up
 10% + linear decay per round. Results contract: config.yaml, results.json (per-client accuracy, bytes per part,
@@ -39,6 +41,9 @@ class VQABenchmark:
     image_ablation: str = option("none", "A control, not a method: blank (every client image one constant grey "
                                  "image, train and test: a question-only model) | shuffle (images permuted across "
                                  "the questions of each client split) | none.", choices=["none", "blank", "shuffle"])
+    answer_balance: str = option("question", "question: every question string's answers uniform in each client "
+                                 "split (yes/no 50/50), so the answers need the image | none: easy-vqa's raw answer "
+                                 "mix (a question-only model scores far above chance).", choices=["question", "none"])
 
     def run_defaults(self) -> dict:
         """The run defaults these options choose: --backbone's stand-in is the default --model."""
@@ -50,10 +55,11 @@ RECIPE_OPTIONS = VQABenchmark  # this recipe's own options (docs/reference/optio
 
 
 def benchmark_data(run, data, opts: VQABenchmark):
-    return build_data(run, data, opts.vqa_split, opts.train_per_client, opts.test_per_client, opts.image_ablation)
+    return build_data(run, data, opts.vqa_split, opts.train_per_client, opts.test_per_client, opts.image_ablation,
+                      answer_balance=opts.answer_balance)
 
 
-def build_data(run, data, split, train_n, test_n, image_ablation="none"):
+def build_data(run, data, split, train_n, test_n, image_ablation="none", answer_balance="question"):
     from hfpfl.data.vqa import vqa_benchmark
     from hfpfl.models.vqa import vqa_tokenizer
     from hfpfl.models.builders import TINY_VQA_MODELS, build_vqa_tokenizer
@@ -63,7 +69,7 @@ def build_data(run, data, split, train_n, test_n, image_ablation="none"):
     tok = vqa_tokenizer() if local else build_vqa_tokenizer(run.model)
     tok = getattr(tok, "tokenizer", tok)
     return vqa_benchmark(split, tokenizer=tok, seed=run.seed, train_per_client=train_n, test_per_client=test_n,
-                         image_size=data.image_size, image_ablation=image_ablation)
+                         image_size=data.image_size, image_ablation=image_ablation, answer_balance=answer_balance)
 
 
 def main(argv=None):

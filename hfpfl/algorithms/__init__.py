@@ -25,6 +25,7 @@ LAZY_METHODS = {
     "fedpce": "fedpce", "pce_fedavg": "fedpce", "pce_fedprox": "fedpce", "pce_fedbn": "fedpce", "pce_fedper": "fedpce",
     "fraug": "fraug",
     "feddat": "feddat", "vqa_adapter": "feddat", "vqa_adapter_local": "feddat", "vqa_peft": "feddat",
+    "vqa_central": "vqa_central",
 }
 
 

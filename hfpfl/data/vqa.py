@@ -23,6 +23,17 @@ The images are split once into a *pretraining pool* (30%, rendered only in the p
 images are disjoint from its training images. Client splits are in model-input format with numeric columns only:
 ``input_ids``, ``attention_mask``, ``pixels`` (uint8 [3, H, W]) and ``answer`` (int).
 
+``answer_balance`` (default ``question``): each client split keeps, for every question string, the same number of
+questions per answer that string takes in easy-vqa (its 2 yes/no answers 50/50, its 3 shapes or 8 colours uniform),
+so the question text alone predicts nothing beyond chance within its family and the answers need the image. Raw
+easy-vqa is far from that: a colour yes/no string ("is there a red shape?") is ~86% one answer, so a question-only
+model scores ~0.66 on the scene split. ``none`` keeps the raw draw (the earlier benchmark).
+
+The foundation stand-ins are not pretrained on questions or answers: :func:`caption_pool` gives the pool images
+(pool styles) with captions built from the pool's own annotations (the image's shape and colour, as easy-vqa states
+them for that image), for image-text matching / contrastive / masked or causal language modelling
+(:mod:`hfpfl.models.vqa`).
+
 ``image_ablation`` (controls that say how much of a score the image explains): ``blank`` replaces every client
 image (train and test) by one constant grey image, so a model trained and tested on it is a question-only model;
 ``shuffle`` permutes the images across the questions of each client split, so images keep their style but no longer
@@ -49,6 +60,10 @@ POOL_STYLES = ("plain", "jitter")
 SPLITS = ("function", "scene", "domain")
 POOL_FRACTION = 0.3
 IMAGE_ABLATIONS = ("none", "blank", "shuffle")
+ANSWER_BALANCES = ("question", "none")
+#: caption templates of the pool images ({c}: colour, {s}: shape); words of the tiny vocabulary
+CAPTION_TEMPLATES = ("a {c} {s}", "there is a {c} {s} in the image", "the {s} in the image is {c}",
+                     "a picture of a {c} {s}", "the {c} shape is a {s}")
 #: the blank image's value: mid-grey, the centre of the [-1, 1] pixel normalisation
 BLANK_VALUE = 128
 #: the domain-like split: (style, question family) per client
@@ -238,6 +253,88 @@ def encode(tokenizer, questions: list[str], answers: list[str], answer_list: lis
     }, features=feats).with_format("torch")
 
 
+# ------------------------------------------------------------------------------------------------ answer balance
+@functools.lru_cache(maxsize=1)
+def question_answer_sets() -> dict[str, tuple[str, ...]]:
+    """Every question string of easy-vqa -> the answers it takes anywhere in easy-vqa (sorted)."""
+    rows, _ = _easy_vqa_raw()
+    out: dict[str, set] = {}
+    for r in rows:
+        out.setdefault(r[0], set()).add(r[1])
+    return {q: tuple(sorted(a)) for q, a in out.items()}
+
+
+def balanced_by_question(sel: list, answer_sets: dict, cap: int, rng: np.random.Generator) -> list:
+    """At most ``cap`` rows of ``sel`` (rows: (question, answer, ...)) in which every question string has the same
+    number of rows for each answer of ``answer_sets[question]``: rows are grouped by (question, answer) in a random
+    order, a *block* is one row of each answer of one question string, and whole blocks are taken in a random order
+    until the next would pass ``cap`` (so a split may hold a few rows fewer than ``cap``). A question string that
+    lacks one of its answers in ``sel`` contributes nothing. Returns the rows in a random order."""
+    groups: dict[str, dict[str, list]] = {}
+    for r in sel:
+        groups.setdefault(r[0], {}).setdefault(r[1], []).append(r)
+    blocks = []
+    for q in sorted(groups):
+        answers = answer_sets[q]
+        per = [groups[q].get(a, []) for a in answers]
+        per = [[g[i] for i in rng.permutation(len(g))] for g in per]
+        for j in range(min(len(g) for g in per)):
+            blocks.append([g[j] for g in per])
+    out = []
+    for b in (blocks[i] for i in rng.permutation(len(blocks))):
+        if len(out) + len(b) > cap:
+            break
+        out.extend(b)
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+# ------------------------------------------------------------------------------------------------ caption pool
+@functools.lru_cache(maxsize=1)
+def image_attributes() -> dict[int, tuple[str, str]]:
+    """image id -> (shape, colour), for the images whose easy-vqa questions state both ("what shape is ...?",
+    "what color is ...?"): the generator's own record of what it drew."""
+    rows, _ = _easy_vqa_raw()
+    shape, colour = {}, {}
+    for q, a, t, i, _p in rows:
+        if t == "shape":
+            shape[i] = a
+        elif t == "color":
+            colour[i] = a
+    return {i: (shape[i], colour[i]) for i in sorted(shape) if i in colour}
+
+
+def caption_pool_ids() -> list[int]:
+    """The images of :func:`caption_pool`: the pool images whose shape and colour easy-vqa states."""
+    pool, _ = pool_and_client_images()
+    attrs = image_attributes()
+    return [int(i) for i in pool if int(i) in attrs]
+
+
+def caption(shape: str, colour: str, template: int) -> str:
+    return CAPTION_TEMPLATES[template % len(CAPTION_TEMPLATES)].format(c=colour, s=shape)
+
+
+def caption_pool(image_size: int = 32, seed: int = 0, captions_per_image: int = 2):
+    """The foundation models' pretraining data: the pool images (no client image, :func:`pool_and_client_images`)
+    whose shape and colour easy-vqa states, each ``captions_per_image`` times in a pool style (``plain`` / ``jitter``,
+    alternating) with a caption naming its colour and shape (:data:`CAPTION_TEMPLATES`, drawn with ``seed``). No
+    question and no answer of the VQA task is used. Returns ``(images uint8 [N, H, W, 3], captions, attributes)``
+    with ``attributes[i] = (shape, colour)`` (two pairs with equal attributes describe each other's images)."""
+    attrs = image_attributes()
+    ids = caption_pool_ids()
+    rng = np.random.default_rng([seed, 5])
+    all_imgs = easy_vqa_images(image_size)
+    images, caps, out_attrs = [], [], []
+    for k in range(captions_per_image):
+        style = POOL_STYLES[k % len(POOL_STYLES)]
+        images.append(apply_style(all_imgs[ids], style, seed * 100 + k))
+        for i in ids:
+            s, c = attrs[i]
+            caps.append(caption(s, c, int(rng.integers(len(CAPTION_TEMPLATES)))))
+            out_attrs.append((s, c))
+    return np.concatenate(images), caps, out_attrs
+
+
 # ------------------------------------------------------------------------------------------------ benchmark
 @dataclass
 class VQAClientSpec:
@@ -287,13 +384,18 @@ def pretraining_pool(tokenizer, image_size: int = 32, max_questions: int | None 
 
 
 def vqa_benchmark(split: str = "scene", *, tokenizer, seed: int = 0, train_per_client: int = 400,
-                  test_per_client: int = 200, image_size: int = 32, image_ablation: str = "none"):
+                  test_per_client: int = 200, image_size: int = 32, image_ablation: str = "none",
+                  answer_balance: str = "question"):
     """A :class:`~hfpfl.data.federated.FederatedData` for one of FedDAT's heterogeneity splits (see module doc).
     Each client draws its own images (disjoint between clients and between its train and test splits).
     ``image_ablation``: ``none`` | ``blank`` | ``shuffle`` (module doc); the questions, answers and their order do
-    not depend on it."""
+    not depend on it. ``answer_balance``: ``question`` (every question string's answers uniform in each split,
+    :func:`balanced_by_question`) | ``none`` (the raw draw)."""
     if image_ablation not in IMAGE_ABLATIONS:
         raise ValueError(f"--image_ablation must be one of {', '.join(IMAGE_ABLATIONS)}, got {image_ablation!r}")
+    if answer_balance not in ANSWER_BALANCES:
+        raise ValueError(f"--answer_balance must be one of {', '.join(ANSWER_BALANCES)}, got {answer_balance!r}")
+    answer_sets = question_answer_sets()
 
     rows, answers = _easy_vqa_raw()
     specs = client_specs(split)
@@ -313,8 +415,12 @@ def vqa_benchmark(split: str = "scene", *, tokenizer, seed: int = 0, train_per_c
         for which, ids, cap in (("test", mine[:n_test_img], test_per_client), ("train", mine[n_test_img:],
                                                                                  train_per_client)):
             sel = [r for i in ids for r in by_image[int(i)] if r[2] in spec.families]
-            sel = [sel[j] for j in rng.permutation(len(sel))[:cap]]
-            if len(sel) < min(cap, 20):
+            if answer_balance == "question":
+                sel = balanced_by_question(sel, answer_sets, cap, rng)
+            else:
+                sel = [sel[j] for j in rng.permutation(len(sel))[:cap]]
+            # a balanced split stops before a block that would pass the cap: up to one block (8 answers) short
+            if len(sel) < min(cap, 20) - (7 if answer_balance == "question" else 0):
                 raise ValueError(f"VQA client {cid} ({spec.name}) has only {len(sel)} {which} questions")
             imgs = apply_style(all_imgs[[r[3] for r in sel]], spec.style, seed=seed * 1000 + cid * 10 + (which == "test"))
             # its own generator: the benchmark's draws (rng) stay the same under every ablation
@@ -337,6 +443,7 @@ class VQAFederatedData(FederatedData):
         return np.stack(rows) if rows else np.zeros((0, self.num_labels), np.int64)
 
 
-__all__ = ["load_vqa_source", "vqa_benchmark", "pretraining_pool", "apply_style", "easy_vqa_images",
+__all__ = ["load_vqa_source", "vqa_benchmark", "pretraining_pool", "caption_pool", "balanced_by_question",
+           "question_answer_sets", "image_attributes", "ANSWER_BALANCES", "apply_style", "easy_vqa_images",
            "easy_vqa_answers", "client_specs", "question_type", "SPLITS", "QUESTION_TYPES",
            "CLIENT_STYLES", "POOL_STYLES", "IMAGE_ABLATIONS", "ablate_images"]

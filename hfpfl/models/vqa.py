@@ -1,5 +1,6 @@
-"""The VQA foundation backbones: the tiny ViLT / BLIP stand-ins (pretrained centrally on the disjoint easy-vqa
-pool and published to the local Hub cache on first use), building the :class:`~hfpfl.models.vqa_model.VQAModel` of a
+"""The VQA foundation backbones: the tiny ViLT / BLIP stand-ins (pretrained centrally with their papers' objectives on
+captioned images of the disjoint easy-vqa pool -- never on VQA answers -- and published to the local Hub cache on
+first use), building the :class:`~hfpfl.models.vqa_model.VQAModel` of a
 backbone by name (:func:`build_vqa_peft_model`) and the tiny models' tokenizer. The model itself (adapters, modes,
 PEFT baselines) is :mod:`hfpfl.models.vqa_model`."""
 from __future__ import annotations
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch
 
 from .. import hub
-from ..training import TensorData, evaluate, train_local
-from .vqa_model import AnswerAccuracy, VQAModel
+from ..training import TensorData, train_local
+from .vqa_model import VQAModel
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +24,11 @@ logger = logging.getLogger(__name__)
 BACKBONES = {"vilt": "hfpfl/tiny-vilt-easyvqa-pool", "blip": "hfpfl/tiny-blip-easyvqa-pool"}
 REAL_BACKBONES = {"vilt": "dandelin/vilt-b32-mlm", "blip": "Salesforce/blip-vqa-base"}
 INFO_FILE = "hfpfl_pretrain.json"
-PRETRAIN_CONFIG = {"recipe_version": 2, "hidden": 64, "layers": 3, "heads": 4, "image_size": 32, "epochs": 4,
-                   "batch_size": 64, "lr": 3e-3, "weight_decay": 0.01, "seed": 0, "max_questions": 9000}
+#: recipe 3: pretrained on captions with the papers' objectives (ViLT ITM + MLM, BLIP ITC + ITM + LM), not on VQA
+PRETRAIN_CONFIG = {"recipe_version": 3, "hidden": 64, "layers": 3, "heads": 4, "image_size": 32, "epochs": 8,
+                   "batch_size": 32, "lr": 3e-3, "weight_decay": 0.01, "seed": 0, "captions_per_image": 2,
+                   "max_caption_tokens": 16, "mlm_prob": 0.15, "negative_prob": 0.5, "itc_temperature": 0.07,
+                   "projection_dim": 32}
 
 
 def _tiny_config(name: str, cfg: dict) -> dict:
@@ -48,8 +52,8 @@ _IDENTITY = ("recipe_version", "model", "hidden", "layers", "heads", "image_size
 
 def ensure_vqa_backbone(kind: str, cache_dir: str | None = None, force: bool = False, reuse_other_budget: bool = False,
                         **overrides) -> str:
-    """The local Hub repo of the tiny ViLT/BLIP foundation model, pretrained centrally on the disjoint easy-vqa pool
-    (pool images, pool styles, no client data) and published with ``save_pretrained`` + a model card on first use.
+    """The local Hub repo of the tiny ViLT/BLIP foundation model, pretrained centrally on captioned images of the
+    disjoint easy-vqa pool (pool images, pool styles, no client data, no VQA answer) and published with ``save_pretrained`` + a model card on first use.
     ``reuse_other_budget``: a cached repo of the same architecture and pool trained with another budget (epochs,
     steps: e.g. a quick one in a test cache) is reused as is."""
     from accelerate import PartialState  # why: recipes read BACKBONES while parsing options; loads on first use
@@ -75,44 +79,88 @@ def ensure_vqa_backbone(kind: str, cache_dir: str | None = None, force: bool = F
 
 
 def pretrain_vqa_backbone(kind: str, cfg: dict, out_dir: str) -> dict:
-    """Train the whole tiny backbone (and its answer head/decoder) on the pool with the engine's one loop."""
-    from ..data.vqa import easy_vqa_answers, pretraining_pool  # why: datasets on first use (as above)
-    from .builders import build_vqa_model  # why: transformers' model code, on first use (as above)
+    """Pretrain the whole tiny backbone on the caption pool (:func:`hfpfl.data.vqa.caption_pool`: pool images, pool
+    styles, captions naming shape and colour; no VQA question or answer) with its paper's objectives
+    (:mod:`hfpfl.models.vqa_pretrain`: ViLT ITM + MLM, BLIP ITC + ITM + LM) through the engine's one loop, and
+    save what a client loads: ``ViltForMaskedLM`` (as ``dandelin/vilt-b32-mlm``; the VQA head is new at every client)
+    or ``BlipForQuestionAnswering`` (vision encoder, text encoder, decoder; the pretraining heads are dropped)."""
+    from transformers import ViltForMaskedLM  # why: transformers' model code on first use (as above)
+
+    from ..data.vqa import caption_pool, easy_vqa_answers  # why: datasets on first use (as above)
+    from .builders import build_vqa_model  # why: as above
+    from .vqa_pretrain import BlipPretrainer, ViltPretrainer
 
     torch.manual_seed(cfg["seed"])
     t0 = time.perf_counter()
     tok = vqa_tokenizer(f"tiny-{kind}", save_dir=out_dir)
     answers = easy_vqa_answers()
-    pool = pretraining_pool(tok, cfg["image_size"], cfg["max_questions"], seed=cfg["seed"])
-    split = pool.train_test_split(test_size=0.1, seed=cfg["seed"])
+    images, captions, attrs = caption_pool(cfg["image_size"], seed=cfg["seed"],
+                                           captions_per_image=cfg["captions_per_image"])
+    codes = {a: i for i, a in enumerate(sorted(set(attrs)))}
+    enc = tok(captions, padding="max_length", truncation=True, max_length=cfg["max_caption_tokens"])
+    cols = {"input_ids": torch.tensor(enc["input_ids"]), "attention_mask": torch.tensor(enc["attention_mask"]),
+            "pixels": torch.from_numpy(images.transpose(0, 3, 1, 2).copy()),
+            "attr": torch.tensor([codes[a] for a in attrs])}
+    order = torch.randperm(len(captions), generator=torch.Generator().manual_seed(cfg["seed"]))
+    n_val = len(order) // 10
+    val, train = (TensorData.of(**{k: v[idx] for k, v in cols.items()}) for idx in (order[:n_val], order[n_val:]))
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
     backbone = build_vqa_model(f"tiny-{kind}", len(answers), image_size=cfg["image_size"], vocab_size=len(tok),
                                **_tiny_config(f"tiny-{kind}", cfg))
-    ids = answer_token_ids(tok, answers) if kind == "blip" else None
-    model = VQAModel(backbone, ids, peft="full", head_init="pretrained")
-    data = TensorData.from_dataset(split["train"])
-    steps = cfg["epochs"] * math.ceil(len(data) / cfg["batch_size"])
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["lr"],
-                            weight_decay=cfg["weight_decay"])
+    if kind == "vilt":
+        published = ViltForMaskedLM(backbone.config)
+        model = ViltPretrainer(published, tok.all_special_ids, tok.mask_token_id, cfg["mlm_prob"],
+                               cfg["negative_prob"], gen)
+    else:
+        published = backbone
+        model = BlipPretrainer(published, backbone.config.text_config.bos_token_id, cfg["projection_dim"],
+                               cfg["itc_temperature"], cfg["negative_prob"], gen)
+    steps = cfg["epochs"] * math.ceil(len(train) / cfg["batch_size"])
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_linear(steps))
-    res = train_local(model, data, opt, batch_size=cfg["batch_size"], epochs=cfg["epochs"],
+    res = train_local(model, train, opt, batch_size=cfg["batch_size"], epochs=cfg["epochs"],
                       generator=torch.Generator().manual_seed(cfg["seed"]), scheduler=sched,
-                      loss_fn=lambda m, b: m(**b).loss)
-    val = evaluate(model, TensorData.from_dataset(split["test"]), metric=AnswerAccuracy())
-    backbone.config.id2label = dict(enumerate(answers))
-    backbone.config.label2id = {a: i for i, a in enumerate(answers)}
-    backbone.save_pretrained(out_dir)
-    metrics = {"val_accuracy": val["accuracy"], "train_loss": res["train_loss"], "steps": res["steps"],
-               "num_train": len(data), "seconds": round(time.perf_counter() - t0, 1)}
+                      loss_fn=lambda m, b: m(**b))
+    model.eval()
+    with torch.no_grad():
+        held = {k: round(float(v), 4) for k, v in model.losses(**val.columns).items()}
+    published.save_pretrained(out_dir)
+    objectives = "ITM + MLM" if kind == "vilt" else "ITC + ITM + LM"
+    metrics = {"objectives": objectives, "held_out": held, "train_loss": res["train_loss"], "steps": res["steps"],
+               "num_pairs": len(train), "seconds": round(time.perf_counter() - t0, 1)}
     Path(out_dir, INFO_FILE).write_text(json.dumps({"config": cfg, "metrics": metrics}, indent=2))
-    Path(out_dir, "README.md").write_text(
-        f"---\nlibrary_name: transformers\ntags: [hfpfl, vqa, stand-in]\n---\n# {BACKBONES[kind]}\n\n"
-        f"A stand-in for `{REAL_BACKBONES[kind]}` where the Hub is out of reach: a tiny "
-        f"`{type(backbone).__name__}` pretrained by `hfpfl.models.vqa.pretrain_vqa_backbone` on the disjoint "
-        f"easy-vqa pretraining pool ({len(data)} questions on pool images only, pool styles plain/jitter; no client "
-        f"image and no client style: textures, photos, palette, blur and noise are unseen). "
-        f"{'BLIP is the nearest HF architecture to ALBEF (dual-stream encoder + answer decoder). ' if kind == 'blip' else ''}"
-        f"Held-out pool accuracy {val['accuracy']:.3f}; {res['steps']} AdamW steps, {metrics['seconds']} s.\n")
+    Path(out_dir, "README.md").write_text(model_card(kind, type(published).__name__, metrics))
     return metrics
+
+
+def model_card(kind: str, cls_name: str, metrics: dict) -> str:
+    """The stand-in's model card: what it is a stand-in for, its data and its objectives."""
+    held = ", ".join(f"{k} {v}" for k, v in metrics["held_out"].items())
+    if kind == "vilt":
+        objectives = ("ViLT's pretraining objectives (Kim et al., ICML 2021, Sec. 3.2): image-text matching (a binary "
+                      "head on the pooled output; half the captions swapped for the caption of another image with a "
+                      "different shape or colour) and masked language modelling on the captions (15% of caption "
+                      "tokens, at least one, replaced by [MASK]); no word-patch alignment. Saved as "
+                      "`ViltForMaskedLM`, like `dandelin/vilt-b32-mlm`: there is no VQA head, a client's answer head "
+                      "is new (random).")
+    else:
+        objectives = ("BLIP's pretraining objectives (Li et al., ICML 2022, Sec. 3.2): image-text contrastive loss on "
+                      "the unimodal encoders' [CLS] projections (captions of the same shape and colour count as "
+                      "positives, fixed temperature 0.07), image-text matching with the image-grounded text encoder "
+                      "(negatives: captions of images with another shape or colour) and language modelling with the "
+                      "image-grounded decoder (the caption after [DEC]). BLIP is the nearest HF architecture to "
+                      "FedDAT's ALBEF (dual-stream encoders, fusion, answer decoder); ALBEF has MLM where BLIP has LM. "
+                      "Saved as `BlipForQuestionAnswering` (vision encoder, text encoder, decoder); the ITC "
+                      "projections and the ITM head are pretraining-only and dropped.")
+    return (f"---\nlibrary_name: transformers\ntags: [hfpfl, vqa, stand-in]\n---\n# {BACKBONES[kind]}\n\n"
+            f"A stand-in for `{REAL_BACKBONES[kind]}` where the Hub is out of reach: a tiny `{cls_name}` pretrained by "
+            f"`hfpfl.models.vqa.pretrain_vqa_backbone` on image-caption pairs of the easy-vqa pretraining pool "
+            f"({metrics['num_pairs']} pairs: pool images only, held by no client, in the pool styles plain and "
+            f"jitter; each caption names the image's shape and colour as easy-vqa records them, e.g. 'there is a red "
+            f"circle in the image'). No VQA question and no VQA answer was used: it relates to the clients' VQA task "
+            f"as a vision-language pretraining relates to VQA fine-tuning. No client image and no client style "
+            f"(textures, photos, palette, blur, noise) was seen.\n\n{objectives}\n\n"
+            f"{metrics['steps']} AdamW steps, {metrics['seconds']} s on CPU; held-out pairs: {held}.\n")
 
 
 def _warmup_linear(total: int, warmup: float = 0.1):

@@ -208,8 +208,8 @@ def test_feddat_resume_command_keeps_the_recipe_options(monkeypatch, tmp_path, c
     from hfpfl.models.vqa import BACKBONES
     mod = recipe("feddat")
     built = []
-    monkeypatch.setattr(mod, "build_data", lambda run, data, split, train_n, test_n, image_ablation: built.append(
-        (split, train_n, test_n, image_ablation)) or "fed")
+    monkeypatch.setattr(mod, "build_data", lambda run, data, split, train_n, test_n, image_ablation, answer_balance:
+                        built.append((split, train_n, test_n, image_ablation)) or "fed")
     _fake_engine(monkeypatch, _interrupted_after_round_one)
     out = tmp_path / "run"
     argv = ["--backbone", "blip", "--vqa_split", "domain", "--train_per_client", "24", "--test_per_client", "20",
@@ -221,7 +221,7 @@ def test_feddat_resume_command_keeps_the_recipe_options(monkeypatch, tmp_path, c
     assert built == [("domain", 24, 20, "shuffle")] and first.fed_data == "fed"
     assert first.args.model == BACKBONES["blip"]
     assert first.recipe_settings == {"backbone": "blip", "vqa_split": "domain", "train_per_client": 24,
-                                     "test_per_client": 20, "image_ablation": "shuffle"}
+                                     "test_per_client": 20, "image_ablation": "shuffle", "answer_balance": "question"}
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("interrupted; round 1 is saved in ")
     command = shlex.split(err.split("resume with: ", 1)[1])
