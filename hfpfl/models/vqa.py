@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 BACKBONES = {"vilt": "hfpfl/tiny-vilt-easyvqa-pool", "blip": "hfpfl/tiny-blip-easyvqa-pool"}
 REAL_BACKBONES = {"vilt": "dandelin/vilt-b32-mlm", "blip": "Salesforce/blip-vqa-base"}
 INFO_FILE = "hfpfl_pretrain.json"
-#: recipe 3: pretrained on captions with the papers' objectives (ViLT ITM + MLM, BLIP ITC + ITM + LM), not on VQA
-PRETRAIN_CONFIG = {"recipe_version": 3, "hidden": 64, "layers": 3, "heads": 4, "image_size": 32, "epochs": 8,
+#: recipe 3: pretrained on captions with the papers' objectives (ViLT ITM + MLM, BLIP ITC + ITM + LM), not on VQA;
+#: recipe 4: tiny BLIP's vision tower initialised at std 0.02 (a config-built tower was constant over images)
+PRETRAIN_CONFIG = {"recipe_version": 4, "hidden": 64, "layers": 3, "heads": 4, "image_size": 32, "epochs": 8,
                    "batch_size": 32, "lr": 3e-3, "weight_decay": 0.01, "seed": 0, "captions_per_image": 2,
                    "max_caption_tokens": 16, "mlm_prob": 0.15, "negative_prob": 0.5, "itc_temperature": 0.07,
                    "projection_dim": 32}
