@@ -13,16 +13,12 @@ the classifier more distinct images, not more steps. Controls: chance, each clie
 before training. Rows whose command line is a fedbip_digits row's, flag for flag (the same row key: 2x, 5x and 10x are its
 FedBiP-S, -M and -L, and FedAvg, Central and the controls), are that study's stored rows (their own commit and date
 shown); 1x and 20x ran here."""
+from hfpfl.experiments.studies.fedbip_digits import (CENTRAL, COMMON, CONCEPT_EPOCHS, FEDAVG, FEDBIP, LOCAL,
+                                                     METRICS, ROUNDS, SHOTS, STEPS)
 from hfpfl.experiments import Study, Variant, controls, greater
 from hfpfl.experiments.claims import rises
 
-SHOTS, CONCEPT_EPOCHS, STEPS, ROUNDS = 5, 20, 500, 20
-LOCAL = STEPS // ROUNDS
 F5 = "FedBiP (dissertation ch. 5), Fig. 5"
-# the FedBiP settings of fedbip_digits (the main Digits setting)
-FEDBIP = ("--method", "fedbip", "--concept_epochs", str(CONCEPT_EPOCHS), "--num_inference_steps", "20",
-          "--guidance_scale", "3.0", "--prompt_template", "a [S] photo of the digit [V]",
-          "--classifier_steps", str(STEPS), "--num_rounds", "1")
 AMOUNTS = (1, 2, 5, 10, 20)
 #: Table 1's averages (DomainNet / PACS / OfficeHome) at the amounts it reports
 PAPER = {2: "FedBiP-S 61.51 / 56.62 / 50.59", 5: "FedBiP-M 64.86 / 60.30 / 55.27",
@@ -35,10 +31,6 @@ def amount(m: int) -> Variant:
                    paper=PAPER.get(m), metrics_hook="hfpfl.fedbip.quality:synthetic_quality")
 
 
-FEDAVG = Variant("fedavg", ("--method", "fedavg", "--num_rounds", str(ROUNDS), "--local_steps", str(LOCAL)),
-                 label="FedAvg (multi-round, real data)", paper="61.49 / 59.63 / 60.00")
-CENTRAL = Variant("central", ("--method", "central", "--steps", str(STEPS), "--num_rounds", "1"),
-                  label="Central (pooled real data; oracle)", paper="73.42 / 67.32 / 64.38")
 NAMES = [f"fedbip_{m}x" for m in AMOUNTS]
 
 STUDY = Study(
@@ -48,14 +40,8 @@ STUDY = Study(
     description=__doc__.split("\n\n", 1)[1].replace("\n", " ").format(
         shots=SHOTS, concept_epochs=CONCEPT_EPOCHS, steps=STEPS, rounds=ROUNDS, local=LOCAL),
     seeds=(0, 1, 2),
-    common=("--dataset", "digits-nomnist", "--partition", "feature_shift", "--num_clients", "3",
-            "--max_per_domain", "400", "--test_fraction", "0.5", "--image_size", "32", "--shots_per_class",
-            str(SHOTS), "--data_seed", "0", "--model", "tiny-resnet", "--optimizer", "sgd", "--lr", "0.05",
-            "--momentum", "0.9", "--batch_size", "32"),
-    metrics={"personal_accuracy": "mean per-client accuracy (each client's real test split)",
-             "global_accuracy": "accuracy on the global test set",
-             "synthetic_fidelity_judge": "synthetic images read as their label (LDM's public judge)",
-             "synthetic_style": "synthetic images in their client's domain (style judge)"},
+    common=COMMON,
+    metrics=METRICS,
     variants=(*(amount(m) for m in AMOUNTS), FEDAVG, CENTRAL, controls.chance(), controls.majority(),
               controls.untrained(FEDAVG, label="the classifier before training")),
     matched_by="steps",

@@ -17,15 +17,12 @@ FedBiP-S, FedAvg, Central, the controls) and are taken from its store (their own
 (a box shared by several studies): k = 1, 3, 5 (the paper: 1 to 5) and FedBiP-S (2x; the figure does not name the
 variant): at 15 clients a 10x row synthesises 7500 images, about six minutes a row on a quiet box, and FedAvg's 15
 models of {steps} steps each cost more than the synthesis."""
+from hfpfl.experiments.studies.fedbip_digits import COMMON, CONCEPT_EPOCHS, FEDBIP, LOCAL, ROUNDS, SHOTS, STEPS
 from hfpfl.experiments import Study, Variant, controls, greater, within
 from hfpfl.experiments.claims import rises
 
-SHOTS, CONCEPT_EPOCHS, STEPS, ROUNDS, MULT = 5, 20, 500, 20, 2
-LOCAL = STEPS // ROUNDS
 F4 = "FedBiP (dissertation ch. 5), Fig. 4"
-FEDBIP = ("--method", "fedbip", "--concept_epochs", str(CONCEPT_EPOCHS), "--num_inference_steps", "20",
-          "--guidance_scale", "3.0", "--prompt_template", "a [S] photo of the digit [V]",
-          "--classifier_steps", str(STEPS), "--num_rounds", "1")
+MULT = 2
 PER_DOMAIN = (1, 3, 5)
 #: the maximal tolerance we read "FedAvg remains unchanged" with (the paper gives none): about the seeds' spread of
 #: these rows
@@ -54,10 +51,7 @@ STUDY = Study(
     description=__doc__.split("\n\n", 1)[1].replace("\n", " ").format(
         shots=SHOTS, concept_epochs=CONCEPT_EPOCHS, mult=MULT, steps=STEPS, rounds=ROUNDS, local=LOCAL),
     seeds=(0, 1, 2),
-    common=("--dataset", "digits-nomnist", "--partition", "feature_shift", "--num_clients", "3",
-            "--max_per_domain", "400", "--test_fraction", "0.5", "--image_size", "32", "--shots_per_class",
-            str(SHOTS), "--data_seed", "0", "--model", "tiny-resnet", "--optimizer", "sgd", "--lr", "0.05",
-            "--momentum", "0.9", "--batch_size", "32"),
+    common=COMMON,
     metrics={"personal_accuracy": "mean per-client accuracy (each client's real test split)",
              "global_accuracy": "accuracy on the global test set",
              "synthetic_style": "synthetic images in their client's domain (style judge)"},

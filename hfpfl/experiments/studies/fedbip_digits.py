@@ -100,6 +100,16 @@ def ladder(amount: str) -> list:
             for a, b, text in TABLE3]
 
 
+#: the Digits setting every FedBiP study shares (the sweeps import it, so equal rows have equal keys)
+COMMON = ("--dataset", "digits-nomnist", "--partition", "feature_shift", "--num_clients", "3", "--max_per_domain",
+          "400", "--test_fraction", "0.5", "--image_size", "32", "--shots_per_class", str(SHOTS), "--data_seed", "0",
+          "--model", "tiny-resnet", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--batch_size", "32")
+METRICS = {"personal_accuracy": "mean per-client accuracy (each client's real test split)",
+           "global_accuracy": "accuracy on the global test set",
+           "synthetic_fidelity_judge": "synthetic images read as their label (LDM's public judge)",
+           "synthetic_style": "synthetic images in their client's domain (style judge)"}
+
+
 STUDY = Study(
     name="fedbip_digits",
     title="FedBiP: ablations (Table 3) and FedBiP-S/M/L vs FedAvg and Central (Table 1), Digits feature shift",
@@ -107,14 +117,8 @@ STUDY = Study(
     description=__doc__.split("\n\n", 1)[1].replace("\n", " ").format(
         shots=SHOTS, concept_epochs=CONCEPT_EPOCHS, steps=STEPS, rounds=ROUNDS, local=LOCAL),
     seeds=(0, 1, 2),
-    common=("--dataset", "digits-nomnist", "--partition", "feature_shift", "--num_clients", "3",
-            "--max_per_domain", "400", "--test_fraction", "0.5", "--image_size", "32", "--shots_per_class",
-            str(SHOTS), "--data_seed", "0", "--model", "tiny-resnet", "--optimizer", "sgd", "--lr", "0.05",
-            "--momentum", "0.9", "--batch_size", "32"),
-    metrics={"personal_accuracy": "mean per-client accuracy (each client's real test split)",
-             "global_accuracy": "accuracy on the global test set",
-             "synthetic_fidelity_judge": "synthetic images read as their label (LDM's public judge)",
-             "synthetic_style": "synthetic images in their client's domain (style judge)"},
+    common=COMMON,
+    metrics=METRICS,
     variants=(PROMPT, V_ONLY, S_ONLY, CONCEPT, INSTANCE, NO_PERTURB, FEDBIP_S, FEDBIP_M, FEDBIP_L, L_WORDS, PROMPT_2,
               V_ONLY_2, S_ONLY_2, INSTANCE_2, NO_PERTURB_2, *ONE_SHOT_BASELINES, FEDAVG, LOCAL_ONLY, CENTRAL,
               controls.chance(),

@@ -17,16 +17,11 @@ key: FedBiP-L, chance, majority), are that study's stored rows (their own commit
 "FedBiP"), no Local-only row."""
 import dataclasses
 
+from hfpfl.experiments.studies.fedbip_digits import COMMON, FEDBIP, LOCAL, ROUNDS, SHOTS, STEPS
 from hfpfl.experiments import Study, Variant, controls, greater
 
-SHOTS, CONCEPT_EPOCHS, STEPS, ROUNDS = 5, 20, 500, 20
-LOCAL = STEPS // ROUNDS
 T4 = "FedBiP (dissertation ch. 5), Table 4"
 HOOK = "hfpfl.experiments.studies.fedbip_privacy:mia_metrics"
-# the FedBiP settings of fedbip_digits (the main Digits setting)
-FEDBIP = ("--method", "fedbip", "--concept_epochs", str(CONCEPT_EPOCHS), "--num_inference_steps", "20",
-          "--guidance_scale", "3.0", "--prompt_template", "a [S] photo of the digit [V]",
-          "--classifier_steps", str(STEPS), "--num_rounds", "1")
 
 
 def mia_metrics(sim, results: dict) -> None:
@@ -72,10 +67,7 @@ STUDY = Study(
     description=__doc__.split("\n\n", 1)[1].replace("\n", " ").format(
         shots=SHOTS, steps=STEPS, rounds=ROUNDS, local=LOCAL),
     seeds=(0, 1, 2),
-    common=("--dataset", "digits-nomnist", "--partition", "feature_shift", "--num_clients", "3",
-            "--max_per_domain", "400", "--test_fraction", "0.5", "--image_size", "32", "--shots_per_class",
-            str(SHOTS), "--data_seed", "0", "--model", "tiny-resnet", "--optimizer", "sgd", "--lr", "0.05",
-            "--momentum", "0.9", "--batch_size", "32"),
+    common=COMMON,
     metrics={"mia_loss_gap": "MIA loss gap |member - non-member| (lower: more private)",
              "mia_entropy_gap": "MIA entropy gap (lower: more private)",
              "member_loss": "mean loss on members (train images)",
