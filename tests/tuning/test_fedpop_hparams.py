@@ -79,11 +79,14 @@ def make_tuner(tiny_fed, tmp_path):
 # ------------------------------------------------------------------------------------------ declarations
 def test_declarations_of_the_methods_that_bypass_the_fedopt_step():
     """What each method's code reads (checked by hand against its reduce/aggregate and local training): FedNova,
-    PerAda, FedBasis, Local-only, FedProto (prototypes only), Central and FedBiP apply no FedOpt step; SCAFFOLD's server reads eta_g only and its
+    PerAda, FedBasis, Local-only, FedProto (prototypes only), Central, FedBiP and the one-shot methods (FGL, FedDEO,
+    DENSE, FedD3, the VQA central fine-tuning) apply no FedOpt step; DENSE's clients train with the run's settings,
+    FedD3's distil with their own config, FGL/FedDEO as FedBiP; SCAFFOLD's server reads eta_g only and its
     option II needs momentum = weight decay = 0; FedBasis and FedRep run their own epochs; the VQA methods use AdamW
     (no momentum); everything else reads all of them."""
     load_builtin_methods()
-    no_server = {"fednova", "perada", "fedbasis", "local", "central", "fedbip", "vqa_adapter_local", "fedproto"}
+    no_server = {"fednova", "perada", "fedbasis", "local", "central", "fedbip", "vqa_adapter_local", "fedproto",
+                 "fgl", "feddeo", "dense", "fedd3", "vqa_central"}
     for name, cls in REGISTRY.items():
         if not _builtin(name):
             continue
@@ -92,12 +95,12 @@ def test_declarations_of_the_methods_that_bypass_the_fedopt_step():
     client = {n: set(REGISTRY[n].uses_client_hparams) for n in REGISTRY if _builtin(n)}
     assert client["scaffold"] == ALL_CLIENT - {"momentum", "weight_decay"}
     assert client["fedbasis"] == client["fedrep"] == ALL_CLIENT - {"local_epochs"}
-    assert client["central"] == client["fedbip"] == set()
+    assert client["central"] == client["fedbip"] == client["fgl"] == client["feddeo"] == client["fedd3"] == set()
     assert all(client[n] == ALL_CLIENT - {"momentum"} for n in ("feddat", "vqa_peft", "vqa_adapter",
-                                                               "vqa_adapter_local"))
+                                                               "vqa_adapter_local", "vqa_central"))
     assert all(client[n] == ALL_CLIENT for n in ("fedavg", "fedprox", "ditto", "fednova", "fedbn", "fedper",
                                                  "fedavg_ft", "feddf", "fraug", "fedpce", "perada", "local",
-                                                 "fedbabu", "fedproto"))
+                                                 "fedbabu", "fedproto", "dense"))
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedprox", "ditto", "fedbn", "fedavg_ft", "scaffold", "fednova", "local"])
@@ -268,7 +271,8 @@ SKIP = {"fedbip": "needs the latent diffusion model (LDM) and its synthesis; not
         "feddat": "VQA: needs the VQA data and a vision-language model",
         "vqa_peft": "VQA: needs the VQA data and a vision-language model",
         "vqa_adapter": "VQA: needs the VQA data and a vision-language model",
-        "vqa_adapter_local": "VQA: needs the VQA data and a vision-language model"}
+        "vqa_adapter_local": "VQA: needs the VQA data and a vision-language model",
+        "vqa_central": "VQA: needs the VQA data and a vision-language model"}
 # methods that build their own model (--model tiny-mlp would replace it) or need a classifier head (FedPer/FedRep
 # personalise "classifier.*", FedBABU keeps it at init, FedProto reads the embedding before it); the CondNorm ResNets need more than 8x8 pixels: 16x16 small digits
 OWN_MODEL = {"fedbasis", "fedpce", "pce_fedavg", "pce_fedprox", "pce_fedbn", "pce_fedper", "fraug", "fedper", "fedrep",
@@ -307,6 +311,10 @@ def test_fedpop_runs_two_rounds_over_every_classification_method(make_tuner, met
         cfg = get_algorithm("feddf").Config(kd_steps=1, kd_pool_size=8, kd_batch_size=4)
     if method == "central":
         cfg = get_algorithm("central").Config(epochs=1)
+    if method == "dense":
+        cfg = get_algorithm("dense").Config(classifier_steps=2, generator_width=8, z_dim=16)
+    if method in ("fgl", "feddeo"):   # the smallest synthesis: what is tested is the tuner around it
+        cfg = get_algorithm(method).Config(multiplier=1, concept_steps=1, num_inference_steps=2)
     tuner = make_tuner(method, method_config=cfg, run_kw=run_kw, data=data)
     cls = get_algorithm(method)
     assert set(tuner.space.server) == set(cls.uses_server_hparams)
