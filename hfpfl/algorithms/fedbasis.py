@@ -95,6 +95,9 @@ class FedBasis(Algorithm):
     name = "fedbasis"
     aggregation = "gather"
     local_update = "own"
+    # load_client switches the network back to the basis combination (a new client may have left it on the major
+    # basis alone): a personal model is built by this code, never by loading tensors only
+    personal_model = "own"
     Config = FedBasisConfig
     has_global_model = False
     uses_server_hparams = frozenset()  # aggregate: the uniform mean (+ k-means); no FedOpt step

@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--tolerance", type=float, default=1e-6,
                    help="absolute tolerance per metric (default 1e-6: one thread on the same machine reproduces a row "
                         "exactly; another CPU may flip a prediction, so loosen it there)")
+    b = common(sub.add_parser("borrow", help="copy in another study's stored rows whose row key (kind, recipe, full "
+                                             "flags, metrics hook) equals one of this study's: the same computation; "
+                                             "each keeps its provenance and names its source"))
+    b.add_argument("--from", dest="source", required=True, help="the study whose stored rows are read")
     d = common(sub.add_parser("docs", help="regenerate <out>/<study>.md from the stored summaries"), study=False)
     d.add_argument("studies", nargs="*", help="default: every study with a stored summary")
     d.add_argument("--out", default=None, help="default: the store (docs/results)")
@@ -69,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                 for n in a.variants:
                     study.variant(n)
             summary = runner.run_study(study, a.store, seeds=a.seeds, variants=a.variants, work_dir=a.work_dir)
+        elif a.cmd == "borrow":
+            for line in runner.borrow_rows(load_study(a.source), study, a.store):
+                print(line)
+            summary = runner.write_summary(study, a.store)
         elif a.cmd == "summarize":
             summary = runner.write_summary(study, a.store)
         elif a.cmd == "claims":

@@ -317,3 +317,22 @@ def verify(study, variant_name: str, seed: int, store, *, tolerance: float = 1e-
         ok = a is not None and b is not None and abs(a - b) <= tolerance
         checks.append({"metric": m, "stored": a, "now": b, "ok": ok})
     return all(c["ok"] for c in checks) and bool(checks), checks
+
+
+def borrow_rows(source, study, store: str) -> list[str]:
+    """Copy into ``study``'s store the rows of ``source`` whose row key (kind, recipe, full flags, metrics hook)
+    equals one of ``study``'s (variant, seed) keys: the same computation, already stored. Each copied row keeps its
+    provenance and names its source (``borrowed_from``); rows ``study`` already holds are left alone."""
+    have = {r["key"]: r for r in current_rows(source, RowStore(store, source.name).load()).values()}
+    dst = RowStore(store, study.name)
+    mine = current_rows(study, dst.load())
+    done = []
+    for v in study.variants:
+        for s in study.seeds:
+            row = have.get(study.row_key(v, s))
+            if (v.name, s) in mine or row is None:
+                continue
+            dst.append({**row, "study": study.name, "variant": v.name,
+                        "borrowed_from": f"{source.name}/{row['variant']}"})
+            done.append(f"{study.name}: {v.name} seed {s} <- {source.name}/{row['variant']}")
+    return done

@@ -37,6 +37,8 @@ EXEMPT = {
                                   "then the loader",
     ("DataArguments", "partition_column"): "a column of the user's own dataset, checked when partitioning",
     ("FedBiPConfig", "ldm"): "a Hub repo id or a local folder, checked when the LDM is loaded",
+    ("FGLConfig", "ldm"): "FedBiP's (inherited): checked when the LDM is loaded",
+    ("FedDEOConfig", "ldm"): "FedBiP's (inherited): checked when the LDM is loaded",
 }
 
 
