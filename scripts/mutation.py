@@ -85,6 +85,7 @@ TARGETS: dict[str, Target] = {
     "fedpce": Target(["hfpfl/algorithms/fedpce.py"], ["tests/algorithms/test_fedpce*.py"]),
     "fraug": Target(["hfpfl/algorithms/fraug.py"], ["tests/algorithms/test_fraug*.py"]),
     "feddat": Target(["hfpfl/algorithms/feddat.py"], ["tests/algorithms/test_feddat*.py"]),
+    "vqa_central": Target(["hfpfl/algorithms/vqa_central.py"], ["tests/algorithms/test_vqa_central.py"]),
     "fedbip": Target(["hfpfl/fedbip/config.py", "hfpfl/fedbip/method.py", "hfpfl/fedbip/latents.py",
                       "hfpfl/fedbip/concepts.py", "hfpfl/fedbip/client.py", "hfpfl/fedbip/protocol.py",
                       "pipelines/pipeline_fedbip.py"],
