@@ -86,6 +86,8 @@ TARGETS: dict[str, Target] = {
     "fraug": Target(["hfpfl/algorithms/fraug.py"], ["tests/algorithms/test_fraug*.py"]),
     "feddat": Target(["hfpfl/algorithms/feddat.py"], ["tests/algorithms/test_feddat*.py"]),
     "vqa_central": Target(["hfpfl/algorithms/vqa_central.py"], ["tests/algorithms/test_vqa_central.py"]),
+    # the VQA stand-ins' pretraining objectives (ViLT: ITM + MLM; BLIP: ITC + ITM + LM): what makes them honest
+    "vqa_pretrain": Target(["hfpfl/models/vqa_pretrain.py"], ["tests/models/test_vqa_pretrain.py"]),
     "fedbip": Target(["hfpfl/fedbip/config.py", "hfpfl/fedbip/method.py", "hfpfl/fedbip/latents.py",
                       "hfpfl/fedbip/concepts.py", "hfpfl/fedbip/client.py", "hfpfl/fedbip/protocol.py",
                       "pipelines/pipeline_fedbip.py"],
