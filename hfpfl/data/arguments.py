@@ -107,8 +107,17 @@ class DataArguments:
     noise_skew_rule: str = field(
         default="paper",
         metadata={"help": "--noise_skew per-client spread: paper (variance sigma * i / N, i = 1..N) | niid_bench (the "
-                          "NIID-Bench code: standard deviation sigma * i / (N - 1), i = 0..N-1, client 0 clean).",
-                  "check": one_of("paper", "niid_bench")},
+                          "NIID-Bench code: standard deviation sigma * i / (N - 1), i = 0..N-1, client 0 clean) | "
+                          "uniform (standard deviation sigma on every client: FRAug's privatized clients, section "
+                          "4.3.4).",
+                  "check": one_of("paper", "niid_bench", "uniform")},
+    )
+    noise_skew_splits: str = field(
+        default="all",
+        metadata={"help": "Which splits of each training client --noise_skew noises: all (train, val and test) | "
+                          "train (train and val, the data the client trains and validates on; its test split stays "
+                          "clean: FRAug's noise-robustness experiment, section 4.3.4).",
+                  "check": one_of("all", "train")},
     )
     shots_per_class: int | None = field(
         default=None,

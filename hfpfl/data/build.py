@@ -119,5 +119,5 @@ def build_federated_dataset(args: DataArguments, seed: int = 0) -> FederatedData
         num_channels=args.num_channels,
     )
     if args.noise_skew is not None:
-        fed = noise_skew(fed, args.noise_skew, args.noise_skew_rule, seed)
+        fed = noise_skew(fed, args.noise_skew, args.noise_skew_rule, seed, args.noise_skew_splits)
     return few_shot(fed, args.shots_per_class, draw_seed)

@@ -16,20 +16,30 @@ deviation* (client 0 clean): ``rule='niid_bench'``. The noise is added on the [0
 (NIID-Bench adds it to the tensor after ToTensor); it is one fixed draw per image (NIID-Bench redraws at every load).
 Each training client's train, validation and test splits get its noise; the global test set, the public split and
 held-out new clients stay clean (NIID-Bench tests on the clean global test set).
+
+FRAug's noise-robustness experiment (Chen's dissertation, FRAug chapter, section 4.3.4, Table 6, "privatized
+OfficeHome") adds delta ~ N(0, sigma^2 I) to every client's local images "when optimizing the classification model",
+sigma 0.01 / 0.1 / 1.0, and scores on clean test images: ``rule='uniform'`` (std sigma for every client) with
+``splits='train'`` (the train and validation splits, the client's own data, are noised; its test split stays
+clean). The chapter does not say whether the noise is redrawn at every step; a privatized copy is one fixed draw per
+image, as here.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-NOISE_RULES = ("paper", "niid_bench")
+NOISE_RULES = ("paper", "niid_bench", "uniform")
+#: which of a training client's splits get its noise: every split, or only the data it trains on (train, val)
+NOISE_SPLITS = {"all": ("train", "val", "test"), "train": ("train", "val")}
 
 
 def noise_skew_stds(num_clients: int, sigma: float, rule: str = "paper") -> list[float]:
     """The noise standard deviation of each client 0..N-1 (on the [0, 1] image scale).
 
     ``paper``: client index i = 1..N has variance sigma * i / N, so std sqrt(sigma * i / N);
-    ``niid_bench``: client index i = 0..N-1 has std sigma * i / (N - 1) (0 for a single client)."""
+    ``niid_bench``: client index i = 0..N-1 has std sigma * i / (N - 1) (0 for a single client);
+    ``uniform``: every client has std sigma (FRAug's privatized clients)."""
     if rule not in NOISE_RULES:
         raise ValueError(f"noise skew rule must be one of {', '.join(NOISE_RULES)}, got {rule!r}")
     if num_clients < 1 or not (sigma >= 0 and math.isfinite(sigma)):
@@ -37,19 +47,26 @@ def noise_skew_stds(num_clients: int, sigma: float, rule: str = "paper") -> list
     n = num_clients
     if rule == "paper":
         return [math.sqrt(sigma * (i + 1) / n) for i in range(n)]
+    if rule == "uniform":
+        return [float(sigma)] * n
     return [sigma * i / (n - 1) if n > 1 else 0.0 for i in range(n)]
 
 
-def noise_skew(fed, sigma: float, rule: str = "paper", seed: int = 0):
-    """``fed`` with each training client's train / val / test splits noised by its std of :func:`noise_skew_stds`
-    (one fixed draw per image, from (seed, client, split)); new clients, global test and public untouched."""
+def noise_skew(fed, sigma: float, rule: str = "paper", seed: int = 0, splits: str = "all"):
+    """``fed`` with each training client's splits of ``NOISE_SPLITS[splits]`` (all: train / val / test; train: train
+    / val) noised by its std of :func:`noise_skew_stds` (one fixed draw per image, from (seed, client, split)); new
+    clients, global test and public untouched."""
     from .transforms import add_input_noise
 
+    if splits not in NOISE_SPLITS:
+        raise ValueError(f"noise skew splits must be one of {', '.join(NOISE_SPLITS)}, got {splits!r}")
     stds = noise_skew_stds(len(fed.clients), sigma, rule)
     out = []
     for c, std in zip(fed.clients, stds):
         changes = {}
         for j, split in enumerate(("train", "val", "test")):
+            if split not in NOISE_SPLITS[splits]:
+                continue
             ds = getattr(c, split, None)
             if ds is not None and len(ds) and std > 0:
                 changes[split] = add_input_noise(ds, std, seed=(int(seed) * 1000003 + c.client_id * 7 + j))

@@ -130,3 +130,52 @@ def test_noise_skew_option_reaches_the_built_clients():
         DataArguments(noise_skew=-0.1)
     with pytest.raises(ValueError, match=r"^--noise_skew_rule must be one of paper, niid_bench"):
         DataArguments(noise_skew_rule="variance")
+
+
+def test_uniform_rule_gives_every_client_std_sigma():
+    """FRAug's privatized clients (section 4.3.4): rule uniform, sigma 0.1 over 4 clients -> std 0.1 each; sigma 1.0
+    over 1 client -> 1.0."""
+    assert noise_skew_stds(4, 0.1, "uniform") == [0.1, 0.1, 0.1, 0.1]
+    assert noise_skew_stds(1, 1.0, "uniform") == [1.0]
+
+
+def test_train_only_noise_leaves_test_clean_and_noises_train_and_val_by_sigma():
+    """rule uniform, sigma 0.1, splits train, on all-zero inputs: every client's train (60 x 64 values) and val
+    (20 x 64) pixel_values are noise of sample std 2 x 0.1 = 0.2 on the [-1, 1] model scale (within 5 % / 12 %) and
+    mean 0 (|mean| < 0.02); every test split, the new client and the global test set stay exactly zero. The train
+    noise is the same draw as with splits all (the option only decides which splits are noised)."""
+    fed = _fed()
+    fed = dataclasses.replace(fed, clients=[dataclasses.replace(c, val=_zeros(20)) for c in fed.clients])
+    out = noise_skew(fed, 0.1, "uniform", seed=3, splits="train")
+    every = noise_skew(fed, 0.1, "uniform", seed=3, splits="all")
+    for c, e in zip(out.clients, every.clients):
+        x = c.train[:]["pixel_values"]
+        assert float(x.std()) == pytest.approx(0.2, rel=0.05) and abs(float(x.mean())) < 0.02, c.client_id
+        assert float(c.val[:]["pixel_values"].std()) == pytest.approx(0.2, rel=0.12)
+        assert torch.count_nonzero(c.test[:]["pixel_values"]) == 0
+        assert torch.equal(x, e.train[:]["pixel_values"])
+        assert float(e.test[:]["pixel_values"].std()) == pytest.approx(0.2, rel=0.12)
+    assert torch.count_nonzero(out.new_clients[0].train[:]["pixel_values"]) == 0
+    assert torch.count_nonzero(out.global_test[:]["pixel_values"]) == 0
+    with pytest.raises(ValueError, match="splits must be one of all, train"):
+        noise_skew(fed, 0.1, "uniform", splits="test")
+
+
+def test_noise_skew_splits_option_reaches_the_built_clients():
+    """--noise_skew 0.1 --noise_skew_rule uniform --noise_skew_splits train on a 2-client iid split: each client's
+    train pixel_values minus the clean build's are noise of std 2 x 0.1 = 0.2 (within 10 %); every client's test
+    split equals the clean build's; the default (all) still noises the test split; a bad value is one line naming
+    the option."""
+    base = DataArguments(dataset="mnist", partition="iid", num_clients=2, max_per_domain=60, image_size=8,
+                         num_channels=1)
+    clean = build_federated_dataset(base, seed=0)
+    noisy = build_federated_dataset(dataclasses.replace(base, noise_skew=0.1, noise_skew_rule="uniform",
+                                                        noise_skew_splits="train"), seed=0)
+    every = build_federated_dataset(dataclasses.replace(base, noise_skew=0.1, noise_skew_rule="uniform"), seed=0)
+    for a, b, e in zip(clean.clients, noisy.clients, every.clients):
+        d = b.train[:]["pixel_values"] - a.train[:]["pixel_values"]
+        assert float(d.std()) == pytest.approx(0.2, rel=0.1)
+        assert torch.equal(b.test[:]["pixel_values"], a.test[:]["pixel_values"])
+        assert not torch.equal(e.test[:]["pixel_values"], a.test[:]["pixel_values"])
+    with pytest.raises(ValueError, match=r"^--noise_skew_splits must be one of all, train"):
+        DataArguments(noise_skew_splits="test")
