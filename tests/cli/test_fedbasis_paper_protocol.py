@@ -75,7 +75,7 @@ def test_paper_new_client_metrics_by_hand(recipe, monkeypatch):
                           args=SimpleNamespace(new_client_epochs=2), round=6, server_state="S",
                           seed_for=lambda r, c, tag: seeds.append((r, c, tag)) or 1000 * c,
                           seed_torch=lambda s: calls.append(("seed", s)),
-                          train_data=lambda c: f"train{c}")
+                          train_data=lambda c: f"train{c}", recipe_settings={})
     out = recipe.paper_new_client_metrics(sim)
     assert calls == [("seed", 3000), (3, "S", "train3", 6, 0.1, 2), ("seed", 3000), (3, "S", "train3", 6, 0.2, 2),
                      ("seed", 4000), (4, "S", "train4", 6, 0.1, 2), ("seed", 4000), (4, "S", "train4", 6, 0.2, 2)]
