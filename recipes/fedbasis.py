@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hfpfl.cli import run_recipe
-from hfpfl.options import option
+from hfpfl.options import in_range, option
 
 # the setting of the FedBasis study (hfpfl/experiments/studies/fedbasis_digits.py)
 DEFAULTS = dict(num_clients=3, num_new_clients=2, alpha=0.3, max_per_domain=600, image_size=16, num_rounds=8,
@@ -41,6 +41,10 @@ class PflbedOptions:
                                      "new_client_accuracy_lw = Last, new_best_accuracy_lw = Best, new_delta_lw = "
                                      "|Best - Last|, new_start_accuracy_lw = before training, new_last_lr<i>_lw / "
                                      "new_best_lr<i>_lw at grid lr i (Tables 4-5). Needs --method fedbasis.")
+    new_client_fraction: float = option(1.0, "Share of each new client's training split it trains on in "
+                                        "--paper_new_clients (a seeded random subset, at least one image): the "
+                                        "paper's training sizes (Sec. 6 and suppl.: Small = 0.5, Moderate = 1).",
+                                        check=in_range(0, 1, low_open=True))
 
 
 RECIPE_OPTIONS = PflbedOptions  # this recipe's own options (docs/reference/options.md lists them)
@@ -114,6 +118,7 @@ def paper_new_client_metrics(sim) -> dict:
     from hfpfl.data.benchmarks import label_weighted_accuracy
     fed, algo, n = sim.data, sim.algorithm, sim.num_clients
     grid, epochs = algo.config.lr_grid(), sim.args.new_client_epochs
+    fraction = sim.recipe_settings.get("new_client_fraction", 1.0)
     rows = []
     for j, c in enumerate(fed.new_clients):
         cid, on_val = n + j, dataclasses.replace(c, test=c.val)
@@ -122,11 +127,13 @@ def paper_new_client_metrics(sim) -> dict:
             return (label_weighted_accuracy(model, on_val, fed.num_labels),
                     label_weighted_accuracy(model, c, fed.num_labels))
 
+        data = sim.train_data(cid)
+        if fraction < 1:
+            data = training_share(data, fraction, seed=sim.seed_for(sim.round, cid, "new-client-size"))
         curves = []
         for lr in grid:
             sim.seed_torch(sim.seed_for(sim.round, cid, "new-client"))
-            curves.append(algo.new_client_curve(cid, sim.server_state, sim.train_data(cid), sim.round, lr, epochs,
-                                                score))
+            curves.append(algo.new_client_curve(cid, sim.server_state, data, sim.round, lr, epochs, score))
         rows.append(best_and_last(curves))
     algo.model.major_only = False
     if not rows:
@@ -139,6 +146,20 @@ def paper_new_client_metrics(sim) -> dict:
         out[f"new_last_lr{i}_lw"] = float(np.mean([r["per_lr"][i]["last"] for r in rows]))
         out[f"new_best_lr{i}_lw"] = float(np.mean([r["per_lr"][i]["best"] for r in rows]))
     return out
+
+
+def training_share(data, fraction: float, seed: int):
+    """The first max(1, round(fraction * n)) images of a seeded permutation of ``data`` (in their original order);
+    ``data`` itself at fraction 1 (the paper's Small / Moderate training sizes: 50 / 100 percent, Sec. 6)."""
+    if fraction >= 1:
+        return data
+    import numpy as np
+    n = len(data)
+    import torch
+
+    from hfpfl.training.tensor_data import TensorData
+    keep = np.sort(np.random.default_rng(seed).permutation(n)[:max(1, int(round(fraction * n)))])
+    return TensorData.of(**data.select(torch.as_tensor(keep)))
 
 
 def label_weighted_metrics(sim) -> dict:

@@ -5,7 +5,10 @@ learns only its coefficients (Algorithm 2), every basis frozen.
 Training (B2.4, ``training="improved"``): per round, psi <- 0; step 2: psi trained with the bases frozen; step 3:
 alpha sharpened to softmax(psi / tau) (tau = 0.1) and frozen; step 4: the bases trained with that alpha; upload the
 bases; the server takes their uniform (1/M) mean. ``training="naive"`` (B2.3, Eq. 7, the collapse diagnostic):
-psi and the bases trained jointly at temperature 1, psi at the same ``lr_coef`` as the improved training's step 2. Warm start (B2.5): the first ``warm_fraction`` of the rounds
+psi and the bases trained jointly at temperature 1, psi at the same ``lr_coef`` as the improved training's step 2.
+``training="joint"`` is Table 3's row without coordinate descent: the joint phase of naive with the sharpening kept
+(alpha = softmax(psi / tau)); ``major_basis=False`` its row without the major basis (theta = sum_k alpha_k v_k);
+``temperature=1`` its row without sharpening. Warm start (B2.5): the first ``warm_fraction`` of the rounds
 are FedAvg on the major basis alone (the network is v'); at the end of the warm start the server sets v' to the
 FedAvg mean and v_1..v_K to the k-means centroids of that round's local models (the gather path: the server needs
 every local model once). Diagnostics each evaluation (B3.3): mean pairwise cosine similarity of the non-major
@@ -44,8 +47,15 @@ class FedBasisConfig:
         "help": "Sharpening temperature tau of step 3 (> 0; smaller = sharper coefficients).", "check": positive()})
     warm_fraction: float = field(default=0.3, metadata={"help": "Fraction of rounds of FedAvg warm start.",
                                                         "check": in_range(0, 1)})
-    training: str = field(default="improved", metadata={"help": "improved (B2.4) or naive (B2.3 collapse study).",
-                                                        "check": one_of("improved", "naive")})
+    training: str = field(default="improved", metadata={
+        "help": "improved (Eq. 9: coefficients, then the bases with the sharpened coefficients frozen), naive (Eq. 7: "
+                "coefficients and bases jointly at temperature 1, the collapse study) or joint (Table 3's row "
+                "without coordinate descent: coefficients and bases jointly, alpha = softmax(psi / --temperature)).",
+        "check": one_of("improved", "naive", "joint")})
+    major_basis: bool = field(default=True, metadata={
+        "help": "Keep the major basis v' in every combination (Sec. 4.4: theta = 1/2 v' + 1/2 sum_k alpha_k v_k); "
+                "false: theta = sum_k alpha_k v_k (Table 3's row without it; the warm start's FedAvg model then "
+                "lives in basis 1 until the k-means split)."})
     alpha_epochs: int = field(default=1, metadata={"help": "Local epochs of the coefficient step (paper: 5).",
                                                    "check": at_least(1)})
     basis_epochs: int = field(default=1, metadata={"help": "Local epochs of the basis step (paper: 5).",
@@ -59,7 +69,8 @@ class FedBasisConfig:
         "help": "Coefficient steps for a held-out new client (0 = no adaptation).", "check": at_least(0)})
     new_client_mode: str = field(default="coef", metadata={
         "help": "What a new client tunes: coef (Algorithm 2: coefficients only), head (coefficients + the whole "
-                "classifier, through the major basis' classifier: the paper's experiments, Sec. 6), full "
+                "classifier, through the major basis' classifier, or every basis' without it: the paper's "
+                "experiments, Sec. 6), full "
                 "(everything: a reference, no baseline of the paper); major_ft / major_lp: the network is the "
                 "major basis alone, all of it / its classifier tuned (FedAvg+FT / FedAvg+LP on the same ResNet "
                 "with --warm_fraction 1, every round then FedAvg on it).",
@@ -77,6 +88,9 @@ class FedBasisConfig:
 
     def __post_init__(self):
         validate(self)
+        if not self.major_basis and self.new_client_mode in ("major_ft", "major_lp"):
+            raise ValueError(f"--new_client_mode {self.new_client_mode} tunes the major basis, but --major_basis is "
+                             "false: keep --major_basis true or use --new_client_mode coef / head / full")
         if len(_ints(self.widths)) != len(_ints(self.depths)):
             raise ValueError(f"--widths and --depths must give the same number of ResNet stages, got "
                              f"{len(_ints(self.widths))} widths ({self.widths}) and {len(_ints(self.depths))} depths "
@@ -109,7 +123,12 @@ class FedBasis(Algorithm):
         t = CondNormResNetForImageClassification(CondNormResNetConfig(
             num_channels=self.ctx.data.num_channels, hidden_sizes=_ints(c.widths), depths=_ints(c.depths),
             conditional=False, num_labels=self.ctx.num_labels))
-        return BasisCombinedModel(t, c.num_bases, resnet_groups(t), major=True)
+        return BasisCombinedModel(t, c.num_bases, resnet_groups(t), major=c.major_basis)
+
+    @property
+    def _first(self) -> int:
+        """Index of the first non-major basis (0 without the major basis)."""
+        return 1 if self.config.major_basis else 0
 
     def key_role(self, key, default):
         return PRIVATE if default == GLOBAL and key.startswith("coef.") else default
@@ -118,8 +137,8 @@ class FedBasis(Algorithm):
         # part "anchor": the non-major bases as the warm start left them (the k-means centroids), kept in the server
         # state so that the B3.3 diagnostic survives a resume and is the same on every process; it never travels
         state = super().init_server_state()
-        return {**state, ANCHOR: {k: v.clone() for k, v in state[MODEL].items()
-                                  if k.startswith("bases.") and not k.startswith("bases.0.")}}
+        nonmajor = tuple(f"bases.{b}." for b in range(self._first, self._first + self.config.num_bases))
+        return {**state, ANCHOR: {k: v.clone() for k, v in state[MODEL].items() if k.startswith(nonmajor)}}
 
     def warm_rounds(self) -> int:
         """At least one warm-start round (when there are >= 2 rounds and warm_fraction > 0): bases that start
@@ -167,11 +186,15 @@ class FedBasis(Algorithm):
             return Update(client_id, {MODEL: self.ctx.snapshot(self._keys("bases.0."))}, n,
                           {MODEL: self.ctx.snapshot(self.private_keys)}, met)
         coef, bases = list(m.coef.values()), self._params("bases.")
-        if c.training == "naive":
+        if c.training in ("naive", "joint"):
             # the same coefficient lr as the improved training's step 2 (the paper states one local lr for all of
-            # FedBasis, Sec. 6), so the two trainings differ in their schedule alone
-            m.temperature = 1.0
-            met = self._train(client_id, round_idx, [(coef, c.lr_coef), (bases, None)], "joint", c.basis_epochs)
+            # FedBasis, Sec. 6), so the trainings differ in their schedule alone; joint (Table 3, no coordinate
+            # descent) keeps the sharpening, naive (Eq. 7) has none
+            m.temperature = 1.0 if c.training == "naive" else c.temperature
+            try:
+                met = self._train(client_id, round_idx, [(coef, c.lr_coef), (bases, None)], "joint", c.basis_epochs)
+            finally:
+                m.temperature = 1.0
         else:
             m.temperature = 1.0
             met_a = self._train(client_id, round_idx, [(coef, c.lr_coef)], "alpha", c.alpha_epochs)
@@ -194,14 +217,14 @@ class FedBasis(Algorithm):
         new = dict(server_state[MODEL])
         new.update(mean)
         if round_idx <= self.warm_rounds():            # bases follow v' until the warm start ends
-            K = self.config.num_bases
+            K, first = self.config.num_bases, self._first
             major = [k for k in keys]
             if round_idx == self.warm_rounds():        # v_1..v_K <- k-means centroids of the local models
                 X = torch.stack([torch.cat([u.upload[MODEL][k].flatten().double() for k in major]) for u in updates])
                 cents = _kmeans(X, K, seed=self.ctx.seed_for(round_idx, 0, "kmeans"))
             else:
                 cents = None
-            for b in range(1, K + 1):
+            for b in range(first, first + K):
                 off = 0
                 for k in major:
                     kk = k.replace("bases.0.", f"bases.{b}.", 1)
@@ -209,7 +232,7 @@ class FedBasis(Algorithm):
                         new[kk] = mean[k].clone()
                     else:
                         num = mean[k].numel()
-                        new[kk] = cents[b - 1, off:off + num].view_as(mean[k]).to(mean[k].dtype)
+                        new[kk] = cents[b - first, off:off + num].view_as(mean[k]).to(mean[k].dtype)
                         off += num
             if cents is not None:
                 anchor = {k: new[k].clone() for k in server_state[ANCHOR]}
@@ -217,17 +240,17 @@ class FedBasis(Algorithm):
         return {**server_state, MODEL: new}
 
     def extra_metrics(self, round_idx, server_state):
-        K = self.config.num_bases
+        K, first = self.config.num_bases, self._first
         if K < 2:
             return {}
         s = server_state[MODEL]
         vec = [torch.cat([s[k].flatten().double() for k in sorted(s) if k.startswith(f"bases.{b}.")])
-               for b in range(1, K + 1)]
+               for b in range(first, first + K)]
         out = {"basis_cosine": _mean_cos(vec)}
         anchor = server_state.get(ANCHOR)
         if anchor and round_idx >= self.warm_rounds():
             d = [v - torch.cat([anchor[k].flatten().double() for k in sorted(s) if k.startswith(f"bases.{b}.")])
-                 for b, v in zip(range(1, K + 1), vec)]
+                 for b, v in zip(range(first, first + K), vec)]
             if all(float(x.norm()) > 0 for x in d):
                 out["basis_update_cosine"] = _mean_cos(d)
         ents = []
@@ -255,7 +278,8 @@ class FedBasis(Algorithm):
             return [k for k in self.global_keys if k.startswith("bases.0.classifier")]
         keys = [k for k in self.private_keys]
         if mode == "head":
-            keys += [k for k in self.global_keys if k.startswith("bases.0.classifier")]
+            head = "bases.0.classifier" if self.config.major_basis else "bases."
+            keys += [k for k in self.global_keys if k.startswith(head) and ".classifier" in k]
         elif mode == "full":
             keys += list(self.global_keys)
         return keys
@@ -264,13 +288,16 @@ class FedBasis(Algorithm):
         """Optimizer parameter groups of a new client trained at the single lr of the paper's protocol (Sec. 6:
         one lr per method from the grid). head: the classifier is 1/2 v'_fc + 1/2 sum_k alpha_k v_k,fc, so it is
         tuned through v'_fc at 4 lr: a step 4 lr * dL/dv'_fc = 4 lr * 1/2 G moves the combined classifier by
-        lr * G, as tuning "the whole classifier" directly at lr does; the coefficients train at lr. Every other mode
-        trains what it tunes at lr (major_ft / major_lp: the network is v' alone)."""
+        lr * G, as tuning "the whole classifier" directly at lr does; the coefficients train at lr. Without the major
+        basis the classifier is sum_k alpha_k v_k,fc, tuned through every v_k,fc at K lr: at the start (alpha =
+        1/K) a step moves it by sum_k alpha_k K lr alpha_k G = lr G. Every other mode trains what it tunes at lr
+        (major_ft / major_lp: the network is v' alone)."""
         named = dict(self.model.named_parameters())
         keys = self.new_client_keys()
         if self.config.new_client_mode == "head":
+            scale = 4 if self.config.major_basis else self.config.num_bases
             return [{"params": [named[k] for k in keys if k.startswith("coef.")], "lr": lr},
-                    {"params": [named[k] for k in keys if not k.startswith("coef.")], "lr": 4 * lr}]
+                    {"params": [named[k] for k in keys if not k.startswith("coef.")], "lr": scale * lr}]
         return [{"params": [named[k] for k in keys], "lr": lr}]
 
     def new_client_start(self, server_state) -> torch.nn.Module:
@@ -278,6 +305,7 @@ class FedBasis(Algorithm):
         alone in the major_* modes."""
         self.ctx.load({k: server_state[MODEL][k] for k in self.global_keys})
         self.ctx.load({k: torch.zeros_like(v) for k, v in self.ctx.initial_private.items()})
+        self.model.temperature = 1.0
         self.model.major_only = self.config.new_client_mode in ("major_ft", "major_lp")
         return self.model
 

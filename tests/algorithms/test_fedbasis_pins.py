@@ -601,3 +601,145 @@ def test_lr_grid_parses_the_paper_grid():
     are tolerated."""
     assert fb.FedBasisConfig().lr_grid() == [0.005, 0.01, 0.05]
     assert fb.FedBasisConfig(new_client_lr_grid=" 0.1, 0.02,").lr_grid() == [0.1, 0.02]
+
+
+# ------------------------------------------------------------------------- Table 3's ablations (CD, MB, tau)
+def test_joint_round_without_coordinate_descent_keeps_the_sharpening_by_hand(run_sim):
+    """Table 3, row without coordinate descent (CD x, MB v, tau 0.1): psi <- 0, then ONE joint SGD step of psi (at
+    lr_coef 0.5) and the bases (the client's lr 0.05) with alpha = softmax(psi / 0.1). At psi = 0, alpha = (1/2, 1/2)
+    and d alpha_1 / d psi_1 = alpha_1 alpha_2 / tau = 2.5, so d theta / d psi_1 = 1/2 * 2.5 (v_1 - v_2): the psi
+    step is 10 times the naive one, psi_g = -/+ 0.5 * 10 * 1/8 <G_g, v_1 - v_2>; v' -= 0.05 * 1/2 G,
+    v_k -= 0.05 * 1/4 G, G at theta = 1/2 v' + 1/4 (v_1 + v_2). Afterwards the model is back at temperature 1."""
+    sim = _sim(run_sim, training="joint")
+    down = _toy_bases(sim)
+    v0, v1, v2 = (_basis(down, b) for b in range(3))
+    seen = capture_training_batches(sim.model)
+    private = {MODEL: {f"coef.{g}": torch.tensor([3.0, -3.0]) for g in GROUPS}}
+    upd = sim.algorithm.client_update(0, {MODEL: down}, private, 2)
+    assert len(seen) == 1
+    loss, G = _grad_theta(_template(sim), _combine(v0, v1, v2, {grp: (0.5, 0.5) for grp in GROUPS}), *seen[0])
+    psi = _psi_step(G, v1, v2, lr=0.5 * 10)
+    for grp in GROUPS:
+        _close(upd.private[MODEL][f"coef.{grp}"], torch.tensor(psi[grp]), f"psi {grp}")
+    for n in v0:
+        key = n.replace(".", "__")
+        _close(upd.upload[MODEL][f"bases.0.{key}"], v0[n] - 0.05 * 0.5 * G[n], f"v' {n}")
+        _close(upd.upload[MODEL][f"bases.1.{key}"], v1[n] - 0.05 * 0.25 * G[n], f"v_1 {n}")
+        _close(upd.upload[MODEL][f"bases.2.{key}"], v2[n] - 0.05 * 0.25 * G[n], f"v_2 {n}")
+    assert upd.metrics["train_loss"] == pytest.approx(loss, rel=1e-4)
+    assert sim.model.temperature == 1.0 and sim.model.fixed_alpha is None
+
+
+def _toy_bases_no_major(sim):
+    """Without the major basis: bases.0 = v + 0.1 n_1, bases.1 = v - 0.1 n_2 (v the initial network, seeded noise)."""
+    g = torch.Generator().manual_seed(4)
+    down = {}
+    for k, v in sim.algorithm.init_server_state()[MODEL].items():
+        if k.startswith("bases.0."):
+            n1, n2 = torch.randn(v.shape, generator=g), torch.randn(v.shape, generator=g)
+            down[k] = v + 0.1 * n1
+            down[k.replace("bases.0.", "bases.1.", 1)] = v - 0.1 * n2
+    return down
+
+
+def test_improved_round_without_the_major_basis_by_hand(run_sim):
+    """Table 3, row without the major basis: theta = alpha_1 v_1 + alpha_2 v_2 (no 1/2 v'), the model holds K = 2
+    bases (bases.0, bases.1). Step 2 at psi = 0: d theta / d psi_1 = alpha_1 alpha_2 (v_1 - v_2) = 1/4 (v_1 - v_2),
+    psi_g = -/+ 0.5 * 1/4 <G_g, v_1 - v_2> (twice the major-basis step). Step 3: alpha_dagger = softmax(psi / 0.1).
+    Step 4: v_k -= 0.05 * alpha_dagger_k G (Eq. 8 without the major basis), G at alpha_dagger_1 v_1 +
+    alpha_dagger_2 v_2."""
+    sim = _sim(run_sim, major_basis=False)
+    m = sim.model
+    assert m.major is False and len(m.bases) == 2
+    down = _toy_bases_no_major(sim)
+    assert set(down) == {k for k in sim.algorithm.init_server_state()[MODEL]}
+    v1, v2 = _basis(down, 0), _basis(down, 1)
+    seen = capture_training_batches(m)
+    upd = sim.algorithm.client_update(0, {MODEL: down}, None, 2)
+    assert len(seen) == 2
+    (x1, y1), (x2, y2) = seen
+    t = _template(sim)
+
+    def combine(a):
+        return {n: a[_group(n)][0] * v1[n] + a[_group(n)][1] * v2[n] for n in v1}
+
+    _, g0 = _grad_theta(t, combine({grp: (0.5, 0.5) for grp in GROUPS}), x1, y1)
+    d = {grp: 0.0 for grp in GROUPS}
+    for n, g in g0.items():
+        d[_group(n)] += 0.25 * float((g.double() * (v1[n] - v2[n]).double()).sum())
+    psi = {grp: (-0.5 * d[grp], 0.5 * d[grp]) for grp in GROUPS}
+    for grp in GROUPS:
+        _close(upd.private[MODEL][f"coef.{grp}"], torch.tensor(psi[grp]), f"psi {grp}")
+    sharp = {grp: (1 / (1 + math.exp((p[1] - p[0]) / 0.1)), 1 / (1 + math.exp((p[0] - p[1]) / 0.1)))
+             for grp, p in psi.items()}
+    _, G = _grad_theta(t, combine(sharp), x2, y2)
+    for n in v1:
+        a, key = sharp[_group(n)], n.replace(".", "__")
+        _close(upd.upload[MODEL][f"bases.0.{key}"], v1[n] - 0.05 * a[0] * G[n], f"v_1 {n}")
+        _close(upd.upload[MODEL][f"bases.1.{key}"], v2[n] - 0.05 * a[1] * G[n], f"v_2 {n}")
+
+
+def test_without_the_major_basis_the_anchor_and_kmeans_cover_every_basis(monkeypatch):
+    """Without the major basis the K bases are all non-major: at the last warm round bases.0 .. bases.K-1 become
+    the k-means centroids (the FedAvg mean, carried in bases.0 during the warm start, is replaced), the anchor
+    is every basis; during the warm start every basis follows the mean."""
+    algo, _ = _stub_algo(major_basis=False)
+    monkeypatch.setattr(fb, "_kmeans", lambda X, k, seed: torch.tensor([[10.0, 11.0, 12.0], [-1.0, -2.0, -3.0]],
+                                                                      dtype=torch.float64))
+    st = {f"bases.{b}.{n}": torch.full((2,) if n == "w" else (1,), float(b)) for b in range(2) for n in ("w", "b")}
+    srv = {MODEL: st, fb.ANCHOR: {k: torch.full_like(v, 9.0) for k, v in st.items()}}
+    rows = [[0, 0, 0], [0, 0, 2], [10, 10, 10], [10, 10, 12]]
+    warm = algo.aggregate(srv, _ups(rows), 1)[MODEL]
+    for b in range(2):
+        assert torch.equal(warm[f"bases.{b}.w"], torch.tensor([5.0, 5.0])), b
+        assert torch.equal(warm[f"bases.{b}.b"], torch.tensor([6.0])), b
+    new = algo.aggregate(srv, _ups(rows), 2)
+    s = new[MODEL]
+    assert torch.equal(s["bases.0.w"], torch.tensor([10.0, 11.0])) and torch.equal(s["bases.0.b"], torch.tensor([12.0]))
+    assert torch.equal(s["bases.1.w"], torch.tensor([-1.0, -2.0])) and torch.equal(s["bases.1.b"], torch.tensor([-3.0]))
+    assert set(new[fb.ANCHOR]) == set(st)
+    assert all(torch.equal(new[fb.ANCHOR][k], s[k]) for k in st)
+
+
+def test_without_the_major_basis_diagnostics_use_every_basis():
+    """basis_cosine over bases.0 = (1, 0) and bases.1 = (1, 1) (no major basis to leave out): 1/sqrt(2)."""
+    algo, _ = _stub_algo(major_basis=False)
+    s = {"bases.0.w": torch.tensor([1.0, 0.0]), "bases.1.w": torch.tensor([1.0, 1.0])}
+    assert algo.extra_metrics(1, {MODEL: s})["basis_cosine"] == pytest.approx(1 / math.sqrt(2))
+
+
+def test_init_server_state_anchor_without_the_major_basis(run_sim):
+    """The anchor is every basis when there is no major basis."""
+    st = _sim(run_sim, major_basis=False).algorithm.init_server_state()
+    assert set(st[fb.ANCHOR]) == set(st[MODEL]) - {k for k in st[MODEL] if k.startswith("coef.")}
+    assert any(k.startswith("bases.0.") for k in st[fb.ANCHOR])
+
+
+def test_new_client_head_without_the_major_basis_tunes_every_classifier_at_k_lr(run_sim):
+    """Without the major basis the classifier is sum_k alpha_k v_k,fc: a new client (head) tunes the coefficients at
+    the grid lr 0.02 and every basis' classifier at K * 0.02 = 0.04 (at alpha = 1/2 each a step moves the combined
+    classifier by sum_k alpha_k * 0.04 * alpha_k G = 0.02 G)."""
+    sim = _sim(run_sim, new_client_mode="head", major_basis=False)
+    names = {id(p): n for n, p in sim.model.named_parameters()}
+    got = [(g["lr"], {names[id(p)] for p in g["params"]}) for g in sim.algorithm.new_client_groups(0.02)]
+    every = set(names.values())
+    assert got == [(0.02, {n for n in every if n.startswith("coef.")}),
+                   (0.04, {n for n in every if n.startswith(("bases.0.classifier", "bases.1.classifier"))})]
+
+
+def test_new_client_starts_at_temperature_one(run_sim):
+    """A new client learns psi at temperature 1 (Algorithm 2) whatever temperature the model was left at."""
+    sim = _sim(run_sim, new_client_mode="head")
+    sim.model.temperature = 0.1
+    sim.algorithm.new_client_start(sim.algorithm.init_server_state())
+    assert sim.model.temperature == 1.0
+
+
+def test_config_refuses_the_major_modes_without_the_major_basis():
+    """major_ft / major_lp tune the major basis: refused in one message naming both options when there is none."""
+    for mode in ("major_ft", "major_lp"):
+        with pytest.raises(ValueError, match="--new_client_mode .*--major_basis"):
+            fb.FedBasisConfig(major_basis=False, new_client_mode=mode)
+    assert fb.FedBasisConfig(major_basis=False, new_client_mode="head").major_basis is False
+    with pytest.raises(ValueError, match="training"):
+        fb.FedBasisConfig(training="jointly")

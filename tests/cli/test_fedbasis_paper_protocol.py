@@ -75,7 +75,7 @@ def test_paper_new_client_metrics_by_hand(recipe, monkeypatch):
                           args=SimpleNamespace(new_client_epochs=2), round=6, server_state="S",
                           seed_for=lambda r, c, tag: seeds.append((r, c, tag)) or 1000 * c,
                           seed_torch=lambda s: calls.append(("seed", s)),
-                          train_data=lambda c: f"train{c}")
+                          train_data=lambda c: f"train{c}", recipe_settings={})
     out = recipe.paper_new_client_metrics(sim)
     assert calls == [("seed", 3000), (3, "S", "train3", 6, 0.1, 2), ("seed", 3000), (3, "S", "train3", 6, 0.2, 2),
                      ("seed", 4000), (4, "S", "train4", 6, 0.1, 2), ("seed", 4000), (4, "S", "train4", 6, 0.2, 2)]
@@ -119,3 +119,49 @@ def test_data_without_the_protocol_has_no_validation(recipe, monkeypatch):
     run = SimpleNamespace(method="fedbasis", new_client_epochs=3, seed=5)
     assert recipe.pflbed_data(run, data, recipe.PflbedOptions(paper_new_clients=True)) == "cut"
     assert called == [(fed, 0.25, 5)]
+
+
+def test_training_share_is_a_seeded_subset_by_hand(recipe):
+    """The paper's Small training size (Sec. 6, suppl.: 50 percent of each new client's training split): the first
+    round(0.5 * 10) = 5 of np.random.default_rng(7)'s permutation of the 10 rows, kept in their original order, every
+    column cut alike; at least one row (fraction 0.01 of 10 -> 1); fraction 1 is the split itself."""
+    import numpy as np
+    import torch
+
+    from hfpfl.training.tensor_data import TensorData
+    data = TensorData(pixel_values=torch.arange(10.0).view(10, 1, 1, 1) * 3, labels=torch.arange(10))
+    assert recipe.training_share(data, 1.0, seed=7) is data
+    half = recipe.training_share(data, 0.5, seed=7)
+    keep = sorted(np.random.default_rng(7).permutation(10)[:5].tolist())
+    assert half.labels.tolist() == keep
+    assert half.pixel_values.flatten().tolist() == [3.0 * i for i in keep]
+    assert len(recipe.training_share(data, 0.01, seed=7)) == 1
+
+
+def test_paper_new_clients_train_on_the_small_share(recipe, monkeypatch):
+    """--new_client_fraction 0.5: every grid lr of a new client trains on the same half of its training split (4
+    rows -> 2), drawn with the seed of (round, client, "new-client-size"); validation and test are not cut."""
+    import hfpfl.data.benchmarks as bench
+    import torch
+
+    from hfpfl.training.tensor_data import TensorData
+    monkeypatch.setattr(bench, "label_weighted_accuracy", lambda model, client, num_labels: 0.5)
+    seen, seeds = [], []
+
+    def curve(cid, server_state, data, round_idx, lr, epochs, score):
+        seen.append(data.labels.tolist())
+        return [(0.5, 0.5), (0.5, 0.5)]
+
+    train = TensorData(pixel_values=torch.zeros(4, 1, 1, 1), labels=torch.arange(4))
+    news = [ClientData(3, "train3", "test3", val="val3", domain="a")]
+    algo = SimpleNamespace(config=SimpleNamespace(lr_grid=lambda: [0.1, 0.2]), new_client_curve=curve,
+                           model=SimpleNamespace(major_only=False))
+    sim = SimpleNamespace(data=SimpleNamespace(new_clients=news, num_labels=10), algorithm=algo, num_clients=3,
+                          args=SimpleNamespace(new_client_epochs=1), round=6, server_state="S",
+                          seed_for=lambda r, c, tag: seeds.append((r, c, tag)) or 11, seed_torch=lambda s: None,
+                          train_data=lambda c: train, recipe_settings={"new_client_fraction": 0.5})
+    recipe.paper_new_client_metrics(sim)
+    import numpy as np
+    keep = sorted(np.random.default_rng(11).permutation(4)[:2].tolist())
+    assert seen == [keep, keep]
+    assert (6, 3, "new-client-size") in seeds

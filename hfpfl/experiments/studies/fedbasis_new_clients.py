@@ -22,9 +22,9 @@ network trained by FedAvg every round (FedBasis' warm start run for all rounds: 
 the paper's FedAvg weights by client size), 5 local steps; +FT tunes all of it, +LP its classifier, at the grid
 lr. The FedAvg+FT row's 'before training' column is FedAvg itself (the paper's FEDAVG row, no personalization).
 2 new clients per domain. Cut to fit (about 30 min on the 2-core box): 6 rounds (the recipe: 8; the paper: 100),
-the Moderate training size only (each new client's whole training split; the paper also runs Small = 50 percent).
-Not run: the paper's other baselines (FedRep, FedBN, pFedHN, Per-FedAvg, kNN-Per: not in the engine, or no new-client
-protocol here) and Table 3's ablation."""
+the Moderate training size only (each new client's whole training split; the paper's Small = 50 percent: the
+fedbasis_small study). Not run: the paper's other baselines (FedRep, FedBN, pFedHN, Per-FedAvg, kNN-Per: not in the
+engine, or no new-client protocol here); Table 3's ablation: the fedbasis_ablation study."""
 from hfpfl.experiments import Study, Variant, greater
 
 from . import _recipe_controls  # noqa: F401 - registers the recipe_* controls
