@@ -203,7 +203,9 @@ class FedBasis(Algorithm):
                 met = self._train(client_id, round_idx, [(bases, None)], "bases", c.basis_epochs)
             finally:
                 m.fixed_alpha = None
-            met = {**met, "alpha_train_loss": met_a["train_loss"]}
+            # the round's budget is both phases' optimizer steps and examples (the coefficient step trains too)
+            met = {**met, "alpha_train_loss": met_a["train_loss"], "steps": met_a["steps"] + met["steps"],
+                   "examples": met_a["examples"] + met["examples"]}
         return Update(client_id, {MODEL: self.ctx.snapshot(self._keys("bases."))}, n,
                       {MODEL: self.ctx.snapshot(self.private_keys)}, met)
 

@@ -188,8 +188,8 @@ def test_warm_round_is_fedavg_on_the_major_basis_alone_by_hand(run_sim):
 @pytest.mark.parametrize("training,phases", [("improved", {"alpha": 2, "bases": 3}), ("naive", {"joint": 3})])
 def test_each_phase_runs_its_own_number_of_epochs(run_sim, training, phases):
     """alpha_epochs = 2 and basis_epochs = 3 passes over the client's data (the run's --local_epochs 1 does not
-    apply; local_steps unset), batch 64: steps = epochs * ceil(n / 64) per phase; the warm round runs
-    basis_epochs."""
+    apply; local_steps unset), batch 64: steps = epochs * ceil(n / 64) per phase, and the update reports the sum of
+    the phases' steps and examples as its budget; the warm round runs basis_epochs."""
     sim = _sim(run_sim, client_hp={}, training=training, alpha_epochs=2, basis_epochs=3)
     sim.args = sim.args.__class__(**{**sim.args.__dict__, "batch_size": 64})
     per_epoch = math.ceil(len(sim.train_data(0)) / 64)
@@ -202,8 +202,12 @@ def test_each_phase_runs_its_own_number_of_epochs(run_sim, training, phases):
 
     sim.ctx.train = spy
     down = _toy_bases(sim)
-    sim.algorithm.client_update(0, {MODEL: down}, None, 2)
+    upd = sim.algorithm.client_update(0, {MODEL: down}, None, 2)
     assert steps == {k: e * per_epoch for k, e in phases.items()}
+    # the round's budget counts every phase: (2 + 3) or 3 epochs of steps and of the client's n examples
+    epochs = sum(phases.values())
+    assert upd.metrics["steps"] == epochs * per_epoch
+    assert upd.metrics["examples"] == epochs * len(sim.train_data(0))
     steps.clear()
     sim.algorithm.client_update(0, {MODEL: down}, None, 1)
     assert steps == {"warm": 3 * per_epoch}
