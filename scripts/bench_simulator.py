@@ -17,6 +17,7 @@ default), client ``i`` holds split ``i % distinct`` (its own model state, seeds 
     python scripts/bench_simulator.py --clients 20 --model cnn --parallel 1 t2 p2   # both cores: threads, processes
     python scripts/bench_simulator.py --clients 20 500 --model cnn --device cuda     # on a GPU (default: auto)
     python scripts/bench_simulator.py --clients 100 --model mlp --vectorize off on --rounds 20 --interleave  # paired rounds
+    python scripts/bench_simulator.py --clients 500 --distinct 250 --batch_size 5 --vectorize auto off --interleave  # 10 train images each
 Prints s/round, the ratio hfpfl / bare, peak RSS of each (``peak RSS``: each process's own peak, ``ru_maxrss``,
 summed over the N processes with ``pN``, with each process's share of the round's training examples, the balance of
 the client owners), the peak over time of the whole process tree's summed RSS (``tree RSS``) and summed PSS (``tree

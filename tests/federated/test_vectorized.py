@@ -218,6 +218,30 @@ def test_layout_adopted_when_the_first_step_groups_only_some_clients(ragged, tmp
     _close(seq.server_state["model"], vec.server_state["model"])
 
 
+@pytest.mark.parametrize("batch_size,groups", [(10, 1), (40, 3)])
+def test_plain_sgd_first_step_from_the_shared_start_matches_sequential(ragged, tmp_path, monkeypatch, batch_size,
+                                                                       groups):
+    """Plain SGD (no momentum, no weight decay) on a convolutional model, every client starting from the download:
+    the vectorized first step reads the unstacked start values and writes start - lr * gradient into the stack
+    (no optimizer call). Pinned against the sequential path for both step-0 shapes (train sizes 49, 42, 35, 28):
+    all clients in one group (batch 10) and three groups of different batch sizes (batch 40: batches of 28, 35
+    and 40, the step-0 rows written group by group)."""
+    first_steps = []
+    real_step = StackedOptimizer.step
+    monkeypatch.setattr(StackedOptimizer, "step", lambda self, P, g, idx, step: (
+        first_steps.append(step) if step == 1 else None) or real_step(self, P, g, idx, step))
+    seq, rs = _run(ragged, tmp_path, "tiny_fedavg", "off", momentum=0.0, batch_size=batch_size, last_batch="keep")
+    vec, rv = _run(ragged, tmp_path, "tiny_fedavg", "on", momentum=0.0, batch_size=batch_size, last_batch="keep")
+    # round 1's chunk probes the gradients' layouts and steps through the optimizer; round 2 writes its first step
+    # straight into the stack
+    assert len(first_steps) == groups
+    _close(seq.server_state["model"], vec.server_state["model"])
+    for hs, hv in zip(seq.history, vec.history):
+        assert hs["train_loss"] == pytest.approx(hv["train_loss"], abs=1e-5)
+    torch.manual_seed(0)
+    assert not torch.allclose(vec.server_state["model"]["head.weight"], TinyNet().head.weight, atol=1e-3)
+
+
 def test_receive_sees_every_upload_on_the_streaming_path(ragged, tmp_path):
     """A method with a ``receive`` that streams (``aggregation = "stream"``, no ``aggregate``): the engine folds the uploads into the running
     sums, and ``receive`` gets each client's upload once per round, with its model part (a vectorized chunk's

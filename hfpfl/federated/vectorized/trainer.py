@@ -110,10 +110,25 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
         return state[k]
 
     vals = per_client_values(clients, [*trainable, *buffer_keys], client_value, downs, privates)
+    hp_plain_sgd = hp.optimizer == "sgd" and not (hp.weight_decay or hp.momentum)
+    convs = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     with torch.no_grad():
         layouts = sim._grad_layouts or {}  # each gradient's memory order (grad_layouts), once known
-        P = {k: stack_values(vals[k], device, copy_shared=True, order=layouts.get(k)).to(params_all[k].dtype)
-             for k in trainable}
+        # every client starts from one tensor per parameter (FedAvg's download): the first step reads it unstacked
+        # (see ``start`` below)
+        start = {k: vals[k][0].to(device).to(params_all[k].dtype) for k in trainable} \
+            if convs and trainable and all(all(v is vals[k][0] for v in vals[k]) for k in trainable) else None
+        if start is not None and layouts and hp_plain_sgd:
+            # plain SGD writes each client's parameters after its first step as start - lr * gradient, straight
+            # into the stack: no copy of the start values per client first
+            P = {k: torch.empty((len(clients), *v.shape), dtype=v.dtype, device=device) if layouts.get(k) is None
+                 else empty_in_order(v.unsqueeze(0).expand(len(clients), *v.shape), layouts[k])
+                 for k, v in start.items()}
+            first_into_stack = True
+        else:
+            P = {k: stack_values(vals[k], device, copy_shared=True, order=layouts.get(k)).to(params_all[k].dtype)
+                 for k in trainable}
+            first_into_stack = False
         B = {k: stack_values(vals[k], device, copy_shared=True) for k in buffer_keys}
     del vals
     shared = {k: v.detach() for k, v in shared.items()}
@@ -152,10 +167,15 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
 
     in_dims = (0, 0, anchor_dims, 0)
     loss_of = declared_loss(model)
-    if any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()):
+    vstep_start = None
+    if convs:
         # convolutions: vmap(grad) (functorch batches a conv's backward as one grouped conv); the summed-loss
         # backward below measured 20-23% slower on PFLlib's CNN (500 clients x 5 images, batch 5)
         vstep = vmap(_grad, in_dims=in_dims, randomness="error")
+        # the first step from parameters every client shares: unbatched weights, so the forward and the input
+        # gradients are ordinary convolutions over all the clients' examples (not grouped ones), and only the
+        # weight gradients are per client
+        vstep_start = vmap(_grad, in_dims=(None, 0, anchor_dims, 0), randomness="error")
     elif loss_of is not None:
         vstep = _declared_loss_step(model, shared, loss_of, reg, anchor_dims)
     else:
@@ -199,16 +219,28 @@ def train_chunk(sim, clients: list[int], downs: dict[int, dict], privates: dict[
                 with torch.no_grad():
                     P = {k: v if layouts.get(k) in (None, memory_order(v)) else
                          empty_in_order(v, layouts[k]).copy_(v) for k, v in P.items()}
-            p = P if everyone else {k: v[idx] for k, v in P.items()}
             b = B if everyone else {k: v[idx] for k, v in B.items()}
             a = {k: (v if anchor_dims[k] is None or everyone else v[idx]) for k, v in anchors.items()}
-            grads, task = vstep(p, b, a, batch)  # BatchNorm statistics update ``b`` in place
+            if s == 0 and start is not None:
+                grads, task = vstep_start(start, b, a, batch)
+            else:
+                p = P if everyone else {k: v[idx] for k, v in P.items()}
+                grads, task = vstep(p, b, a, batch)  # BatchNorm statistics update ``b`` in place
             if not everyone:  # ``b`` was a gathered copy: scatter it back
                 with torch.no_grad():
                     for k in B:
                         B[k][idx] = b[k]
             with torch.no_grad():
-                opt.step(P, grads, idx, s + 1)
+                # plain SGD's first step: start - lr * gradient (the optimizer's rule). Step 0 writes every row:
+                # every client has a first batch (a split is never empty, and a lone partial batch is kept)
+                if s == 0 and first_into_stack:
+                    for k, g in grads.items():
+                        if everyone:
+                            torch.add(start[k], g, alpha=-hp.lr, out=P[k])
+                        else:
+                            P[k][idx] = torch.add(start[k], g, alpha=-hp.lr)
+                else:
+                    opt.step(P, grads, idx, s + 1)
             if everyone:
                 loss_sums += task.detach().double()
             else:
