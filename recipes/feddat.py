@@ -44,6 +44,9 @@ class VQABenchmark:
     answer_balance: str = option("question", "question: every question string's answers uniform in each client "
                                  "split (yes/no 50/50), so the answers need the image | none: easy-vqa's raw answer "
                                  "mix (a question-only model scores far above chance).", choices=["question", "none"])
+    validation_per_client: int = option(0, "0: report the test split | N: hold N of each client's training questions "
+                                        "out and report accuracy on them in place of the test split (to choose "
+                                        "settings without looking at the test split).", check=at_least(0))
 
     def run_defaults(self) -> dict:
         """The run defaults these options choose: --backbone's stand-in is the default --model."""
@@ -55,8 +58,24 @@ RECIPE_OPTIONS = VQABenchmark  # this recipe's own options (docs/reference/optio
 
 
 def benchmark_data(run, data, opts: VQABenchmark):
-    return build_data(run, data, opts.vqa_split, opts.train_per_client, opts.test_per_client, opts.image_ablation,
-                      answer_balance=opts.answer_balance)
+    fed = build_data(run, data, opts.vqa_split, opts.train_per_client, opts.test_per_client, opts.image_ablation,
+                     answer_balance=opts.answer_balance)
+    return held_out_validation(fed, opts.validation_per_client, run.seed) if opts.validation_per_client else fed
+
+
+def held_out_validation(fed, n: int, seed: int):
+    """Each client's test split replaced by ``n`` questions drawn (seeded) from its training split, which loses
+    them: the validation split that --validation_per_client reports."""
+    import datasets
+
+    for c in fed.clients:
+        if n > len(c.train) - 20:
+            raise ValueError(f"--validation_per_client {n} leaves client {c.client_id} fewer than 20 of its "
+                             f"{len(c.train)} training questions; lower it or raise --train_per_client")
+        parts = c.train.train_test_split(test_size=n, seed=seed, shuffle=True)
+        c.train, c.test = parts["train"].with_format("torch"), parts["test"].with_format("torch")
+    fed.global_test = datasets.concatenate_datasets([c.test for c in fed.clients]).with_format("torch")
+    return fed
 
 
 def build_data(run, data, split, train_n, test_n, image_ablation="none", answer_balance="question"):

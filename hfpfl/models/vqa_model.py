@@ -31,8 +31,8 @@ none       0                                                    LoRA / prompt / 
 =========  ==================================================  ==========================================
 
 PEFT baselines (the paper's baselines, dissertation ch. 3): ``lora`` (public ``peft.inject_adapter_in_model`` with ``LoraConfig`` on
-``query``/``value``), ``prompt`` (5 text prompt tokens after [CLS] through an MLP reparameterisation, the authors' code; ViLT
-only, text side only), ``bias`` (every backbone bias), ``full`` (every backbone weight), ``head`` (the head only).
+``query``/``value``), ``prompt`` (5 text prompt tokens after [CLS] through an MLP reparameterisation, the authors' code; text side
+only: ViLT's text embeddings, BLIP's question encoder), ``bias`` (every backbone bias), ``full`` (every backbone weight), ``head`` (the head only).
 
 The foundation backbones themselves (the tiny stand-ins, their pretraining, building a model by name) live in
 :mod:`hfpfl.models.vqa`.
@@ -177,9 +177,8 @@ class VQAModel(nn.Module):
             inject_adapter_in_model(LoraConfig(r=lora_r, lora_alpha=lora_r, target_modules=["query", "value"],
                                                lora_dropout=0.0), backbone)
         elif peft == "prompt":
-            if self.kind != "vilt":
-                raise ValueError("--peft prompt is implemented for ViLT only (text-side prompts)")
-            self.prompt = TextPrompt(backbone.config.hidden_size)
+            text = backbone.config if self.kind == "vilt" else backbone.config.text_config
+            self.prompt = TextPrompt(text.hidden_size)
         elif peft == "bias":
             for n, p in backbone.named_parameters():
                 if n.endswith(".bias"):
@@ -223,27 +222,35 @@ class VQAModel(nn.Module):
     def head_keys(self) -> list[str]:
         return [k for k in self.state_dict() if k.startswith("backbone.classifier.")]
 
+    def _text_inputs(self, word_embeddings, input_ids, attention_mask) -> dict:
+        """The text encoder's inputs: the question's ids, or with ``--peft prompt`` its word embeddings with the
+        prompt's tokens after the first ([CLS]) and the mask extended over them (the authors' code, ViLT; the same
+        text-side prompt for BLIP's question encoder)."""
+        if self.prompt is None:
+            return dict(input_ids=input_ids, attention_mask=attention_mask)
+        emb = word_embeddings(input_ids)
+        p = self.prompt(len(input_ids)).to(emb.dtype)
+        return dict(inputs_embeds=torch.cat([emb[:, :1], p, emb[:, 1:]], 1),
+                    attention_mask=torch.cat([attention_mask[:, :1], attention_mask.new_ones(p.shape[:2]),
+                                              attention_mask[:, 1:]], 1))
+
     def forward(self, input_ids, attention_mask, pixels, answer=None, **_):
         pixel_values = pixels.float() / 127.5 - 1.0          # ViLT/BLIP tiny: [-1, 1] like their processors' 0.5/0.5
         if self.kind == "vilt":
             vilt = self.backbone.vilt
-            kw = dict(input_ids=input_ids, attention_mask=attention_mask)
-            if self.prompt is not None:
-                emb = vilt.embeddings.text_embeddings.word_embeddings(input_ids)
-                p = self.prompt(len(input_ids)).to(emb.dtype)
-                kw = dict(inputs_embeds=torch.cat([emb[:, :1], p, emb[:, 1:]], 1),
-                          attention_mask=torch.cat([attention_mask[:, :1], attention_mask.new_ones(p.shape[:2]),
-                                                    attention_mask[:, 1:]], 1))
+            kw = self._text_inputs(vilt.embeddings.text_embeddings.word_embeddings, input_ids, attention_mask)
             pooled = vilt(pixel_values=pixel_values, **kw).pooler_output
             logits = self.backbone.classifier(pooled)
         else:
             bb = self.backbone
             image_embeds = bb.vision_model(pixel_values=pixel_values).last_hidden_state
             image_att = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=image_embeds.device)
-            q = bb.text_encoder(input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=image_embeds,
-                                encoder_attention_mask=image_att).last_hidden_state
+            kw = self._text_inputs(bb.text_encoder.embeddings.word_embeddings, input_ids, attention_mask)
+            q = bb.text_encoder(**kw, encoder_hidden_states=image_embeds, encoder_attention_mask=image_att)
             bos = torch.full((len(input_ids), 1), self.bos_id, dtype=torch.long, device=input_ids.device)
-            out = bb.text_decoder(input_ids=bos, encoder_hidden_states=q, encoder_attention_mask=attention_mask)
+            # the decoder reads every question position the encoder produced, the prompt's included
+            out = bb.text_decoder(input_ids=bos, encoder_hidden_states=q.last_hidden_state,
+                                  encoder_attention_mask=kw["attention_mask"])
             logits = out.logits[:, 0, self.answer_ids]
         if self.answer_pool is not None:
             logits = logits.masked_fill(~self.answer_pool.to(logits.device), OUT_OF_POOL)

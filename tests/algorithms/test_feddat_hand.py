@@ -248,3 +248,51 @@ def test_blip_image_embeddings_depend_on_the_image():
     with torch.no_grad():
         out = bb.vision_model(pixel_values=pixels).last_hidden_state
     assert float(out.std(0).mean()) > 0.1                       # across the 6 images, per token and feature
+
+
+# ------------------------------------------------------------------------------------------------ prompt baseline
+@pytest.mark.parametrize("model", ["tiny-vilt", "tiny-blip"])
+def test_text_prompt_is_five_known_tokens_after_cls_in_the_question_encoder(vqa_fed, model):
+    """--peft prompt: the logits are the backbone's on the question's word embeddings with the prompt's 5 tokens
+    inserted after [CLS] and the mask extended over them; written out with the transformers modules here (the prompt
+    made a known vector b by a zero last weight); on BLIP the decoder reads the prompted encoder output, prompt
+    positions included. The prompt changes the logits."""
+    torch.manual_seed(0)
+    m = build_vqa_peft_model(model, list(vqa_fed.label_names), peft="prompt").eval()
+    b = batch_of(vqa_fed, 1, n=16)
+    ids, mask = b["input_ids"], b["attention_mask"]
+    pixel_values = b["pixels"].float() / 127.5 - 1.0
+    d = m.prompt.embedding.weight.shape[1]
+    vec = torch.linspace(-2.0, 2.0, d)
+    with torch.no_grad():
+        nn.init.zeros_(m.prompt.mlp[2].weight)
+        m.prompt.mlp[2].bias.copy_(vec)
+        got = m(**{k: v for k, v in b.items() if k != "answer"}).logits
+        n = len(ids)
+        bb = m.backbone
+        if model == "tiny-vilt":
+            emb = bb.vilt.embeddings.text_embeddings.word_embeddings(ids)
+        else:
+            emb = bb.text_encoder.embeddings.word_embeddings(ids)
+        embeds = torch.cat([emb[:, :1], vec.expand(n, 5, d), emb[:, 1:]], 1)
+        mask5 = torch.cat([mask[:, :1], torch.ones(n, 5, dtype=mask.dtype), mask[:, 1:]], 1)
+        if model == "tiny-vilt":
+            pooled = bb.vilt(pixel_values=pixel_values, inputs_embeds=embeds, attention_mask=mask5).pooler_output
+            want = bb.classifier(pooled)
+            plain = bb.classifier(bb.vilt(pixel_values=pixel_values, input_ids=ids, attention_mask=mask).pooler_output)
+        else:
+            img = bb.vision_model(pixel_values=pixel_values).last_hidden_state
+            img_att = torch.ones(img.shape[:-1], dtype=torch.long)
+            bos = torch.full((n, 1), bb.config.text_config.bos_token_id, dtype=torch.long)
+
+            def answer_logits(q, qmask):
+                out = bb.text_decoder(input_ids=bos, encoder_hidden_states=q, encoder_attention_mask=qmask)
+                return out.logits[:, 0, m.answer_ids]
+            q = bb.text_encoder(inputs_embeds=embeds, attention_mask=mask5, encoder_hidden_states=img,
+                                encoder_attention_mask=img_att).last_hidden_state
+            want = answer_logits(q, mask5)
+            q0 = bb.text_encoder(input_ids=ids, attention_mask=mask, encoder_hidden_states=img,
+                                 encoder_attention_mask=img_att).last_hidden_state
+            plain = answer_logits(q0, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert float((got - plain).abs().max()) > 1e-4    # the random tiny backbone barely reads its text
