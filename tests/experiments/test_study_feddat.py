@@ -17,7 +17,8 @@ ROWS = {"feddat": ("feddat", {"mutual": True, "teacher": "dat"}),
         "lora": ("vqa_peft", {"peft": "lora", "local_only": False}),
         "prompt": ("vqa_peft", {"peft": "prompt", "local_only": False}),
         "bias": ("vqa_peft", {"peft": "bias", "local_only": False}),
-        "full": ("vqa_peft", {"peft": "full", "local_only": False})}   # no clf-L: BLIP has no answer head
+        "full": ("vqa_peft", {"peft": "full", "local_only": False}),
+        "full_lr": ("vqa_peft", {"peft": "full", "local_only": False})}   # no clf-L: BLIP has no answer head
 CONTROLS = {"chance": "vqa_chance", "majority": "vqa_majority", "untrained": "vqa_untrained",
             "question_only": "question_only", "shuffled_image": "shuffled_image"}
 
@@ -32,13 +33,14 @@ def _parse(study, variant):
 def test_every_row_parses_into_its_method_and_options(name):
     """Each method row and each control of the study parses with the recipe's options (the options validate), into
     the method and options the row stands for; every row uses the split's data, the BLIP stand-in, the one lr, the
-    answer pool per client and the head trained once per batch."""
+    answer pool per client and the head trained once per batch (full fine-tuning also at its own lr)."""
     study = load_study(name)
     split = name.split("_")[1]
     assert {v.name for v in study.variants} == set(ROWS) | set(CONTROLS)
     for v in study.variants:
         run, cfg, opts = _parse(study, v)
-        assert opts.vqa_split == split and opts.backbone == "blip" and run.lr == float(_feddat.LR)
+        lr = _feddat.FULL_LR if v.name == "full_lr" else _feddat.LR   # full fine-tuning's own validated lr
+        assert opts.vqa_split == split and opts.backbone == "blip" and run.lr == float(lr)
         assert cfg.answer_pool == "client" and cfg.peft in ("adapter", "lora", "prompt", "bias", "full", "head")
         if v.name in CONTROLS:
             assert v.kind == CONTROLS[v.name] and run.method == "vqa_adapter"
