@@ -90,6 +90,22 @@ def _close(a, b, what):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6, msg=lambda m: f"{what}: {m}")
 
 
+def _assert_one_joint_step(sim, upd, seen, bases, psi_lr):
+    """One joint SGD step from psi = 0 (alpha = (1/2, 1/2)) on the one captured batch: psi by :func:`_psi_step` at
+    ``psi_lr``, v' -= 0.05 * 1/2 G, v_k -= 0.05 * 1/4 G, G at theta = 1/2 v' + 1/4 (v_1 + v_2); the loss reported."""
+    v0, v1, v2 = bases
+    loss, G = _grad_theta(_template(sim), _combine(v0, v1, v2, {grp: (0.5, 0.5) for grp in GROUPS}), *seen[0])
+    psi = _psi_step(G, v1, v2, lr=psi_lr)
+    for grp in GROUPS:
+        _close(upd.private[MODEL][f"coef.{grp}"], torch.tensor(psi[grp]), f"psi {grp}")
+    for n in v0:
+        key = n.replace(".", "__")
+        _close(upd.upload[MODEL][f"bases.0.{key}"], v0[n] - 0.05 * 0.5 * G[n], f"v' {n}")
+        _close(upd.upload[MODEL][f"bases.1.{key}"], v1[n] - 0.05 * 0.25 * G[n], f"v_1 {n}")
+        _close(upd.upload[MODEL][f"bases.2.{key}"], v2[n] - 0.05 * 0.25 * G[n], f"v_2 {n}")
+    assert upd.metrics["train_loss"] == pytest.approx(loss, rel=1e-4)
+
+
 def test_improved_round_coordinate_descent_and_sharpening_by_hand(run_sim):
     """Sec. 4.2 Eq. 9 / Algorithm 1, one client round, one SGD step per phase. Step 1: psi <- 0 (the stored (3, -3)
     is discarded). Step 2 (alpha = softmax(psi), bases frozen, lr_coef = 0.5): psi_g = -/+ 0.5 * 1/8 <grad_theta_g,
@@ -152,16 +168,7 @@ def test_naive_round_is_one_joint_step_at_temperature_one_by_hand(run_sim):
     upd = sim.algorithm.client_update(0, {MODEL: down}, private, 2)
     assert len(seen) == 1
     assert groups == [(0.5, {f"coef.{g}" for g in GROUPS}), (0.05, set(down))]
-    loss, G = _grad_theta(_template(sim), _combine(v0, v1, v2, {grp: (0.5, 0.5) for grp in GROUPS}), *seen[0])
-    psi = _psi_step(G, v1, v2, lr=0.5)
-    for grp in GROUPS:
-        _close(upd.private[MODEL][f"coef.{grp}"], torch.tensor(psi[grp]), f"psi {grp}")
-    for n in v0:
-        key = n.replace(".", "__")
-        _close(upd.upload[MODEL][f"bases.0.{key}"], v0[n] - 0.05 * 0.5 * G[n], f"v' {n}")
-        _close(upd.upload[MODEL][f"bases.1.{key}"], v1[n] - 0.05 * 0.25 * G[n], f"v_1 {n}")
-        _close(upd.upload[MODEL][f"bases.2.{key}"], v2[n] - 0.05 * 0.25 * G[n], f"v_2 {n}")
-    assert upd.metrics["train_loss"] == pytest.approx(loss, rel=1e-4)
+    _assert_one_joint_step(sim, upd, seen, (v0, v1, v2), psi_lr=0.5)
 
 
 def test_warm_round_is_fedavg_on_the_major_basis_alone_by_hand(run_sim):
@@ -621,16 +628,7 @@ def test_joint_round_without_coordinate_descent_keeps_the_sharpening_by_hand(run
     private = {MODEL: {f"coef.{g}": torch.tensor([3.0, -3.0]) for g in GROUPS}}
     upd = sim.algorithm.client_update(0, {MODEL: down}, private, 2)
     assert len(seen) == 1
-    loss, G = _grad_theta(_template(sim), _combine(v0, v1, v2, {grp: (0.5, 0.5) for grp in GROUPS}), *seen[0])
-    psi = _psi_step(G, v1, v2, lr=0.5 * 10)
-    for grp in GROUPS:
-        _close(upd.private[MODEL][f"coef.{grp}"], torch.tensor(psi[grp]), f"psi {grp}")
-    for n in v0:
-        key = n.replace(".", "__")
-        _close(upd.upload[MODEL][f"bases.0.{key}"], v0[n] - 0.05 * 0.5 * G[n], f"v' {n}")
-        _close(upd.upload[MODEL][f"bases.1.{key}"], v1[n] - 0.05 * 0.25 * G[n], f"v_1 {n}")
-        _close(upd.upload[MODEL][f"bases.2.{key}"], v2[n] - 0.05 * 0.25 * G[n], f"v_2 {n}")
-    assert upd.metrics["train_loss"] == pytest.approx(loss, rel=1e-4)
+    _assert_one_joint_step(sim, upd, seen, (v0, v1, v2), psi_lr=0.5 * 10)
     assert sim.model.temperature == 1.0 and sim.model.fixed_alpha is None
 
 
