@@ -79,10 +79,11 @@ def test_hand_model_paths_are_the_written_out_logits():
         assert m(**HAND_BATCH).logits.tolist() == [list(z)], mode
 
 
-@pytest.mark.parametrize("mutual, teacher", [(True, "dat"), (False, "dat"), (True, "local"), (True, "frozen")])
-def test_client_losses_on_known_adapters_are_the_papers_equations(sim_for, mutual, teacher):
+@pytest.mark.parametrize("mutual, teacher, T", [(True, "dat", 3.0), (False, "dat", 3.0), (True, "local", 3.0),
+                                                (True, "frozen", 3.0), (True, "dat", 2.0)])
+def test_client_losses_on_known_adapters_are_the_papers_equations(sim_for, mutual, teacher, T):
     """FedDAT's two client losses (the closures its client update hands to the training loop) on the hand model,
-    ``--kd_schedule constant`` (alpha = beta = 1 with the authors' code's 1/2), T = 3, answer 0:
+    ``--kd_schedule constant`` (alpha = beta = 1 with the authors' code's 1/2), T = 3 (the default) or 2, answer 0:
 
     * L^s   = 1/2 (CE(z_s, y) + T^2 KL(p_teacher || p_s))           (Eq. 6-7, DAT -> A_s)
     * L^DAT = 1/2 (CE(z_teacher, y) + T^2 KL(p_s || p_teacher))     (Eq. 6-7, A_s -> DAT; 0 for "w/o MKD")
@@ -90,19 +91,19 @@ def test_client_losses_on_known_adapters_are_the_papers_equations(sim_for, mutua
     with teacher = DAT (FedDAT), A_c ("w/o Â_s") or Â_s ("w/o A_c": frozen, so there is no L^DAT stage), every
     number from the written-out logits. Dropping either KD direction, or scoring the student as its own teacher,
     moves a loss by >= 0.01."""
-    sim = sim_for("feddat", kd_schedule="constant", mutual=mutual, teacher=teacher)
+    sim = sim_for("feddat", kd_schedule="constant", mutual=mutual, teacher=teacher, temperature=T)
     _, seen = _client_losses(sim)
     assert len(seen["fns"]) == (1 if teacher == "frozen" else 2)
     loss_s, loss_dat = (seen["fns"] + [None])[:2]
     m = HandModel()
     z_s, z_t = HAND_LOGITS["shared"], HAND_LOGITS[teacher]
-    want_s = 0.5 * (_ce(z_s, 0) + _kd(z_s, z_t))
-    want_dat = 0.5 * (_ce(z_t, 0) + (_kd(z_t, z_s) if mutual else 0.0))
+    want_s = 0.5 * (_ce(z_s, 0) + _kd(z_s, z_t, T))
+    want_dat = 0.5 * (_ce(z_t, 0) + (_kd(z_t, z_s, T) if mutual else 0.0))
     assert float(loss_s(m, HAND_BATCH)) == pytest.approx(want_s, rel=1e-5)
     if loss_dat is not None:
         assert float(loss_dat(m, HAND_BATCH)) == pytest.approx(want_dat, rel=1e-5)
     assert m.mode == "shared"                                           # left on the inference path
-    assert 0.5 * _kd(z_s, z_t) > 0.01 and 0.5 * _kd(z_t, z_s) > 0.01   # each KD term is visible
+    assert 0.5 * _kd(z_s, z_t, T) > 0.01 and 0.5 * _kd(z_t, z_s, T) > 0.01   # each KD term is visible
 
 
 def test_client_losses_on_known_adapters_with_the_ramp(sim_for):
