@@ -221,7 +221,8 @@ def test_feddat_resume_command_keeps_the_recipe_options(monkeypatch, tmp_path, c
     assert built == [("domain", 24, 20, "shuffle")] and first.fed_data == "fed"
     assert first.args.model == BACKBONES["blip"]
     assert first.recipe_settings == {"backbone": "blip", "vqa_split": "domain", "train_per_client": 24,
-                                     "test_per_client": 20, "image_ablation": "shuffle", "answer_balance": "question"}
+                                     "test_per_client": 20, "image_ablation": "shuffle", "answer_balance": "question",
+                                     "validation_per_client": 0}
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("interrupted; round 1 is saved in ")
     command = shlex.split(err.split("resume with: ", 1)[1])
