@@ -292,6 +292,26 @@ def test_memoised_concepts_key_the_lr_classes_words_and_trained_halves(calls):
         assert len(calls["train"]) == n
 
 
+def test_memoised_concepts_key_the_fixed_halfs_words(calls, monkeypatch):
+    """S only (V fixed at the real words' embedding): the same fixed half reuses the memo; another fixed half (the
+    words of another run, e.g. FedDEO's descriptions vs the V-only ablation's class words) trains again, and so
+    does another fixed S half."""
+    pipe = object()
+
+    def fixed(s_value, v_value):
+        return lambda algo, cid, train_s, train_v, seed: (torch.full((2, 4), s_value), torch.full((2, 3, 4), v_value))
+
+    FedBiP.train_concepts(_self(reuse=True, pipe=pipe, personalization="domain"), 1, X, Y, 0, object())
+    FedBiP.train_concepts(_self(reuse=True, pipe=pipe, personalization="domain"), 1, X, Y, 0, object())
+    assert len(calls["train"]) == 1
+    monkeypatch.setattr(fedbip_mod, "mixed_init", fixed(0.5, 0.25))
+    FedBiP.train_concepts(_self(reuse=True, pipe=pipe, personalization="domain"), 1, X, Y, 0, object())
+    assert len(calls["train"]) == 2
+    monkeypatch.setattr(fedbip_mod, "mixed_init", fixed(0.75, 0.25))
+    FedBiP.train_concepts(_self(reuse=True, pipe=pipe, personalization="domain"), 1, X, Y, 0, object())
+    assert len(calls["train"]) == 3
+
+
 def test_word_concepts_are_the_clients_real_words_in_the_configured_space(monkeypatch):
     """The real-word concepts: init_concepts(init="words") with the client's domain and class words, the run's
     n_s / n_v / template / space and the data's class count."""
