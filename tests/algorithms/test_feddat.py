@@ -37,10 +37,11 @@ def vqa_fed():
 def sim_for(vqa_fed, tmp_path):
     from hfpfl.federated.engine import Simulation
 
-    def make(method, model="tiny-vilt", rounds=2, **cfg):
+    def make(method, model="tiny-vilt", rounds=2, run_kw=None, **cfg):
         run = RunArguments(method=method, model=model, random_backbone_ok=True, num_rounds=rounds, batch_size=8, lr=1e-2,
                            optimizer="adamw", weight_decay=0.01, output_dir=str(tmp_path / f"{method}-{model}"),
-                           progress=False, overwrite_output_dir=True, checkpoint_every=0, eval_batch_size=64)
+                           progress=False, overwrite_output_dir=True, checkpoint_every=0, eval_batch_size=64,
+                           **(run_kw or {}))
         return Simulation(run, None, get_algorithm(method).Config(**cfg), fed_data=vqa_fed, keep_uploads=True)
     return make
 

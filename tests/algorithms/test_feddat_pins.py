@@ -177,6 +177,23 @@ def test_round_steps_follow_local_steps_or_epochs(sim_for):
     assert sim.algorithm.round_steps(1) == (6, 2)
 
 
+def test_round_steps_read_the_clients_own_hyperparameters(sim_for):
+    """A tuner's per-client hyperparameters (FedPop: ``step(client_hparams=...)``) set that client's steps only."""
+    sim = sim_for("feddat")
+    sim.setup()
+    sim._client_hp_overrides = {1: {"local_steps": 3}}
+    assert sim.algorithm.round_steps(1) == (3, 2) and sim.algorithm.round_steps(0) == (1, 1)
+
+
+@pytest.mark.parametrize("last, steps", [("merge", 1), ("keep", 2), ("drop", 1)])
+def test_round_steps_follow_the_runs_last_batch(sim_for, last, steps):
+    """Client 0 holds 9 questions at batch 8: ``--last_batch merge`` = one step of 9, ``keep`` = 8 then 1,
+    ``drop`` = one step of 8 (the learning-rate schedule spans exactly these steps)."""
+    sim = sim_for("feddat", run_kw={"last_batch": last})
+    sim.setup()
+    assert sim.algorithm.round_steps(0) == (steps, steps)
+
+
 # ------------------------------------------------------------------------------------------------ config, roles
 def test_configs_validate_their_options():
     with pytest.raises(ValueError, match="peft"):
@@ -249,9 +266,30 @@ def test_build_model_passes_the_peft_options(sim_for):
     slot = sim.model.adapters[0]
     d = slot.shared.down.in_features
     assert slot.shared.down.out_features == d // 8 and not slot.shared.up.weight.any()
-    sim = sim_for("vqa_peft", peft="lora")
+    sim = sim_for("vqa_peft", peft="lora", run_kw={"lora_r": 2})   # not the builder's default rank (4)
     a = [p for k, p in sim.model.named_parameters() if "lora_A" in k]
-    assert a and all(p.shape[0] == sim.args.lora_r for p in a)
+    assert a and all(p.shape[0] == 2 for p in a)
+
+
+@pytest.mark.parametrize("head_init", ["random", "pretrained"])
+def test_build_model_keeps_the_backbones_head_only_when_asked(sim_for, head_init):
+    """ViLT's head: ``--head_init random`` re-draws it (N(0, 0.02) weights, zero biases: Algorithm 1's init_head);
+    ``pretrained`` keeps the backbone's own pool head, which the tiny stand-in draws with non-zero biases here."""
+    import hfpfl.models.vqa_model as vqa_model
+
+    real_init = vqa_model.VQAModel.__init__
+
+    def init_with_marked_head(self, backbone, *a, **kw):
+        for m in backbone.classifier.modules():
+            if isinstance(m, torch.nn.Linear):
+                torch.nn.init.constant_(m.bias, 0.5)
+        real_init(self, backbone, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vqa_model.VQAModel, "__init__", init_with_marked_head)
+        sim = sim_for("vqa_adapter", head_init=head_init)
+    biases = [m.bias for m in sim.model.backbone.classifier.modules() if isinstance(m, torch.nn.Linear)]
+    assert biases and all(bool((b == (0.5 if head_init == "pretrained" else 0.0)).all()) for b in biases)
 
 
 # ------------------------------------------------------------------------------------------------ Table 4, saving
