@@ -618,9 +618,30 @@ def test_auto_vectorizes_mid_size_models_only_where_the_chunk_shape_pays(ragged,
     clients = [0, 1, 2, 3]
     assert not vectorized.should_vectorize(sim)  # no clients given: mid-size models are not vectorized
     monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 3)
-    assert vectorized.should_vectorize(sim, clients)  # batch 10, 3.3 clients per step
+    # on the CPU, only clients of few steps vectorize: at batch 10 (trailing batches under 8 merge) 56 images take
+    # 5 steps (10 x 4 + 16), 49 take 5 (10 x 4 + 9), 42 take 4, 35 and 28 take 3 (10 x 2 + 8)
+    assert vectorized.local_steps([56, 49, 42, 35], sim.args) == 5 and vectorized.local_steps([28], sim.args) == 3
+    assert [len(sim.train_data(c)) for c in clients] == [28, 49, 42, 35]  # this run's clients: 5 steps at most
+    assert not vectorized.should_vectorize(sim, clients)  # default: at most 1 step per client
+    monkeypatch.setattr(policy, "AUTO_MID_CPU_MAX_STEPS", 4)
+    assert not vectorized.should_vectorize(sim, clients)  # 5 steps > 4
+    monkeypatch.setattr(policy, "AUTO_MID_CPU_MAX_STEPS", 5)
+    assert vectorized.should_vectorize(sim, clients)  # batch 10, 3.3 clients per step, 5 steps
     monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 4)
     assert not vectorized.should_vectorize(sim, clients)  # ragged: too few clients step together
+    monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 3)
+    sim.args = dataclasses.replace(sim.args, local_steps=6)
+    assert not vectorized.should_vectorize(sim, clients)  # --local_steps 6: 6 steps > 5
+    sim.args = dataclasses.replace(sim.args, local_steps=None, local_epochs=2)
+    assert vectorized.local_steps([56, 49, 42, 35], sim.args) == 10 and not vectorized.should_vectorize(sim, clients)
+    sim.args = dataclasses.replace(sim.args, local_epochs=1, batch_size=29)
+    monkeypatch.setattr(policy, "AUTO_MID_MAX_BATCH", 64)
+    monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 1)
+    assert vectorized.local_steps([28, 49, 42, 35], sim.args) == 2 and vectorized.local_steps([28], sim.args) == 1
+    assert not vectorized.should_vectorize(sim, clients)  # the 28-image client's one batch is partial (28 < 29)
+    sim.args = dataclasses.replace(sim.args, batch_size=28)
+    assert vectorized.should_vectorize(sim, clients)  # every client at least one full batch, at most 2 steps
+    monkeypatch.setattr(policy, "AUTO_MID_MAX_BATCH", 16)
     monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 3)
     sim.args = dataclasses.replace(sim.args, batch_size=32)
     assert not vectorized.should_vectorize(sim, clients)  # large batches are compute-bound: sequential

@@ -32,14 +32,14 @@ from .chunks import ACCELERATOR_CHUNK_BYTES, CHUNK_BYTES, chunks_of
 from .client_states import downloads, per_client_values, same_download_for_all
 from .evaluate import evaluate_clients
 from .heap import PIN_MMAP_CLIENTS, pin_mmap_threshold, release_freed_heap
-from .policy import can_vectorize_eval, clients_per_step, should_vectorize, vectorize_reason
+from .policy import can_vectorize_eval, clients_per_step, local_steps, should_vectorize, vectorize_reason
 from .schedules import batch_schedule
 from .stacked_splits import StackedData, stacked_data
 from .trainer import ChunkUpdates, train_chunk
 
 __all__ = [
     "ACCELERATOR_CHUNK_BYTES", "CHUNK_BYTES", "PIN_MMAP_CLIENTS", "ChunkUpdates", "StackedData", "batch_schedule",
-    "can_vectorize_eval", "chunks_of", "clients_per_step", "downloads", "evaluate_clients", "per_client_values",
+    "can_vectorize_eval", "chunks_of", "clients_per_step", "downloads", "local_steps", "evaluate_clients", "per_client_values",
     "pin_mmap_threshold", "release_freed_heap", "same_download_for_all", "should_vectorize", "stacked_data",
     "train_chunk", "vectorize_reason",
 ]
