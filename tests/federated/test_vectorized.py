@@ -615,6 +615,7 @@ def test_auto_vectorizes_mid_size_models_only_where_the_chunk_shape_pays(ragged,
     assert vectorized.clients_per_step([5] * 500, 5) == 500 and vectorized.clients_per_step([9, 1], 4, 3) == 2
     sim, _ = _run(ragged, tmp_path, "tiny_fedavg", "auto", num_rounds=1)
     monkeypatch.setattr(policy, "AUTO_MAX_PARAMS", 0)  # treat the tiny net as a mid-size model
+    monkeypatch.setattr(sim, "device", torch.device("cpu"))  # the CPU rule first, also where the run got a GPU
     clients = [0, 1, 2, 3]
     assert not vectorized.should_vectorize(sim)  # no clients given: mid-size models are not vectorized
     monkeypatch.setattr(policy, "AUTO_MID_MIN_GROUP", 3)
