@@ -13,8 +13,8 @@ out-of-domain ResNet stand-in (hfpfl/tiny-resnet-ood; its shortcut convolutions 
 ResNet26's adapter placement). "Within" is two-sided: |adapters - full| <= 1.5 points (the paper's largest
 cross-silo Dir/Gau gap, 1.44, rounded up). Upload bytes are exact: the engine's ledger, per client per round.
 FedProx's mu is the paper's 0.01. The paper's 5 seeds (0-4): mean and sample std over all five. The #M and
-Gau(0.1) partitions are the study fedadapter_skews (with the paper's optimizer). Cut to fit the time: cross-device
-(Table II). Every row trains the same optimizer steps (matched by steps)."""
+Gau(0.1) partitions are the study fedadapter_skews (with the paper's optimizer); cross-device (Table II) is the
+study fedadapter_device. Every row trains the same optimizer steps (matched by steps)."""
 from hfpfl.experiments import Study, Variant, controls, greater, within
 
 ROUNDS = 15
