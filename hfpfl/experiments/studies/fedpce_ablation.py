@@ -7,7 +7,7 @@ Cl. tr. for E = 2, 4, 8, 16, 32, 64 (Table 3: 70.52-70.85 / 65.18-66.72, "the em
 / 68.10 / 68.20 rises from 30 on) and hidden widths 16, 64, 256 of the two-layer MLPs (Table 5: 70.66 / 70.71 / 71.17
 and 65.47 / 65.67 / 66.50, slight gains with width). Here: every setting of the fedpce_degradation study (its common
 flags, imported: MNIST at 16 px, the noise / ColorJitter / class-imbalance groups, 12 collaborative and 6 new clients,
-the paper's augmentation, 100 test images per new client, 10 rounds of 10 steps), whose FedPCE row (E = 32, hidden 64,
+the paper's augmentation, 100 test images per new client, 20 rounds of 10 steps), whose FedPCE row (E = 32, hidden 64,
 12 collaborative clients) and controls are borrowed (the same row keys: the same computation). The rows change one
 option each: --embedding_dim, --mlp_hidden, or --num_clients 24 (24 collaborative + 6 new = the paper's 30 clients, 8 +
 2 per group; the 12-client row is 12 + 6 = 18: with three groups and an even class-imbalance group the paper's 12
