@@ -13,11 +13,12 @@ option each: --embedding_dim, --mlp_hidden, or --num_clients 24 (24 collaborativ
 2 per group; the 12-client row is 12 + 6 = 18: with three groups and an even class-imbalance group the paper's 12
 clients (spec: 10 + 2) cannot be split, so the smaller row keeps the benchmark's 18; the images are split over all
 clients as in the paper, so a client of the 30 holds 3,500 / 30 = about 117 images, one of the 18 about 194). The
-tolerance of the `within` claims, 0.04, is about two standard errors of the difference of two 3-seed means from the
-test sets' sampling alone (about 500 collaborative and 600 new-client test images a seed, accuracies near 0.5): the
-smallest difference this table resolves, so "little effect" is read as no difference it can see. Cut to fit (about 40
-min on half a core): E = 4 and 16, and the 60- and 90-client rows (the 90-client row alone would cost the whole
-budget)."""
+tolerance of the `within` claims, 0.04, is about two and a half standard errors of the difference of two 3-seed means
+from the test sets' sampling alone (about 580 collaborative and 600 new-client test images a seed at accuracies near
+0.7: sqrt(0.21 / 600) / sqrt(3) x sqrt(2) = 0.015): a difference this table cannot tell from sampling, so "little
+effect" is read as no difference it can resolve; the paper's own spread over E, 0.33 (Col.) and 1.54 (Cl.) points, is
+within its fold stds of up to 1.08. Cut to fit (about 40 min on half a core): E = 4 and 16, and the 60- and 90-client
+rows (the 90-client row alone would cost the whole budget)."""
 from hfpfl.experiments import Study, Variant, greater, within
 
 from . import _recipe_controls  # noqa: F401 - registers the recipe_* controls
