@@ -16,7 +16,8 @@ from hfpfl.cli import run_recipe
 from hfpfl.data.benchmarks import GROUPS
 from hfpfl.options import Check, at_least, option
 
-# the setting of the FedPCE study (hfpfl/experiments/studies/fedpce_degradation.py): a few minutes on 2 CPU cores
+# a quick CPU setting (a few minutes on 2 CPU cores); the FedPCE studies (hfpfl/experiments/studies/fedpce_*.py) add
+# the paper's groups, augmentation and new-client test size to it
 DEFAULTS = dict(dataset="mnist", degradations="noise,color,rotation", num_clients=12, num_new_clients=3,
                 max_per_domain=3000, image_size=16, num_rounds=10, local_steps=10, batch_size=32, optimizer="adam",
                 lr=1e-3, weight_decay=1e-4, widths="8,16,32,64", depths="1,1,1,1", new_client_steps=50)
