@@ -147,14 +147,9 @@ class NewClientTests:
         if train_labels is None:
             rows, self.free = self.free[:self.size], self.free[self.size:]
             return self.raw.select(np.sort(rows))
-        counts = class_counts(np.bincount(train_labels), self.size)
-        rows = []
-        for k, c in enumerate(counts):
-            of_k = self.free[self.labels[self.free] == k][:c]
-            if len(of_k) < c:
-                raise ValueError(f"the test split has too few images of class {k} for the new clients' test sets: "
-                                 f"lower new_client_test_size or raise max_per_domain")
-            rows.append(of_k)
+        hist = np.bincount(train_labels, minlength=int(self.labels.max()) + 1)
+        counts = capped_class_counts(hist, self.size, np.bincount(self.labels[self.free], minlength=len(hist)))
+        rows = [self.free[self.labels[self.free] == k][:c] for k, c in enumerate(counts)]
         rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         self.free = np.setdiff1d(self.free, rows, assume_unique=True)  # keeps the permutation's order
         return self.raw.select(np.sort(rows))
@@ -169,6 +164,29 @@ def class_counts(histogram, total: int) -> list[int]:
     for i in order[: total - int(base.sum())]:
         base[i] += 1
     return base.tolist()
+
+
+def capped_class_counts(histogram, total: int, available) -> list[int]:
+    """:func:`class_counts`, with no class above the images ``available`` of it: a class that runs short gives all
+    it has and its remainder is split over the histogram's other classes in their proportions (largest remainders).
+    A heavily skewed imbalance client can ask for more test images of its main class than the test split holds (the
+    bundled MNIST's 75 a class); the paper's validation fold (5-fold CV in each client) follows the client's own
+    proportions, which this keeps wherever the images exist. Where none run short, exactly :func:`class_counts`."""
+    h = np.asarray(histogram, dtype=np.float64)
+    avail = np.asarray(available)
+    counts, fixed = np.zeros(len(h), dtype=int), np.zeros(len(h), dtype=bool)
+    while True:
+        rest = np.where(fixed, 0.0, h)
+        left = total - int(counts[fixed].sum())
+        if left and not rest.sum():
+            raise ValueError(f"the test split has too few images of the classes {np.flatnonzero(h).tolist()} for "
+                             f"the new clients' test sets: lower new_client_test_size or raise max_per_domain")
+        share = np.asarray(class_counts(rest, left)) if left else np.zeros(len(h), dtype=int)
+        short = ~fixed & (share > avail)
+        if not short.any():
+            counts[~fixed] = share[~fixed]
+            return counts.tolist()
+        counts[short], fixed = avail[short], fixed | short
 
 
 def degradation_settings(kind: str, m: int, levels: str = "paper", seed: int = 0) -> list[dict]:

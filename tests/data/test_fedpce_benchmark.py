@@ -108,3 +108,20 @@ def test_new_client_test_pool_draws_are_disjoint():
     assert sorted(per_class["label"]) == [0, 0, 0, 1]                 # 3 : 1 of 4
     with pytest.raises(ValueError, match="3 new clients x new_client_test_size 3 > the 7 images"):
         NewClientTests(ds, 3, 3, seed=0)
+
+
+def test_new_client_test_draws_cap_a_class_that_runs_short():
+    """A client trained 8 : 2 on classes 0 and 1 asks for 4 + 1 of a 5-image test set; the pool holds 2 images of
+    class 0, so it gets both and the 2 missing go to class 1 (its only other class): 2 + 3, never class 2. A client
+    trained on class 0 alone cannot be served and is refused with the fix."""
+    from datasets import Dataset
+
+    from hfpfl.data.benchmarks import NewClientTests, capped_class_counts
+
+    ds = Dataset.from_dict({"uid": list(range(10)), "label": [0, 0, 1, 1, 1, 1, 2, 2, 2, 2]})
+    got = NewClientTests(ds, 5, 1, seed=0).take(np.array([0] * 8 + [1] * 2))
+    assert sorted(got["label"]) == [0, 0, 1, 1, 1]
+    assert capped_class_counts([8, 2], 5, [9, 9]) == [4, 1]           # none short: the plain proportions
+    assert capped_class_counts([6, 3, 1], 10, [3, 9, 9]) == [3, 5, 2]  # 6 -> 3; 7 left at 3 : 1 = 5.25 + 1.75
+    with pytest.raises(ValueError, match="too few images of the classes \\[0\\].*raise max_per_domain"):
+        NewClientTests(ds, 3, 1, seed=0).take(np.array([0] * 4))
