@@ -43,6 +43,14 @@ def domain_accuracies(sim, results) -> None:
         results["final"][f"{d}_accuracy"] = float(acc)
 
 
+def common(rounds: int = 15, lr: str = "0.05", momentum: str = "0.9") -> tuple:
+    """The FRAug studies' shared flags: Digits, one domain per client, the tiny ResNet, 5 local steps of batch 32,
+    SGD at ``lr`` / ``momentum`` for ``rounds`` rounds (defaults: the CPU settings)."""
+    return ("--dataset", "digits", "--num_clients", "4", "--max_per_domain", "600", "--image_size", "16",
+            "--model", "tiny-resnet", "--num_rounds", str(rounds), "--local_steps", "5", "--batch_size", "32",
+            "--optimizer", "sgd", "--lr", lr, "--momentum", momentum)
+
+
 def run(name, argv, label, paper, note=None):
     return Variant(name, tuple(argv), label=label, paper=paper, note=note, metrics_hook=HOOK)
 
@@ -74,9 +82,7 @@ STUDY = Study(
     paper="FRAug (Chen et al., ICCV 2023); Chen 2025 (dissertation), FRAug chapter, Table 2 (Digits) and Table 5",
     description=__doc__.split("\n\n", 1)[1].replace("\n", " "),
     seeds=(0, 1, 2),
-    common=("--dataset", "digits", "--num_clients", "4", "--max_per_domain", "600", "--image_size", "16",
-            "--model", "tiny-resnet", "--num_rounds", "15", "--local_steps", "5", "--batch_size", "32",
-            "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"),
+    common=common(),
     metrics={"personal_accuracy": "mean per-client accuracy"},
     variants=(*VARIANTS, controls.chance(), controls.majority(), controls.untrained(FRAUG_FULL)),
     matched_by="steps",

@@ -23,7 +23,7 @@ EMA (--use_generator false: the RTNet transforms the client's own real embedding
 compare them with the FRAug row of this study (same rounds, lrs and loss)."""
 from hfpfl.experiments import Study, controls, greater
 
-from .fraug_digits import T2, T5, run  # the same rows and metrics hook (per-domain accuracies)
+from .fraug_digits import T2, T5, common, run  # the same rows and metrics hook (per-domain accuracies)
 
 ROUNDS = 100
 #: the fine-tuning lr grid of the FedAvg+FT and FedBABU rows (one decade either side of the paper's lr 0.01)
@@ -65,9 +65,7 @@ STUDY = Study(
            "section 4.1"),
     description=__doc__.split("\n\n", 1)[1].replace("\n", " ").format(rounds=ROUNDS, grid=GRID.replace(",", ", ")),
     seeds=(0, 1, 2),
-    common=("--dataset", "digits", "--num_clients", "4", "--max_per_domain", "600", "--image_size", "16",
-            "--model", "tiny-resnet", "--num_rounds", str(ROUNDS), "--local_steps", "5", "--batch_size", "32",
-            "--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.5"),
+    common=common(ROUNDS, lr="0.01", momentum="0.5"),
     metrics={"personal_accuracy": "mean per-client accuracy"},
     variants=(*VARIANTS, controls.chance(), controls.majority(), controls.untrained(FRAUG_ROW)),
     matched_by="steps",

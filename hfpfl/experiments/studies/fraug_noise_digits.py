@@ -19,7 +19,7 @@ not in the steps column. Cut to fit (about 30 minutes at a third of a core): the
 three run at the medium intensity only."""
 from hfpfl.experiments import Study, controls, greater
 
-from .fraug_digits import FRAUG, VAL, run
+from .fraug_digits import FRAUG, VAL, common, run
 
 T6 = "Chen 2025, FRAug chapter, Table 6 (privatized OfficeHome; Digits here)"
 LEVELS = {"weak": "0.01", "medium": "0.1", "strong": "1.0"}
@@ -32,11 +32,12 @@ def noise(level):
     return ("--noise_skew", LEVELS[level], "--noise_skew_rule", "uniform", "--noise_skew_splits", "train")
 
 
-def trio(level):
+def trio(level, fraug_flags=FRAUG):
+    """Table 6's three rows at one intensity: FRAug (``fraug_flags``), FedBN (optimizer state kept) and FedAvg."""
     fedavg, fedbn, fraug = PAPER[level]
     sigma = LEVELS[level]
     return (
-        run(f"fraug_{level}", (*FRAUG, *noise(level)), f"FRAug, sigma {sigma}", fraug),
+        run(f"fraug_{level}", (*fraug_flags, *noise(level)), f"FRAug, sigma {sigma}", fraug),
         run(f"fedbn_{level}", ("--method", "fedbn", "--keep_optimizer_state", "true", *noise(level)),
             f"FedBN (optimizer state kept), sigma {sigma}", fedbn),
         run(f"fedavg_{level}", ("--method", "fedavg", *noise(level)), f"FedAvg, sigma {sigma}", fedavg),
@@ -70,9 +71,7 @@ STUDY = Study(
     paper="FRAug (Chen et al., ICCV 2023); Chen 2025 (dissertation), FRAug chapter, Table 6, section 4.3.4",
     description=__doc__.split("\n\n", 1)[1].replace("\n", " "),
     seeds=(0, 1, 2),
-    common=("--dataset", "digits", "--num_clients", "4", "--max_per_domain", "600", "--image_size", "16",
-            "--model", "tiny-resnet", "--num_rounds", "15", "--local_steps", "5", "--batch_size", "32",
-            "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"),
+    common=common(),
     metrics={"personal_accuracy": "mean per-client accuracy (clean test images)"},
     variants=(*MEDIUM, *OTHERS, *trio("weak"), *trio("strong"), controls.chance(), controls.majority(),
               controls.untrained(MEDIUM[0])),

@@ -12,11 +12,11 @@ from hfpfl.experiments import Study, controls, greater
 
 from .fraug_digits import run
 from .fraug_digits_paper import FRAUG, STUDY as CLEAN
-from .fraug_noise_digits import PAPER, T6, noise
+from .fraug_noise_digits import PAPER, T6, noise, trio
 
-FEDAVG, FEDBN, FRAUG_PAPER = PAPER["medium"]
+FRAUG_PAPER = PAPER["medium"][2]
 SUM = tuple(a for a in FRAUG if a not in ("--cls_loss", "weighted", "--cls_ratio_gamma", "0.002"))
-ROW = run("fraug_medium", (*FRAUG, *noise("medium")), "FRAug, sigma 0.1, paper settings", FRAUG_PAPER)
+ROW, FEDBN_ROW, FEDAVG_ROW = trio("medium", FRAUG)
 
 STUDY = Study(
     name="fraug_noise_digits_paper",
@@ -30,9 +30,8 @@ STUDY = Study(
     variants=(
         ROW,
         run("fraug_sum_medium", (*SUM, *noise("medium")), "FRAug with Eq. 1's plain sum, sigma 0.1", FRAUG_PAPER),
-        run("fedbn_medium", ("--method", "fedbn", "--keep_optimizer_state", "true", *noise("medium")),
-            "FedBN (optimizer state kept), sigma 0.1", FEDBN),
-        run("fedavg_medium", ("--method", "fedavg", *noise("medium")), "FedAvg, sigma 0.1", FEDAVG),
+        FEDBN_ROW,
+        FEDAVG_ROW,
         controls.chance(), controls.majority(), controls.untrained(ROW)),
     matched_by="steps",
     claims=(
