@@ -645,13 +645,27 @@ def _bench_clients(a, p, n: int, gpu: bool, scratch: str) -> None:
     if a.interleave and len(jobs) > 1:  # each round against the first configuration's same round
         first, base = results[0][0]["round_s"], jobs[0][1].rsplit(" with ", 1)[0]
         for (_, label, _, _), (r, _) in list(zip(jobs, results))[1:]:
-            q = sorted(t / f for f, t in zip(first[1:], r["round_s"][1:]))
+            q = paired_ratios(r["round_s"], first)
             if q:
-                med = q[len(q) // 2]
                 print(f"{n:>8} {'':>12} {label.rsplit(' with ', 1)[0]:>20} same rounds, this / {base}: median "
-                      f"{med:.3f} (min {q[0]:.3f}, max {q[-1]:.3f}, {len(q)} rounds; {base} / this {1 / med:.1f}x)",
+                      f"{q[0]:.3f} (min {q[1]:.3f}, max {q[2]:.3f}, {q[3]} rounds; {base} / this {1 / q[0]:.1f}x)",
                       flush=True)
+        if pfl:  # the peer, round by round: one slow or lucky round moves a minimum, not this median
+            for (key, label, _, _), (r, _) in zip(jobs, results):
+                q = paired_ratios(r["round_s"], pfl["round_s"]) if key[0] == "hfpfl" else None
+                if q:
+                    print(f"{n:>8} {'':>12} {label.rsplit(' with ', 1)[0]:>20} same rounds, this / pfl-research: "
+                          f"median {q[0]:.3f} (min {q[1]:.3f}, max {q[2]:.3f}, {q[3]} rounds)", flush=True)
 
+
+def paired_ratios(rounds: list[float], base: list[float]) -> tuple[float, float, float, int] | None:
+    """Round r of one configuration over round r of another, the first round excluded (start-up): (median, min,
+    max, rounds); the median of an even count is the mean of the middle two."""
+    q = sorted(t / b for b, t in zip(base[1:], rounds[1:]))
+    if not q:
+        return None
+    mid = len(q) // 2
+    return (q[mid] if len(q) % 2 else (q[mid - 1] + q[mid]) / 2), q[0], q[-1], len(q)
 
 if __name__ == "__main__":
     main()

@@ -254,12 +254,12 @@ class MethodContext:
         params = sim.algorithm.trainable_parameters() if params is None else params
         several = isinstance(hooks.get("loss_fn"), (list, tuple))
         param_sets = list(params) if several else [params]
-        names = {id(p): n for n, p in self.model.named_parameters()}
         optimizers = [(optimizer or self._make_optimizer)(ps, hp) for ps in param_sets]
         if schedule is not None:
             if "scheduler" in hooks:
                 raise ValueError("pass either schedule= (built on this call's optimizers) or scheduler=, not both")
             hooks["scheduler"] = _Schedules([schedule(opt) for opt in optimizers])
+        names = {id(p): n for n, p in self.model.named_parameters()} if optimizer_state is not None else None
         if optimizer_state:
             for i, opt in enumerate(optimizers):
                 load_optimizer_state(opt, {k[len(f"{i}:"):]: v for k, v in optimizer_state.items()

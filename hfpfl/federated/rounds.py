@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from . import vectorized
-from .aggregation import WeightedSums, all_finite
+from .aggregation import WeightedSums, all_finite, all_finite_each
 from .comm import bytes_by_part, tensor_bytes
 from .context import NonFiniteError, step_size_hint
 from .distributed import all_gather, broadcast_from_main, gather_to_main
@@ -124,9 +124,9 @@ class RoundRunner:
         if self.sim.algorithm.on_non_finite != "error":
             return
         loss = upd.metrics.get("train_loss")
-        # one summing pass per tensor, no boolean copy of the upload (all_finite)
-        bad = [f"{p}/{k}" for p, d in upd.upload.items() for k, v in d.items()
-               if torch.is_floating_point(v) and not all_finite(v)]
+        # one summing pass per tensor, no boolean copy of the upload, one wait for the answer (all_finite_each)
+        floats = [(f"{p}/{k}", v) for p, d in upd.upload.items() for k, v in d.items() if torch.is_floating_point(v)]
+        bad = [name for (name, _), ok in zip(floats, all_finite_each(v for _, v in floats)) if not ok]
         if bad or (loss is not None and not np.isfinite(loss)):
             what = f"upload {bad[0]!r}" if bad else f"train loss {loss}"
             hint = step_size_hint(self.sim.args, self.sim.algorithm.config, lr=self.sim.client_hparams(upd.client_id).lr)

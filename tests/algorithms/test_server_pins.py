@@ -137,6 +137,33 @@ def test_weighted_sums_divide_floats_by_the_total_keep_integers_and_count_weight
     assert sums.total == {"model": 3.0}
 
 
+
+@pytest.mark.parametrize("hold_uploads,block", [(1, 4), (3, 4), (8, 4), (8, 1 << 16)])
+def test_weighted_sums_fold_held_uploads_value_by_value_in_upload_order(monkeypatch, hold_uploads, block):
+    """Held uploads folded block by block add, for every value, in upload order: with 1e30, 1, -1e30 (weights 1)
+    the float64 sum is (1e30 + 1) - 1e30 = 0 (1e30 + 1 rounds to 1e30), where another order would give 1. Upload j
+    holds ten copies of big[j] (blocks of 4 cross them); another part and an integer counter ride along; held
+    uploads are folded before a stacked chunk."""
+    monkeypatch.setattr(WeightedSums, "HOLD_UPLOADS", hold_uploads)
+    monkeypatch.setattr(WeightedSums, "FOLD_BLOCK", block)
+    big = [1e30, 1.0, -1e30, 2.0, 3.0]          # upload j adds big[j] * weight[j] to every value
+    weights = [1.0, 1.0, 1.0, 2.0, 1.0]
+    sums = WeightedSums(denominator=1.0)
+    for j, (b, w) in enumerate(zip(big, weights)):
+        sums.add("model", {"x": torch.full((10,), b, dtype=torch.float32), "n": torch.tensor(j)}, w)
+        sums.add("other", {"y": f32(b)}, 1.0)
+    # by hand: ((((1e30 + 1) - 1e30) + 4) + 3) = 7 in float64; "other" the same with weight 1 everywhere: 5
+    assert sums.sums["model"]["x"].tolist() == [7.0] * 10
+    assert sums.sums["model"]["n"].item() == 4
+    assert sums.sums["other"]["y"].tolist() == [5.0]
+    # 1 held, then [1e30, -1e30] stacked (folded client by client): (1 + 1e30) - 1e30 = 0, not (1e30 - 1e30) + 1
+    monkeypatch.setattr(WeightedSums, "STACKED_ROW_LOOP", 1)
+    again = WeightedSums(denominator=1.0)
+    again.add("model", {"x": torch.full((10,), 1.0, dtype=torch.float32)}, 1.0)
+    again.add_stacked("model", {"x": torch.tensor([[1e30] * 10, [-1e30] * 10], dtype=torch.float32)}, [1.0, 1.0])
+    assert again.get("model", {"x": f32(*[0.0] * 10)})["x"].tolist() == [0.0] * 10
+
+
 # ------------------------------------------------------------------------------------------------ Algorithm.aggregate
 class _CountingFedAvg(PIN["fedavg"]):
     """The toy FedAvg recording what ``reduce`` receives."""

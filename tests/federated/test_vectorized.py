@@ -589,6 +589,17 @@ def test_finite_checks_are_exact_when_the_sum_overflows():
     assert finite_rows(torch.tensor([1.0, float("nan"), 2.0])).tolist() == [True, False, True]
 
 
+def test_an_upload_is_checked_tensor_by_tensor_with_one_wait():
+    """all_finite_each: finite float32, float32 with a NaN, float16 with -inf, finite float32 whose sum overflows
+    (2 x 3e38), a float16 whose float16 sum would overflow (2 x 6e4, summed in float32) and a float64 with +inf."""
+    from hfpfl.federated.aggregation import all_finite_each
+    tensors = [torch.tensor([1.0, -2.0]), torch.tensor([1.0, float("nan")]),
+               torch.tensor([1.0, float("-inf")], dtype=torch.float16), torch.full((2,), 3e38),
+               torch.full((2,), 6e4, dtype=torch.float16), torch.tensor([float("inf")], dtype=torch.float64)]
+    assert all_finite_each(tensors) == [True, False, False, True, True, False]
+    assert all_finite_each(tensors[:1] + tensors[3:5]) == [True, True, True] and all_finite_each([]) == []
+
+
 def test_vectorized_round_records_and_divergence_as_the_sequential_path(ragged, tmp_path):
     seq, rs = _run(ragged, tmp_path, "tiny_fedbn", "off", num_rounds=1)
     vec, rv = _run(ragged, tmp_path, "tiny_fedbn", "on", num_rounds=1)
