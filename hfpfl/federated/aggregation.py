@@ -57,6 +57,15 @@ def _row_order(v: torch.Tensor) -> tuple[int, ...] | None:
     return order[1:] if order is not None and order[0] == 0 else None
 
 
+class NonFiniteUpload(ValueError):
+    """An upload given to :meth:`WeightedSums.add` with a ``source`` held a NaN or an infinity: ``source`` (the
+    client), ``part`` and ``key`` name it."""
+
+    def __init__(self, source, part: str, key: str):
+        super().__init__(f"non-finite upload {part}/{key!r} from {source!r}")
+        self.source, self.part, self.key = source, part, key
+
+
 class WeightedSums:
     """Running sums of uploads, O(model) memory however many clients upload: float tensors accumulate
     ``coef * tensor`` in float64 and :meth:`get` divides them by ``denominator`` (the round's total weight); integer
@@ -91,12 +100,15 @@ class WeightedSums:
     @property
     def sums(self) -> dict[str, dict[str, torch.Tensor]]:
         """The running sums by part and key (every held upload folded in first)."""
-        self._fold_held()
+        self.fold_held()
         return self._sums
 
-    def add(self, part: str, tensors: TensorDict, coef: float) -> None:
+    def add(self, part: str, tensors: TensorDict, coef: float, source=None) -> None:
         """Add ``coef * tensor`` for every float tensor of ``tensors`` (the running max for integer ones). The tensors
-        may be held until a later fold: pass tensors that nothing changes afterwards (uploads are fresh copies)."""
+        may be held until a later fold: pass tensors that nothing changes afterwards (uploads are fresh copies).
+        ``source`` (a client id): the float tensors are checked for NaN and infinities as they are folded, and a
+        fold that meets one raises :class:`NonFiniteUpload` naming the source (here or at a later ``add``, ``get``
+        or ``sums``)."""
         acc = self._sums.setdefault(part, {})
         self.total[part] = self.total.get(part, 0.0) + coef
         floats = {}
@@ -109,36 +121,52 @@ class WeightedSums:
         if not floats:
             return
         if any(v.device.type != "cpu" for v in floats.values()):
-            self._fold(part, [(floats, coef)])
+            self._fold(part, [(floats, coef, source)])
             return
-        self._held.setdefault(part, []).append((floats, coef))
+        self._held.setdefault(part, []).append((floats, coef, source))
         self._held_bytes += sum(v.numel() * v.element_size() for v in floats.values())
         if self._held_bytes >= self.HOLD_BYTES or sum(map(len, self._held.values())) >= self.HOLD_UPLOADS:
-            self._fold_held()
+            self.fold_held()
 
-    def _fold_held(self) -> None:
+    def fold_held(self) -> None:
+        """Fold every held upload now (reading the sums does)."""
         held, self._held, self._held_bytes = self._held, {}, 0
         for part, uploads in held.items():
             self._fold(part, uploads)
 
-    def _fold(self, part: str, uploads: list[tuple[TensorDict, float]]) -> None:
+    def _fold(self, part: str, uploads: list[tuple[TensorDict, float, object]]) -> None:
         """``sums += coef * tensor`` for every upload, in upload order for each value (float64, no float64 copy of an
-        upload); a contiguous key of several uploads block by block (see HOLD_BYTES)."""
+        upload); a contiguous key of several uploads block by block (see HOLD_BYTES). Uploads with a source are
+        checked on the way: the sums were finite before this fold, and a float64 sum of float32 values times
+        sample counts cannot overflow, so they are finite after it unless an upload (or a weight) is not; each
+        block's sum is taken while the block is in the cache, one wait for all of them."""
         acc = self._sums.setdefault(part, {})
-        for k in dict.fromkeys(k for tensors, _ in uploads for k in tensors):
-            rows = [(tensors[k], coef) for tensors, coef in uploads if k in tensors]
+        checked = any(src is not None for _, _, src in uploads)
+        sums = []
+        for k in dict.fromkeys(k for tensors, _, _ in uploads for k in tensors):
+            rows = [(tensors[k], coef) for tensors, coef, _ in uploads if k in tensors]
             if k not in acc:
                 acc[k] = torch.zeros(rows[0][0].shape, dtype=torch.float64)
             n, block = acc[k].numel(), self.FOLD_BLOCK
             if len(rows) == 1 or n <= block or not all(v.is_contiguous() for v, _ in rows):
                 for v, coef in rows:
                     acc[k].add_(v.cpu(), alpha=coef)
+                if checked:
+                    sums.append(acc[k].sum())
                 continue
             flat, flats = acc[k].view(-1), [(v.view(-1), coef) for v, coef in rows]
             for s in range(0, n, block):
                 into = flat[s:s + block]
                 for v, coef in flats:
                     into.add_(v[s:s + block], alpha=coef)
+                if checked:
+                    sums.append(into.sum())
+        if sums and not bool(torch.stack(sums).isfinite().all()):
+            for tensors, _, src in uploads:  # the first non-finite upload with a source, in upload order
+                for k, ok in zip(tensors, all_finite_each(tensors.values()) if src is not None else ()):
+                    if not ok:
+                        raise NonFiniteUpload(src, part, k)
+            # else a sourceless upload or a weight made the sums non-finite: later folds find their uploads the same way
 
     # float64 temporaries of :meth:`add_stacked` stay below this many bytes (clients are folded in blocks); on the
     # CPU, blocks of 1 MiB measured faster than 8 MiB (MLP 64-64-10 stacks, one process: 100 clients 1.2-1.3 ms vs
@@ -152,7 +180,7 @@ class WeightedSums:
         """Fold many uploads at once: ``stacked[k]`` is ``[clients, *shape]`` (a vectorized chunk's tensors), client
         ``i`` with weight ``coefs[i]``. The same sums as calling :meth:`add` once per client (float64, integer
         tensors by running max), in another order, which does not matter while the sum is exact (see the class)."""
-        self._fold_held()  # the held uploads before these: the same order of additions as folding each at once
+        self.fold_held()  # the held uploads before these: the same order of additions as folding each at once
         acc = self._sums.setdefault(part, {})
         coefs = torch.as_tensor(coefs, dtype=torch.float64)
         self.total[part] = self.total.get(part, 0.0) + float(coefs.sum())

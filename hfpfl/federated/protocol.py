@@ -169,8 +169,9 @@ class Algorithm:
 
     def accumulate(self, sums: WeightedSums, update: Update, coef: float) -> None:
         """Fold one upload into the running sums (``coef`` = its aggregation weight; ``sums.get`` divides by the
-        round's total weight, so ``reduce`` reads weighted means)."""
-        sums.add(MODEL, update.upload[MODEL], coef)
+        round's total weight, so ``reduce`` reads weighted means). The sums check the upload for NaN and infinities
+        as they fold it (``source``), so the engine does not read it a second time for that."""
+        sums.add(MODEL, update.upload[MODEL], coef, source=update.client_id)
 
     def reduce(self, server_state: Parts, sums: WeightedSums, round_idx: int) -> Parts:
         """The new server state from the round's sums: the weighted mean, through the server optimizer."""

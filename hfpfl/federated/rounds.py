@@ -9,11 +9,11 @@ import numpy as np
 import torch
 
 from . import vectorized
-from .aggregation import WeightedSums, all_finite, all_finite_each
+from .aggregation import NonFiniteUpload, WeightedSums, all_finite, all_finite_each
 from .comm import bytes_by_part, tensor_bytes
 from .context import NonFiniteError, step_size_hint
 from .distributed import all_gather, broadcast_from_main, gather_to_main
-from .protocol import Update
+from .protocol import Algorithm, Update
 from .state import MODEL, PRIVATE, snapshot
 
 logger = logging.getLogger("hfpfl")
@@ -24,6 +24,9 @@ class RoundRunner:
 
     def __init__(self, sim):
         self.sim = sim
+        # while a round streams its uploads into sums that check them as they fold them (the default accumulate of
+        # a "mean" method): those sums; the uploads' model part is then not read a second time for NaN and infinities
+        self.checking_sums: WeightedSums | None = None
 
     def client_updates(self, cids: list[int], round_idx: int, server_state: dict):
         """The sampled clients' updates, in order: vectorized in chunks where that applies (``--vectorize``),
@@ -112,7 +115,7 @@ class RoundRunner:
             upd.private[MODEL] = snapshot(self.sim.model_state, self.sim.keys_by_role[PRIVATE])
         self.sim.frozen.check(f"round {round_idx}, client {cid}")
         if not getattr(upd, "finite", False):  # vectorized chunks checked every client at once
-            self.check_finite(upd, round_idx)
+            self.check_finite(upd, round_idx, skip=(MODEL,) if self.checking_sums is not None else ())
         self.sim.store.put(cid, upd.private)
         upd.private = None  # private state never leaves the client
         upd.upload = {p: {k: v.detach().cpu() for k, v in d.items()} for p, d in upd.upload.items()}
@@ -120,18 +123,25 @@ class RoundRunner:
         upd.metrics["parts_down"], upd.metrics["parts_up"] = bytes_by_part(down), bytes_by_part(upd.upload)
         return upd
 
-    def check_finite(self, upd: Update, round_idx: int) -> None:
+    def check_finite(self, upd: Update, round_idx: int, skip=()) -> None:
+        """Raise :class:`NonFiniteError` where the client's training loss or a float tensor of its upload (but the
+        parts in ``skip``) is NaN or infinite."""
         if self.sim.algorithm.on_non_finite != "error":
             return
         loss = upd.metrics.get("train_loss")
         # one summing pass per tensor, no boolean copy of the upload, one wait for the answer (all_finite_each)
-        floats = [(f"{p}/{k}", v) for p, d in upd.upload.items() for k, v in d.items() if torch.is_floating_point(v)]
+        floats = [(f"{p}/{k}", v) for p, d in upd.upload.items() if p not in skip for k, v in d.items()
+                  if torch.is_floating_point(v)]
         bad = [name for (name, _), ok in zip(floats, all_finite_each(v for _, v in floats)) if not ok]
         if bad or (loss is not None and not np.isfinite(loss)):
-            what = f"upload {bad[0]!r}" if bad else f"train loss {loss}"
-            hint = step_size_hint(self.sim.args, self.sim.algorithm.config, lr=self.sim.client_hparams(upd.client_id).lr)
-            raise NonFiniteError(f"training diverged in round {round_idx} on client {upd.client_id}: non-finite "
-                                 f"{what}; {hint}; or check the data")
+            if self.checking_sums is not None:  # an earlier client's held upload may have diverged first: named first
+                self.checking_sums.fold_held()
+            raise self.diverged(round_idx, upd.client_id, f"upload {bad[0]!r}" if bad else f"train loss {loss}")
+
+    def diverged(self, round_idx: int, client_id, what: str) -> NonFiniteError:
+        hint = step_size_hint(self.sim.args, self.sim.algorithm.config, lr=self.sim.client_hparams(client_id).lr)
+        return NonFiniteError(f"training diverged in round {round_idx} on client {client_id}: non-finite {what}; "
+                              f"{hint}; or check the data")
 
     def run(self, round_idx: int, server_state: dict) -> tuple[dict, dict]:
         algo, acc = self.sim.algorithm, self.sim.accelerator
@@ -163,23 +173,31 @@ class RoundRunner:
             # the default accumulate (weighted mean of the model part: FedAvg, FedProx, FedBN, ...) folds a whole
             # vectorized chunk's stacked uploads in one call instead of one call per client
             fold_chunks = not self.sim.keep_uploads and algo.aggregation == "mean"
-            for ups, stacked in self.update_batches(self.sim.ownership.owned(sampled), round_idx, server_state,
-                                                            stacked=fold_chunks):
-                if stacked is not None:
-                    sums.add_stacked(MODEL, stacked[MODEL], [weights[u.client_id] for u in ups])
-                    sums.count += len(ups)
-                for upd in ups:
-                    cid = upd.client_id
-                    if receives:
-                        algo.receive(upd, round_idx)
-                    if stacked is None:
-                        algo.accumulate(sums, upd, weights[cid])
-                        sums.count += 1
-                    meta.append((cid, upd.num_samples, upd.metrics))
-                    if self.sim.keep_uploads:
-                        kept.append(upd)
-            sums.all_reduce(acc)
-            new_state = algo.reduce(server_state, sums, round_idx)
+            if algo.aggregation == "mean" and algo.on_non_finite == "error" and \
+                    type(algo).accumulate is Algorithm.accumulate:
+                self.checking_sums = sums
+            try:
+                for ups, stacked in self.update_batches(self.sim.ownership.owned(sampled), round_idx, server_state,
+                                                        stacked=fold_chunks):
+                    if stacked is not None:
+                        sums.add_stacked(MODEL, stacked[MODEL], [weights[u.client_id] for u in ups])
+                        sums.count += len(ups)
+                    for upd in ups:
+                        cid = upd.client_id
+                        if receives:
+                            algo.receive(upd, round_idx)
+                        if stacked is None:
+                            algo.accumulate(sums, upd, weights[cid])
+                            sums.count += 1
+                        meta.append((cid, upd.num_samples, upd.metrics))
+                        if self.sim.keep_uploads:
+                            kept.append(upd)
+                sums.all_reduce(acc)
+                new_state = algo.reduce(server_state, sums, round_idx)
+            except NonFiniteUpload as e:  # found by the sums as they folded it (Algorithm.accumulate)
+                raise self.diverged(round_idx, e.source, "upload " + repr(f"{e.part}/{e.key}")) from None
+            finally:
+                self.checking_sums = None
             meta = sorted(all_gather(meta, acc), key=lambda m: m[0])
         self.check_finite_state(new_state, round_idx)
         for cid, _, m in meta:

@@ -600,6 +600,55 @@ def test_an_upload_is_checked_tensor_by_tensor_with_one_wait():
     assert all_finite_each(tensors[:1] + tensors[3:5]) == [True, True, True] and all_finite_each([]) == []
 
 
+def test_a_non_finite_upload_found_as_the_sums_fold_it_names_its_client(ragged, tmp_path):
+    """FedAvg's uploads are checked by the server sums as they fold them (held four at a time here), not read a
+    second time: a NaN put into client 2's upload after its own checks (by a callback) stops the round naming
+    client 2 and the key, as the per-upload check did; without a source the sums would only be caught as a
+    non-finite server state."""
+    from hfpfl.federated.aggregation import WeightedSums
+    from hfpfl.federated.callbacks import Callback
+    from hfpfl.federated.engine import Simulation
+
+    class Poison(Callback):
+        needs_each_client = True
+
+        def after_client_update(self, sim, client_id, update):
+            if client_id == 2:
+                update.upload["model"]["head.bias"][0] = float("nan")
+
+    assert WeightedSums.HOLD_UPLOADS >= 4
+    data_args, fed = ragged
+    run = RunArguments(method="tiny_fedavg", num_rounds=1, batch_size=10, lr=0.05, progress=False, checkpoint_every=0,
+                       output_dir=str(tmp_path / "poison"), vectorize="off")
+    sim = Simulation(run, data_args, get_algorithm("tiny_fedavg").Config(), fed_data=fed, callbacks=[Poison()])
+    assert "head.bias" in sim.keys_by_role["global"]
+    with pytest.raises(NonFiniteError, match=r"round 1 on client 2: non-finite upload 'model/head.bias'; lower --lr"):
+        sim.run()
+
+
+def test_sums_name_the_first_non_finite_upload_with_a_source(monkeypatch):
+    """Uploads from sources 10, 11 (NaN in "b"), 12 (inf in "a"), held together: the fold names 11 and "b" (the
+    first bad upload, its first bad key); a sourceless NaN is not named, and a later bad upload with a source still
+    is; uploads on another part, blocks of 2 values."""
+    from hfpfl.federated.aggregation import NonFiniteUpload, WeightedSums
+    monkeypatch.setattr(WeightedSums, "FOLD_BLOCK", 2)
+    ok = {"a": torch.ones(5), "b": torch.ones(3)}
+    sums = WeightedSums()
+    sums.add("m", ok, 1.0, source=10)
+    sums.add("m", {"a": torch.ones(5), "b": torch.tensor([1.0, float("nan"), 1.0])}, 1.0, source=11)
+    with pytest.raises(NonFiniteUpload) as err:
+        sums.add("m", {"a": torch.tensor([1.0, 1.0, 1.0, 1.0, float("inf")]), "b": torch.ones(3)}, 1.0, source=12)
+        sums.get("m", ok)
+    assert (err.value.source, err.value.part, err.value.key) == (11, "m", "b")
+    quiet = WeightedSums()
+    quiet.add("m", {"a": torch.full((5,), float("nan")), "b": torch.ones(3)}, 1.0)
+    quiet.add("m", ok, 1.0, source=20)
+    assert quiet.get("m", ok)["a"].isnan().all()  # nobody to name: the caller checks what it passes unsourced
+    quiet.add("m", {"a": torch.ones(5), "b": torch.tensor([float("-inf"), 1.0, 1.0])}, 1.0, source=21)
+    with pytest.raises(NonFiniteUpload, match="21"):
+        quiet.get("m", ok)
+
+
 def test_vectorized_round_records_and_divergence_as_the_sequential_path(ragged, tmp_path):
     seq, rs = _run(ragged, tmp_path, "tiny_fedbn", "off", num_rounds=1)
     vec, rv = _run(ragged, tmp_path, "tiny_fedbn", "on", num_rounds=1)
