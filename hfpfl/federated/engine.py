@@ -128,6 +128,7 @@ class Simulation:
         self.server_state: dict | None = None
         self.final_eval: dict | None = None
         self._client_hp_overrides: dict = {}
+        self._seed_memo: dict[tuple, int] = {}  # prefetch_seeds: one round's client seeds, computed together
         self._caches: dict[str, dict] = {}   # per-run caches of methods (ctx.cache) and of the vectorized path
         self._stacked_data: dict = {}        # the vectorized path's stacked client splits (vectorized.stacked_data)
         self._grad_layouts: dict | None = None   # each gradient's memory order, once probed (vectorized.grad_layouts)
@@ -216,7 +217,15 @@ class Simulation:
         return self._tensor_data(self.data.public)
 
     def seed_for(self, round_idx: int, client_id: int, tag: str = "") -> int:
-        return seeding.seed_for(self.args.seed, round_idx, client_id, tag)
+        seed = self._seed_memo.get((self.args.seed, round_idx, client_id, tag))
+        return seed if seed is not None else seeding.seed_for(self.args.seed, round_idx, client_id, tag)
+
+    def prefetch_seeds(self, round_idx: int, client_ids, tags) -> None:
+        """Compute the seeds of these clients' streams (``tags``) at once and keep them until the next prefetch:
+        the one-by-one path asks for two a client, ~40 us each when computed alone (:func:`seeding.seeds_for`)."""
+        ids = list(client_ids)
+        self._seed_memo = {(self.args.seed, round_idx, c, t): s for t in tags
+                           for c, s in zip(ids, self.seeds_for(round_idx, ids, t))}
 
     def seeds_for(self, round_idx: int, client_ids, tag: str = "") -> list[int]:
         """``[seed_for(round_idx, c, tag) for c in client_ids]``, computed for all clients at once."""

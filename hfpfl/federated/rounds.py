@@ -63,6 +63,7 @@ class RoundRunner:
                 self.sim.seed_torch(self.sim.seed_for(round_idx, chunk[-1], "client"))
                 yield self.finish_chunk(ups, downs, round_idx), (ups.stacked if stacked else None)
             return
+        self.sim.prefetch_seeds(round_idx, cids, ("client", ""))  # client_work's and ctx.train's streams
         for cid in cids:
             yield [self.client_work(cid, round_idx, server_state)], None
 

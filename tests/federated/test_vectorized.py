@@ -375,9 +375,19 @@ def test_chunk_schedules_are_each_clients_own_batch_schedule():
 
 
 def test_seeds_for_is_seed_for_for_many_clients():
-    """numpy's SeedSequence hash written out on arrays gives seed_for's seeds (incl. client -1 and large ids)."""
+    """numpy's SeedSequence hash written out on arrays gives seed_for's seeds (incl. client -1 and large ids), and
+    so do prefetched seeds: numpy's SeedSequence([run seed, round, client + 1, crc32(tag)]) itself, for the run
+    seed they were fetched with only."""
+    import zlib
+
+    import numpy as np
+
     class Stub:
-        seed_for, seeds_for = Simulation.seed_for, Simulation.seeds_for
+        seed_for, seeds_for, prefetch_seeds = Simulation.seed_for, Simulation.seeds_for, Simulation.prefetch_seeds
+        _seed_memo: dict = {}
+
+    def numpy_seed(seed, r, c, tag):
+        return int(np.random.SeedSequence([seed, r, c + 1, zlib.crc32(tag.encode())]).generate_state(1)[0])
 
     sim = Stub()
     ids = [-1, 0, 1, 2, 3, 17, 999, 123456789, 2**32 - 2]
@@ -387,6 +397,13 @@ def test_seeds_for_is_seed_for_for_many_clients():
             assert sim.seeds_for(r, ids, tag) == [sim.seed_for(r, c, tag) for c in ids]
     sim.args = types.SimpleNamespace(seed=2**40)  # more entropy words: numpy's own path
     assert sim.seeds_for(3, [0, 5], "x") == [sim.seed_for(3, c, "x") for c in (0, 5)]
+    sim.args = types.SimpleNamespace(seed=7)
+    sim.prefetch_seeds(4, [2, 9], ("client", ""))
+    assert len(sim._seed_memo) == 4
+    assert [sim.seed_for(4, c, t) for t in ("client", "") for c in (2, 9)] == \
+        [numpy_seed(7, 4, c, t) for t in ("client", "") for c in (2, 9)]
+    sim.args = types.SimpleNamespace(seed=8)  # another run seed: not the prefetched numbers
+    assert sim.seed_for(4, 2, "client") == numpy_seed(8, 4, 2, "client") != numpy_seed(7, 4, 2, "client")
 
 
 def test_uint8_storage_is_exact_and_quarter_size(small_digits):
