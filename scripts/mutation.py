@@ -208,8 +208,11 @@ TARGETS: dict[str, Target] = {
                       "tests/algorithms/test_server_pins.py",
                       "tests/federated/test_vectorized.py::test_add_stacked_equals_one_add_per_client",
                       "tests/federated/test_vectorized.py::test_weighted_means_do_not_depend_on_how_clients_are_split_over_processes",
-                      "tests/federated/test_vectorized.py::test_finite_checks_are_exact_when_the_sum_overflows"],
-                     functions=["x_server_optimizer_step", "x_weighted_average", "xǁWeightedSumsǁ*",
+                      "tests/federated/test_vectorized.py::test_finite_checks_are_exact_when_the_sum_overflows",
+                      "tests/federated/test_vectorized.py::test_an_upload_is_checked_tensor_by_tensor_with_one_wait",
+                      "tests/federated/test_vectorized.py::test_sums_name_the_first_non_finite_upload_with_a_source",
+                      "tests/federated/test_vectorized.py::test_a_non_finite_upload_found_as_the_sums_fold_it_names_its_client"],
+                     functions=["x_server_optimizer_step", "x_all_finite", "x_all_finite_each", "x_weighted_average", "xǁWeightedSumsǁ*",
                                 "xǁAlgorithmǁaggregation_weights", "xǁAlgorithmǁaccumulate",
                                 "xǁAlgorithmǁreduce", "xǁAlgorithmǁaggregate"]),
 }
