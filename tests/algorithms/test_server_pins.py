@@ -164,6 +164,40 @@ def test_weighted_sums_fold_held_uploads_value_by_value_in_upload_order(monkeypa
     assert again.get("model", {"x": f32(*[0.0] * 10)})["x"].tolist() == [0.0] * 10
 
 
+
+def test_weighted_sums_hold_uploads_up_to_their_byte_and_count_caps(monkeypatch):
+    """What is held stays within the caps (the memory the fold may take): with HOLD_BYTES 33, two uploads of four
+    float32 (16 + 16 = 32 bytes) stay held and a third folds all three; with HOLD_BYTES 32 the second folds (32 >= 32);
+    the count starts afresh after a fold; with HOLD_UPLOADS 2, the second upload folds whatever its size; a
+    non-contiguous upload among held ones is folded value by value in upload order like the others."""
+    monkeypatch.setattr(WeightedSums, "HOLD_UPLOADS", 8)
+    four = torch.arange(4, dtype=torch.float32)
+    for cap, held_after in ((33, [1, 2, 0, 1, 2, 0]), (32, [1, 0, 1, 0, 1, 0])):
+        monkeypatch.setattr(WeightedSums, "HOLD_BYTES", cap)
+        sums, seen = WeightedSums(), []
+        for _ in range(6):
+            sums.add("m", {"x": four}, 1.0)
+            seen.append(sum(map(len, sums._held.values())))
+        assert seen == held_after, cap
+        assert sums.sums["m"]["x"].tolist() == [0.0, 6.0, 12.0, 18.0]
+    monkeypatch.setattr(WeightedSums, "HOLD_BYTES", 2**30)
+    monkeypatch.setattr(WeightedSums, "HOLD_UPLOADS", 2)
+    sums = WeightedSums()
+    sums.add("m", {"x": four}, 1.0)
+    assert sum(map(len, sums._held.values())) == 1
+    sums.add("m", {"x": four}, 1.0)
+    assert sum(map(len, sums._held.values())) == 0
+    monkeypatch.setattr(WeightedSums, "HOLD_UPLOADS", 8)
+    monkeypatch.setattr(WeightedSums, "FOLD_BLOCK", 2)
+    sums = WeightedSums()
+    t = torch.tensor([[1e30, 2.0], [3.0, 4.0]], dtype=torch.float32).t()   # not contiguous
+    sums.add("m", {"x": torch.full((2, 2), 1.0)}, 1.0)
+    sums.add("m", {"x": t}, 1.0)
+    sums.add("m", {"x": torch.tensor([[-1e30, 0.0], [0.0, 0.0]])}, 1.0)
+    # (1 + 1e30) - 1e30 = 0 in float64; the others 1 + value
+    assert sums.sums["m"]["x"].tolist() == [[0.0, 4.0], [3.0, 5.0]]
+
+
 # ------------------------------------------------------------------------------------------------ Algorithm.aggregate
 class _CountingFedAvg(PIN["fedavg"]):
     """The toy FedAvg recording what ``reduce`` receives."""
