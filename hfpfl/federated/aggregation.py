@@ -92,7 +92,7 @@ class WeightedSums:
     def __init__(self, denominator: float = 1.0):
         self.denominator = float(denominator)
         self._sums: dict[str, dict[str, torch.Tensor]] = {}
-        self._held: dict[str, list[tuple[TensorDict, float]]] = {}
+        self._held: dict[str, list[tuple[TensorDict, float, object]]] = {}   # (tensors, coef, source) by part
         self._held_bytes = 0
         self.total: dict[str, float] = {}
         self.count = 0          # uploads folded in (the engine counts them; all-reduced across processes)
@@ -139,7 +139,8 @@ class WeightedSums:
         upload); a contiguous key of several uploads block by block (see HOLD_BYTES). Uploads with a source are
         checked on the way: the sums were finite before this fold, and a float64 sum of float32 values times
         sample counts cannot overflow, so they are finite after it unless an upload (or a weight) is not; each
-        block's sum is taken while the block is in the cache, one wait for all of them."""
+        block's sum is taken while the block is in the cache, one wait for all of them. An upload folded alone is
+        summed itself (half the bytes of its float64 sums, and as cheap as a separate check)."""
         acc = self._sums.setdefault(part, {})
         checked = any(src is not None for _, _, src in uploads)
         sums = []
@@ -152,7 +153,9 @@ class WeightedSums:
                 for v, coef in rows:
                     acc[k].add_(v.cpu(), alpha=coef)
                 if checked:
-                    sums.append(acc[k].sum())
+                    v = rows[0][0]
+                    sums.append(v.sum(dtype=_sum_dtype(v)).to(device="cpu", dtype=torch.float64) if len(rows) == 1
+                                else acc[k].sum())
                 continue
             flat, flats = acc[k].view(-1), [(v.view(-1), coef) for v, coef in rows]
             for s in range(0, n, block):

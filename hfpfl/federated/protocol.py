@@ -169,9 +169,11 @@ class Algorithm:
 
     def accumulate(self, sums: WeightedSums, update: Update, coef: float) -> None:
         """Fold one upload into the running sums (``coef`` = its aggregation weight; ``sums.get`` divides by the
-        round's total weight, so ``reduce`` reads weighted means). The sums check the upload for NaN and infinities
-        as they fold it (``source``), so the engine does not read it a second time for that."""
-        sums.add(MODEL, update.upload[MODEL], coef, source=update.client_id)
+        round's total weight, so ``reduce`` reads weighted means). Where a diverged client stops the run
+        (``on_non_finite = "error"``), the sums check the upload for NaN and infinities as they fold it (``source``),
+        so the engine does not read it a second time for that."""
+        sums.add(MODEL, update.upload[MODEL], coef,
+                 source=update.client_id if self.on_non_finite == "error" else None)
 
     def reduce(self, server_state: Parts, sums: WeightedSums, round_idx: int) -> Parts:
         """The new server state from the round's sums: the weighted mean, through the server optimizer."""

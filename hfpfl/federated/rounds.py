@@ -158,7 +158,10 @@ class RoundRunner:
             everything = gather_to_main(kept, acc)
             if acc.is_main_process:  # server work once, then every process gets the result
                 everything = sorted(everything, key=lambda u: u.client_id)
-                new_state = algo.aggregate(server_state, everything, round_idx)
+                try:  # the default aggregate folds through accumulate, whose sums check what they fold
+                    new_state = algo.aggregate(server_state, everything, round_idx)
+                except NonFiniteUpload as e:
+                    raise self.diverged(round_idx, e.source, "upload " + repr(f"{e.part}/{e.key}")) from None
                 meta = [(u.client_id, u.num_samples, u.metrics) for u in everything]
             else:
                 new_state, meta = None, None

@@ -198,6 +198,34 @@ def test_weighted_sums_hold_uploads_up_to_their_byte_and_count_caps(monkeypatch)
     assert sums.sums["m"]["x"].tolist() == [[0.0, 4.0], [3.0, 5.0]]
 
 
+
+def test_the_default_accumulate_has_its_upload_checked_only_where_divergence_stops_the_run(monkeypatch):
+    """Algorithm.accumulate names the client as the sums' source when ``on_non_finite = "error"``: a NaN upload of
+    client 3 is then refused by the fold naming client 3; a method that copes with diverged clients ("skip") folds it
+    unchecked, as before (the NaN reaches the sums). An upload folded alone whose float32 sum overflows (two values of
+    3e38, all finite) is not refused."""
+    from hfpfl.federated.aggregation import NonFiniteUpload
+    from hfpfl.federated.protocol import Algorithm, Update
+
+    class Method:
+        on_non_finite = "error"
+
+    nan = {"model": {"x": torch.tensor([1.0, float("nan")])}}
+    sums = WeightedSums()
+    Algorithm.accumulate(Method(), sums, Update(3, nan, 2), 2.0)
+    with pytest.raises(NonFiniteUpload) as err:
+        sums.get("model", {"x": f32(0.0, 0.0)})
+    assert (err.value.source, err.value.key) == (3, "x")
+    Method.on_non_finite = "skip"
+    sums = WeightedSums()
+    Algorithm.accumulate(Method(), sums, Update(3, nan, 2), 2.0)
+    assert sums.get("model", {"x": f32(0.0, 0.0)})["x"].isnan().tolist() == [False, True]
+    monkeypatch.setattr(WeightedSums, "HOLD_BYTES", 1)  # every upload folded alone
+    sums = WeightedSums()
+    sums.add("model", {"x": torch.full((2,), 3e38)}, 1.0, source=4)
+    assert sums.get("model", {"x": f32(0.0, 0.0)})["x"].tolist() == [pytest.approx(3e38, rel=1e-7)] * 2
+
+
 # ------------------------------------------------------------------------------------------------ Algorithm.aggregate
 class _CountingFedAvg(PIN["fedavg"]):
     """The toy FedAvg recording what ``reduce`` receives."""

@@ -699,6 +699,9 @@ def test_auto_vectorizes_mid_size_models_only_where_the_chunk_shape_pays(ragged,
     # on the CPU, only clients of few steps vectorize: at batch 10 (trailing batches under 8 merge) 56 images take
     # 5 steps (10 x 4 + 16), 49 take 5 (10 x 4 + 9), 42 take 4, 35 and 28 take 3 (10 x 2 + 8)
     assert vectorized.local_steps([56, 49, 42, 35], sim.args) == 5 and vectorized.local_steps([28], sim.args) == 3
+    # the run's --last_batch: 21 images at batch 10 are 10 + 11 (merge), 10 + 10 + 1 (keep) or 10 + 10 (drop)
+    assert [vectorized.local_steps([21], dataclasses.replace(sim.args, last_batch=rule))
+            for rule in ("merge", "keep", "drop")] == [2, 3, 2]
     assert [len(sim.train_data(c)) for c in clients] == [28, 49, 42, 35]  # this run's clients: 5 steps at most
     assert not vectorized.should_vectorize(sim, clients)  # default: at most 1 step per client
     monkeypatch.setattr(policy, "AUTO_MID_CPU_MAX_STEPS", 4)
